@@ -1,0 +1,147 @@
+"""The one place where :mod:`mpu_lab` calls ``torch.distributed`` collectives.
+
+Why one place:
+
+* **Portability.** The list-based ``all_gather`` / ``reduce_scatter`` work on gloo and NCCL in
+  torch 2.11 and 2.13 without the deprecation warnings of ``all_gather_into_tensor`` (2.13).
+  gloo cannot run every collective on CUDA tensors, so when several ranks share one GPU
+  through gloo the tensor is staged through host memory here.
+* **Counting.** Every call is reported to the active :class:`CommCounter`s, which is how the
+  labs measure "2 all-reduces forward and 2 backward per layer".
+
+All functions take ``group`` and return a *new* tensor (inputs are never modified).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class CommEvent:
+    kind: str          # "all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", ...
+    group_ranks: tuple  # global ranks of the group
+    bytes: int         # payload of this rank's input tensor
+    tag: Optional[str]  # what was active when it ran (e.g. "layer0.forward")
+
+
+_COUNTERS: List["CommCounter"] = []
+_TAGS: List[str] = []
+
+
+class CommCounter:
+    """Records every collective issued through :mod:`mpu_lab.comm` while it is active.
+
+    >>> with CommCounter() as counter:          # doctest: +SKIP
+    ...     out = layer(x)
+    >>> counter.count("all_reduce")             # doctest: +SKIP
+    """
+
+    def __init__(self):
+        self.events: List[CommEvent] = []
+
+    def __enter__(self):
+        _COUNTERS.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _COUNTERS.remove(self)
+        return False
+
+    def count(self, kind: Optional[str] = None, tag: Optional[str] = None) -> int:
+        return sum(1 for e in self.events
+                   if (kind is None or e.kind == kind) and (tag is None or e.tag == tag))
+
+    def summary(self):
+        """``{(tag, kind): (count, bytes)}`` for printing."""
+        table = {}
+        for e in self.events:
+            n, b = table.get((e.tag, e.kind), (0, 0))
+            table[(e.tag, e.kind)] = (n + 1, b + e.bytes)
+        return table
+
+
+@contextlib.contextmanager
+def comm_tag(tag: str):
+    """Label the collectives issued inside the block (e.g. per layer and direction)."""
+    _TAGS.append(tag)
+    try:
+        yield
+    finally:
+        _TAGS.pop()
+
+
+def _record(kind, group, tensor):
+    if not _COUNTERS:
+        return
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    event = CommEvent(kind, ranks, tensor.numel() * tensor.element_size(), _TAGS[-1] if _TAGS else None)
+    for counter in _COUNTERS:
+        counter.events.append(event)
+
+
+def group_size(group) -> int:
+    return dist.get_world_size(group=group)
+
+
+def _needs_host_staging(tensor: torch.Tensor, group) -> bool:
+    return tensor.is_cuda and dist.get_backend(group) == "gloo"
+
+
+def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum (or ``op``) of ``tensor`` over ``group``; every rank gets the result."""
+    _record("all_reduce", group, tensor)
+    work = tensor.detach().clone().contiguous()
+    if _needs_host_staging(work, group):
+        host = work.cpu()
+        dist.all_reduce(host, op=op, group=group)
+        return host.to(tensor.device)
+    dist.all_reduce(work, op=op, group=group)
+    return work
+
+
+def all_gather(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim``, in group-rank order."""
+    _record("all_gather", group, tensor)
+    n = group_size(group)
+    src = tensor.detach().contiguous()
+    stage = _needs_host_staging(src, group)
+    if stage:
+        src = src.cpu()
+    parts = [torch.empty_like(src) for _ in range(n)]
+    dist.all_gather(parts, src, group=group)
+    out = torch.cat(parts, dim=dim)
+    return out.to(tensor.device) if stage else out
+
+
+def reduce_scatter(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
+    """Sum over ``group``, then keep this rank's chunk of ``dim`` (chunks in group-rank order)."""
+    _record("reduce_scatter", group, tensor)
+    n = group_size(group)
+    if tensor.size(dim) % n:
+        raise ValueError(f"reduce_scatter: size {tensor.size(dim)} of dim {dim} is not divisible "
+                         f"by the group size {n}")
+    src = tensor.detach()
+    stage = _needs_host_staging(src, group)
+    if stage:
+        src = src.cpu()
+    chunks = [c.contiguous() for c in torch.chunk(src, n, dim=dim)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out.to(tensor.device) if stage else out
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """``tensor`` of global rank ``src``, on every rank of ``group`` (a new tensor)."""
+    _record("broadcast", group, tensor)
+    work = tensor.detach().clone().contiguous()
+    if _needs_host_staging(work, group):
+        host = work.cpu()
+        dist.broadcast(host, src=src, group=group)
+        return host.to(tensor.device)
+    dist.broadcast(work, src=src, group=group)
+    return work
