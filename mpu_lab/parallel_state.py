@@ -239,28 +239,41 @@ def destroy_model_parallel():
     _STATE.clear()
 
 
-def _group(name):
+def _check_initialized():
     if not _STATE:
         raise RuntimeError(
             "model parallel groups are not initialized: call "
             "mpu_lab.parallel_state.initialize_model_parallel(...) first"
+        )
+
+
+def _group(name):
+    _check_initialized()
+    if name not in _STATE["groups"]:
+        import torch.distributed as dist
+        raise RuntimeError(
+            f"rank {dist.get_rank()} belongs to no {name!r} group (only the first and last "
+            f"pipeline stages hold the embedding): check is_rank_in_embedding_group() first"
         )
     return _STATE["groups"][name]
 
 
 def _rank_in(name):
     import torch.distributed as dist
-    return _STATE_ranks(name).index(dist.get_rank())
+    return _ranks(name).index(dist.get_rank())
 
 
-def _STATE_ranks(name) -> List[int]:
+def _ranks(name) -> List[int]:
     _group(name)
     return _STATE["ranks"][name]
 
 
-def get_group_ranks(name: str) -> List[int]:
-    """Global ranks of this rank's group in family ``name`` (e.g. ``"tp"``, ``"embedding"``)."""
-    return list(_STATE_ranks(name))
+def get_group_ranks(name: str) -> Optional[List[int]]:
+    """Global ranks of this rank's group in family ``name`` (e.g. ``"tp"``, ``"embedding"``);
+    None when this rank is in no group of that family (embedding groups only)."""
+    _check_initialized()
+    ranks = _STATE["ranks"].get(name)
+    return list(ranks) if ranks is not None else None
 
 
 def get_tensor_model_parallel_group():
@@ -292,19 +305,19 @@ def get_position_embedding_group():
 
 
 def get_tensor_model_parallel_world_size():
-    return len(_STATE_ranks("tp"))
+    return len(_ranks("tp"))
 
 
 def get_pipeline_model_parallel_world_size():
-    return len(_STATE_ranks("pp"))
+    return len(_ranks("pp"))
 
 
 def get_data_parallel_world_size(with_context_parallel=False):
-    return len(_STATE_ranks("dp-cp" if with_context_parallel else "dp"))
+    return len(_ranks("dp-cp" if with_context_parallel else "dp"))
 
 
 def get_context_parallel_world_size():
-    return len(_STATE_ranks("cp"))
+    return len(_ranks("cp"))
 
 
 def get_tensor_model_parallel_rank():
@@ -325,26 +338,26 @@ def get_context_parallel_rank():
 
 def get_tensor_model_parallel_src_rank():
     """Global rank of the first rank in this tensor-parallel group (broadcast source)."""
-    return _STATE_ranks("tp")[0]
+    return _ranks("tp")[0]
 
 
 def get_pipeline_model_parallel_first_rank():
-    return _STATE_ranks("pp")[0]
+    return _ranks("pp")[0]
 
 
 def get_pipeline_model_parallel_last_rank():
-    return _STATE_ranks("pp")[-1]
+    return _ranks("pp")[-1]
 
 
 def get_pipeline_model_parallel_next_rank():
     """Global rank of the next pipeline stage (wrapping around, as in Megatron)."""
-    ranks = _STATE_ranks("pp")
+    ranks = _ranks("pp")
     return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
 
 
 def get_pipeline_model_parallel_prev_rank():
     """Global rank of the previous pipeline stage (wrapping around, as in Megatron)."""
-    ranks = _STATE_ranks("pp")
+    ranks = _ranks("pp")
     return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
 
 
@@ -379,8 +392,14 @@ def is_pipeline_last_stage(ignore_virtual=False):
 
 
 def is_rank_in_embedding_group(ignore_virtual=False):
-    import torch.distributed as dist
-    return dist.get_rank() in _STATE_ranks("embedding")
+    """True on ranks that hold the (tied) word embedding: first and last pipeline stages."""
+    _check_initialized()
+    return "embedding" in _STATE["ranks"]
+
+
+def is_rank_in_position_embedding_group():
+    _check_initialized()
+    return "position-embedding" in _STATE["ranks"]
 
 
 def describe() -> Dict[str, object]:
@@ -392,5 +411,5 @@ def describe() -> Dict[str, object]:
         "pp_rank": get_pipeline_model_parallel_rank(),
         "dp_rank": get_data_parallel_rank(),
         "cp_rank": get_context_parallel_rank(),
-        "groups": {name: get_group_ranks(name) for name in GROUP_FAMILIES},
+        "groups": {name: get_group_ranks(name) for name in GROUP_FAMILIES},  # None: not a member
     }

@@ -1,0 +1,90 @@
+"""Tensor (intra-layer) model parallelism after Shoeybi et al. 2019, "Megatron-LM", §3,
+with the sequence-parallel operators of Korthikanti et al. 2022.
+
+Modules, named as in Megatron-core's ``megatron.core.tensor_parallel``:
+
+* :mod:`~mpu_lab.tensor_parallel.mappings` — the ``f``/``g`` operators and their
+  scatter/gather and sequence-parallel relatives (autograd Functions);
+* :mod:`~mpu_lab.tensor_parallel.layers` — ``ColumnParallelLinear``, ``RowParallelLinear``,
+  ``VocabParallelEmbedding``;
+* :mod:`~mpu_lab.tensor_parallel.cross_entropy` — loss over vocab-split logits;
+* :mod:`~mpu_lab.tensor_parallel.data` — ``broadcast_data`` within a tensor-parallel group;
+* :mod:`~mpu_lab.tensor_parallel.random` — RNG streams for dropout inside/outside regions;
+* :mod:`~mpu_lab.tensor_parallel.utils` — divisibility, splits, vocab ranges.
+"""
+from mpu_lab.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mpu_lab.tensor_parallel.data import broadcast_data
+from mpu_lab.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_tensor_model_parallel_attributes,
+    param_is_not_tensor_parallel_duplicate,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+)
+from mpu_lab.tensor_parallel.mappings import (
+    all_gather_last_dim_from_tensor_parallel_region,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_last_dim_to_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from mpu_lab.tensor_parallel.random import (
+    CudaRNGStatesTracker,
+    RNGStatesTracker,
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    model_parallel_cuda_manual_seed,
+    model_parallel_manual_seed,
+)
+from mpu_lab.tensor_parallel.utils import (
+    VocabUtility,
+    divide,
+    ensure_divisibility,
+    gather_split_1d_tensor,
+    split_tensor_along_last_dim,
+    split_tensor_into_1d_equal_chunks,
+)
+
+__all__ = [
+    # mappings
+    "copy_to_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "all_gather_last_dim_from_tensor_parallel_region",
+    "reduce_scatter_last_dim_to_tensor_parallel_region",
+    # layers
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "set_tensor_model_parallel_attributes",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "copy_tensor_model_parallel_attributes",
+    "param_is_not_tensor_parallel_duplicate",
+    # cross entropy, data
+    "vocab_parallel_cross_entropy",
+    "broadcast_data",
+    # random
+    "model_parallel_manual_seed",
+    "model_parallel_cuda_manual_seed",
+    "get_rng_tracker",
+    "get_cuda_rng_tracker",
+    "RNGStatesTracker",
+    "CudaRNGStatesTracker",
+    # utils
+    "divide",
+    "ensure_divisibility",
+    "split_tensor_along_last_dim",
+    "split_tensor_into_1d_equal_chunks",
+    "gather_split_1d_tensor",
+    "VocabUtility",
+]

@@ -1,0 +1,36 @@
+"""torchrun worker for the launcher tests: all-reduce, report, and misbehave on request.
+
+    FAIL_RANK=2 torchrun --standalone --nproc-per-node 4 tests/mp/launch_probe.py
+
+FAIL_RANK=r makes rank r raise; HANG_RANK=r makes rank r sleep instead of finishing;
+SKIP_COLLECTIVE_RANK=r makes rank r skip the second all-reduce (the others time out).
+"""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+from mpu_lab import distributed, launch
+
+
+@launch.entrypoint
+def main():
+    info = distributed.init()
+    t = torch.ones(1) * info.rank
+    dist.all_reduce(t)
+    print(f"rank {info.rank} of {info.world_size}: all-reduce of ranks = {t.item():.0f}")
+    if os.environ.get("FAIL_RANK") == str(info.rank):
+        raise ValueError(f"rank {info.rank} fails on purpose")
+    if os.environ.get("HANG_RANK") == str(info.rank):
+        time.sleep(3600)
+    if os.environ.get("SKIP_COLLECTIVE_RANK") != str(info.rank):
+        dist.all_reduce(t)
+    launch.report({"rank": info.rank, "world_size": info.world_size, "sum": t.item(),
+                   "backend": info.backend, "pid": os.getpid()})
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

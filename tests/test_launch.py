@@ -1,0 +1,120 @@
+"""mpu_lab.launch: torchrun from Python with results, clear failures and no orphans."""
+import _thread
+import pathlib
+import threading
+import time
+import uuid
+
+import pytest
+
+from mpu_lab.launch import LaunchError, LaunchTimeout, run
+
+PROBE = pathlib.Path(__file__).parent / "mp" / "launch_probe.py"
+pytestmark = pytest.mark.slow
+
+
+def processes_with(marker: str):
+    """PIDs whose command line contains ``marker`` (the job's workers and torchrun)."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if marker in cmdline and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def test_results_come_back_in_rank_order_with_rank_prefixed_lines(capsys):
+    job = run(PROBE, nproc=4, show="ranks", timeout_s=120)
+    assert [r["rank"] for r in job.results] == [0, 1, 2, 3]
+    assert all(r["sum"] == 24.0 and r["world_size"] == 4 for r in job.results)  # 6, then 4 x 6
+    assert all(r["backend"] == "gloo" for r in job.results)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [f"[rank{r}] rank {r} of 4: all-reduce of ranks = 6" for r in range(4)]
+    assert job.output(2) == ["rank 2 of 4: all-reduce of ranks = 6"]
+
+
+def test_failing_rank_raises_naming_root_cause_with_traceback_and_no_orphans():
+    marker = f"--marker={uuid.uuid4().hex}"
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        run(PROBE, [marker], nproc=4, show="none", env={"FAIL_RANK": "2"}, timeout_s=120)
+    assert time.monotonic() - start < 15
+    assert err.value.rank == 2
+    assert "rank 2 raised first" in str(err.value)
+    assert "ValueError: rank 2 fails on purpose" in err.value.traceback
+    assert "launch_probe.py" in err.value.traceback
+    assert processes_with(marker) == []
+
+
+def test_job_past_its_time_limit_is_killed_with_every_worker():
+    marker = f"--marker={uuid.uuid4().hex}"
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as err:
+        run(PROBE, [marker], nproc=2, show="none", env={"HANG_RANK": "1"}, timeout_s=8)
+    assert time.monotonic() - start < 8 + 10
+    assert "timeout_s=8" in str(err.value)
+    assert processes_with(marker) == []
+
+
+def test_rank_skipping_a_collective_fails_within_the_collective_timeout():
+    marker = f"--marker={uuid.uuid4().hex}"
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        run(PROBE, [marker], nproc=2, show="none", timeout_s=120,
+            env={"SKIP_COLLECTIVE_RANK": "1", "MPU_LAB_TIMEOUT_S": "4"})
+    assert time.monotonic() - start < 4 + 15
+    assert err.value.rank == 0          # rank 0 waited in all_reduce for rank 1
+    assert processes_with(marker) == []
+
+
+def test_keyboard_interrupt_stops_the_job_and_its_workers():
+    marker = f"--marker={uuid.uuid4().hex}"
+    timer = threading.Timer(5.0, _thread.interrupt_main)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        run(PROBE, [marker], nproc=2, show="none", env={"HANG_RANK": "0"}, timeout_s=120)
+    stopped = time.monotonic()
+    while processes_with(marker) and time.monotonic() - stopped < 10:
+        time.sleep(0.2)
+    assert processes_with(marker) == []
+
+
+def test_two_launches_at_once_do_not_collide_on_ports():
+    results, errors = [], []
+
+    def one():
+        try:
+            results.append(run(PROBE, nproc=2, show="none", timeout_s=120).results)
+        except Exception as exc:   # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [[r["sum"] for r in res] for res in results] == [[2.0, 2.0], [2.0, 2.0]]
+
+
+@pytest.mark.parametrize("kwargs,error,needle", [
+    (dict(nproc=0), ValueError, "nproc must be a positive integer, got 0"),
+    (dict(nproc=10_000), ValueError, "nproc=10000 ranks requested"),
+    (dict(nproc=2, show="loud"), ValueError, "show must be"),
+    (dict(nproc=2, timeout_s=0), ValueError, "timeout_s must be > 0"),
+])
+def test_bad_launch_arguments_raise_before_anything_starts(kwargs, error, needle):
+    with pytest.raises(error) as err:
+        run(PROBE, **kwargs)
+    assert needle in str(err.value)
+
+
+def test_unknown_script_names_the_available_ones():
+    with pytest.raises(FileNotFoundError) as err:
+        run("no_such_script.py", nproc=2)
+    assert "launch/ folder has" in str(err.value)
