@@ -96,6 +96,12 @@ def _per_partition(size: int, tp_size: int, what: str, layer: str) -> int:
     return size // tp_size
 
 
+def _check_stride(per_partition: int, stride: int, layer: str) -> None:
+    if stride < 1 or per_partition % stride:
+        raise ValueError(f"{layer}: the per-partition size {per_partition} is not divisible by "
+                         f"stride {stride}")
+
+
 def _initialize_affine_weight_cpu(weight: torch.Tensor, output_size: int, input_size: int,
                                   per_partition_size: int, partition_dim: int,
                                   init_method: Callable, stride: int = 1,
@@ -155,7 +161,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
         self.output_size_per_partition = _per_partition(output_size, tp_size, "output_size",
                                                         "ColumnParallelLinear")
-        divide(self.output_size_per_partition, stride)
+        _check_stride(self.output_size_per_partition, stride, "ColumnParallelLinear")
         device = device if device is not None else distributed.get_device()
 
         # (output_size / t, input_size): F.linear computes X W^T.
@@ -218,7 +224,7 @@ class RowParallelLinear(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
         self.input_size_per_partition = _per_partition(input_size, tp_size, "input_size",
                                                        "RowParallelLinear")
-        divide(self.input_size_per_partition, stride)
+        _check_stride(self.input_size_per_partition, stride, "RowParallelLinear")
         device = device if device is not None else distributed.get_device()
 
         # (output_size, input_size / t)
