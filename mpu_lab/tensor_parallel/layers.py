@@ -117,7 +117,8 @@ def _initialize_affine_weight_cpu(weight: torch.Tensor, output_size: int, input_
     rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), \
         parallel_state.get_tensor_model_parallel_world_size()
     # Built on the CPU in fp32 under the default generator: the same numbers on every rank.
-    master_weight = torch.empty(output_size, input_size, dtype=torch.float32, requires_grad=False)
+    master_weight = torch.empty(output_size, input_size, dtype=torch.float32, device="cpu",
+                                requires_grad=False)
     init_method(master_weight)
     master_weight = master_weight.to(dtype=params_dtype)
 

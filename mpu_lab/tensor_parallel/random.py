@@ -50,7 +50,7 @@ def _set_state(state: RNGState) -> None:
 def _fresh_state(seed: int) -> RNGState:
     """The state a generator has right after ``manual_seed(seed)``, without touching the
     global generators (seeding them and restoring would also reseed the other GPUs)."""
-    cpu_state = torch.Generator().manual_seed(seed).get_state()
+    cpu_state = torch.Generator(device="cpu").manual_seed(seed).get_state()
     cuda = _cuda_device()
     cuda_state = torch.Generator(device=cuda).manual_seed(seed).get_state() if cuda is not None else None
     return cpu_state, cuda_state

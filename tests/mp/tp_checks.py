@@ -415,6 +415,9 @@ def main():
                         help="exit 0 even if a check failed (the test reads each check's result)")
     args = parser.parse_args()
     distributed.init()
+    # The checks build their tensors with plain factories: put them on this rank's device
+    # (the CPU in CI; a GPU shared through gloo, or one per rank with NCCL, elsewhere).
+    torch.set_default_device(distributed.get_device())
     results = run_checks()
     launch.report({"rank": dist.get_rank(), "checks": results})
     failed = torch.tensor([sum(not v["ok"] for v in results.values())])
