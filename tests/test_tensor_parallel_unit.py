@@ -264,3 +264,29 @@ def test_rng_tracker_refuses_reused_seed_name_and_unknown_stream():
     with pytest.raises(KeyError, match="model_parallel_manual_seed"):
         with tracker.fork("missing"):
             pass
+
+
+def test_checkpoint_recomputes_same_dropout_inside_and_outside_fork(world_of_one):
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    x = torch.randn(4, 8)
+
+    def block(inp):
+        h = F.dropout(inp @ w, 0.5)                  # default stream
+        with tp.get_rng_tracker().fork():
+            h = F.dropout(h, 0.5)                    # tensor-parallel stream
+        return torch.tanh(h)
+
+    grads = []
+    for use_checkpoint in (False, True):
+        tp.model_parallel_manual_seed(7)
+        inp = x.clone().requires_grad_()
+        out = tp.checkpoint(block, False, inp) if use_checkpoint else block(inp)
+        torch.rand(3)                                # draws between forward and backward
+        with tp.get_rng_tracker().fork():
+            torch.rand(3)
+        out.sum().backward()
+        grads.append((out.detach(), inp.grad))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert torch.equal(grads[0][1], grads[1][1])
+    assert grads[0][1].abs().sum() > 0

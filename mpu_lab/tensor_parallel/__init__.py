@@ -37,6 +37,7 @@ from mpu_lab.tensor_parallel.mappings import (
 from mpu_lab.tensor_parallel.random import (
     CudaRNGStatesTracker,
     RNGStatesTracker,
+    checkpoint,
     get_cuda_rng_tracker,
     get_rng_tracker,
     model_parallel_cuda_manual_seed,
@@ -80,6 +81,7 @@ __all__ = [
     "get_cuda_rng_tracker",
     "RNGStatesTracker",
     "CudaRNGStatesTracker",
+    "checkpoint",
     # utils
     "divide",
     "ensure_divisibility",

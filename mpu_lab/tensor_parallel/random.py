@@ -132,3 +132,49 @@ def model_parallel_manual_seed(seed: int) -> None:
 
 # Megatron's name (there it seeds CUDA only).
 model_parallel_cuda_manual_seed = model_parallel_manual_seed
+
+
+# --------------------------------------------------------------------------- activation checkpointing
+class CheckpointFunction(torch.autograd.Function):
+    """Activation recomputation (Chen et al. 2016; Megatron-LM's ``checkpoint``) that replays
+    the same random numbers: forward runs ``run_function`` without keeping its activations and
+    remembers the RNG states (default generator(s) *and* the tracker's streams); backward
+    restores them, runs ``run_function`` again with autograd on, then puts back the states it
+    found — so the recomputed dropout masks equal the original ones, inside and outside
+    ``fork()``."""
+
+    @staticmethod
+    def forward(ctx, run_function, distribute_saved_activations, *args):
+        if distribute_saved_activations:
+            raise NotImplementedError("distribute_saved_activations is not supported in mpu_lab")
+        ctx.run_function = run_function
+        ctx.rng_state = _current_state()
+        ctx.tracker_states = _RNG_TRACKER.get_states()
+        with torch.no_grad():
+            outputs = run_function(*args)
+        ctx.save_for_backward(*args)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        now_state, now_tracker = _current_state(), _RNG_TRACKER.get_states()
+        _set_state(ctx.rng_state)
+        _RNG_TRACKER.set_states(ctx.tracker_states)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.run_function(*inputs)
+        finally:
+            _set_state(now_state)
+            _RNG_TRACKER.set_states(now_tracker)
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
+
+
+def checkpoint(function, distribute_saved_activations: bool, *args):
+    """``function(*args)`` without storing its activations; they are recomputed in backward
+    with the same random numbers. ``args`` must be tensors (Megatron's signature)."""
+    return CheckpointFunction.apply(function, distribute_saved_activations, *args)
