@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from mpu_lab import parallel_state as ps
 from mpu_lab import tensor_parallel as tp
-from mpu_lab.tensor_parallel import layers, mappings
+from mpu_lab.tensor_parallel import mappings
 
 
 # --- pure helpers -------------------------------------------------------------------------

@@ -152,7 +152,7 @@ class ColumnParallelLinear(torch.nn.Module):
                  skip_bias_add: bool = False, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
-        rank, tp_size = _tp_rank_and_size("ColumnParallelLinear")
+        _, tp_size = _tp_rank_and_size("ColumnParallelLinear")
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
                              "sequence_parallel=True (the output stays split, as in Megatron)")
@@ -215,7 +215,7 @@ class RowParallelLinear(torch.nn.Module):
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                  device=None):
         super().__init__()
-        rank, tp_size = _tp_rank_and_size("RowParallelLinear")
+        _, tp_size = _tp_rank_and_size("RowParallelLinear")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs "
                              "input_is_parallel=True (as in Megatron)")

@@ -30,6 +30,7 @@ a ``None`` for each non-tensor argument.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from mpu_lab import comm, parallel_state
 from mpu_lab.tensor_parallel.utils import divide, split_tensor_along_last_dim
@@ -52,7 +53,6 @@ def _grad(ctx, grad: torch.Tensor, n_other_args: int):
 
 
 def _rank_and_size(group):
-    import torch.distributed as dist
     return dist.get_rank(group=group), comm.group_size(group)
 
 
