@@ -27,7 +27,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed, launch
+from mpu_lab import distributed, launch
 from mpu_lab import parallel_state as ps
 from mpu_lab import tensor_parallel as tp
 from mpu_lab.tensor_parallel import mappings
@@ -35,17 +35,7 @@ from mpu_lab.tensor_parallel import mappings
 WORLD = 8  # both layouts have tp * pp = 8
 
 
-def gather_lines(text):
-    """Every rank's ``text``, in rank order, on rank 0 (None elsewhere), via mpu_lab.comm."""
-    device = distributed.get_device()
-    data = torch.tensor(list(text.encode()) or [0], dtype=torch.uint8, device=device)
-    longest = comm.all_reduce(torch.tensor([data.numel()], device=device), op=dist.ReduceOp.MAX)
-    padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=device)
-    padded[:data.numel()] = data
-    rows = comm.all_gather(padded.unsqueeze(0))                   # [world, longest]
-    if dist.get_rank() != 0:
-        return None
-    return [bytes(row.tolist()).rstrip(b"\0").decode() for row in rows.cpu()]
+gather_lines = launch.gather_lines  # rank-ordered output, shared with the other scripts
 
 
 def fmt(t):

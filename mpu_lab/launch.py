@@ -96,6 +96,27 @@ def report(obj: Any) -> Any:
     return obj
 
 
+def gather_lines(text: str):
+    """Every rank's ``text``, in rank order, on rank 0 (``None`` on the others).
+
+    A collective: every rank of the world calls it. Printing what it returns on rank 0 gives
+    deterministic multi-rank output (what nbval compares), unlike ranks printing at will.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from mpu_lab import comm, distributed
+    device = distributed.get_device()
+    data = torch.tensor(list(text.encode()) or [0], dtype=torch.uint8, device=device)
+    longest = comm.all_reduce(torch.tensor([data.numel()], device=device), op=dist.ReduceOp.MAX)
+    padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    rows = comm.all_gather(padded.unsqueeze(0))                   # [world, longest]
+    if dist.get_rank() != 0:
+        return None
+    return [bytes(row.tolist()).rstrip(b"\0").decode() for row in rows.cpu()]
+
+
 def entrypoint(fn):
     """Decorate a ``launch/`` script's ``main``: torch elastic's ``@record`` (the traceback goes
     to torchrun's error file) plus a precise failure time, so :func:`run` can tell the rank
