@@ -1,0 +1,34 @@
+"""Parallel transformer models, named after Megatron-core's.
+
+* :class:`ParallelMLP`, :class:`ParallelAttention` — the two tensor-parallel blocks
+  (Shoeybi et al. 2019, §3, Fig. 3);
+* :class:`ParallelTransformerLayer`, :class:`ParallelTransformer` — pre-LN layers, optionally
+  sequence-parallel (Korthikanti et al. 2022);
+* :class:`GPTModel` — vocab-parallel embedding, layers, tied vocab-parallel output and loss;
+  :class:`PlainGPT` — its single-process ``torch.nn`` twin with the same parameter names;
+* :mod:`mpu_lab.models.inspect` — the lecture's shape table and the per-layer collective count.
+"""
+from mpu_lab.models.attention import ParallelAttention
+from mpu_lab.models.gpt import GPTModel, LanguageModelEmbedding, PlainGPT, pad_vocab_size
+from mpu_lab.models.inspect import (
+    count_collectives,
+    expected_layer_counts,
+    format_collectives,
+    format_shape_table,
+    per_layer_counts,
+    shape_table,
+)
+from mpu_lab.models.mlp import ParallelMLP
+from mpu_lab.models.transformer import (
+    ParallelTransformer,
+    ParallelTransformerLayer,
+    TransformerConfig,
+    finalize_model_grads,
+)
+
+__all__ = [
+    "TransformerConfig", "ParallelMLP", "ParallelAttention", "ParallelTransformerLayer",
+    "ParallelTransformer", "GPTModel", "LanguageModelEmbedding", "PlainGPT", "pad_vocab_size",
+    "finalize_model_grads", "shape_table", "format_shape_table", "count_collectives",
+    "per_layer_counts", "expected_layer_counts", "format_collectives",
+]

@@ -1,0 +1,105 @@
+"""Tensor-parallel causal self-attention (Shoeybi et al. 2019, §3, Fig. 3b).
+
+Heads are independent, so tensor parallelism gives each rank ``n_H / t`` whole heads: the
+fused QKV projection is column-parallel (each rank computes Q, K and V of its heads only),
+attention runs locally, and the output projection ``W^O`` is row-parallel, so one all-reduce
+(``g``) finishes the block. Hence the lecture's rule ``d_tp <= n_H`` (and ``n_H % d_tp == 0``).
+
+Fused QKV layout (Megatron's). The master weight of ``linear_qkv`` is ``[3D, D]`` and its rows
+are grouped *by head*::
+
+    rows [3H*j, 3H*j + H)        W^Q of head j
+    rows [3H*j + H, 3H*j + 2H)   W^K of head j
+    rows [3H*j + 2H, 3H*(j+1))   W^V of head j
+
+Column-parallel slicing takes contiguous blocks of ``3D/t`` rows, so rank ``i`` holds heads
+``[i*n_H/t, (i+1)*n_H/t)`` with their Q, K and V — no ``stride`` needed. The same layout is
+used by :class:`mpu_lab.models.gpt.PlainGPT` so a consolidated checkpoint loads into either.
+
+The attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with
+``is_causal=True`` (``attention_impl="sdpa"``). ``attention_impl="explicit"`` computes the
+lecture's formulas step by step (``Score_i = softmax(Q_i K_i^T / sqrt(H))``, ``Z_i = Score_i
+V_i``) so the shape table can show the ``L x L`` scores; the two agree to ~1e-6 in fp32.
+The scale is ``1/sqrt(H)`` with ``H`` the head dimension (as in Megatron and the Transformer
+paper); the lecture's slide writes ``sqrt(D)`` for the same quantity per head.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from mpu_lab import parallel_state
+from mpu_lab.models import inspect as _inspect
+from mpu_lab.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
+
+if TYPE_CHECKING:
+    from mpu_lab.models.transformer import TransformerConfig
+
+
+def explicit_causal_attention(q, k, v, dropout_p: float = 0.0):
+    """The lecture's formulas. ``q, k, v``: ``[b, n, s, H]``; returns ``[b, n, s, H]``."""
+    s = q.size(-2)
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # [b, n, s, s]
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)              # Score_i
+    _inspect.record("Score", probs, ("B", "n", "L", "L"))
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)                                          # Z_i: [b, n, s, H]
+
+
+class ParallelAttention(torch.nn.Module):
+    """Causal multi-head self-attention over ``n_H / t`` local heads.
+
+    ``forward(hidden_states)``: ``[s, b, D]`` (``[s/t, b, D]`` with sequence parallelism) ->
+    ``(output [s, b, D] or [s/t, b, D], bias of linear_proj)``; the bias is left for the
+    caller's bias-dropout-add.
+    """
+
+    def __init__(self, config: "TransformerConfig"):
+        super().__init__()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        config.check(tp)
+        self.config = config
+        self.head_dim = config.hidden_size // config.num_attention_heads          # H
+        self.num_local_heads = config.num_attention_heads // tp                   # n_H / t
+        self.attention_dropout = config.attention_dropout
+        self.attention_impl = config.attention_impl
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, 3 * config.hidden_size, bias=True, gather_output=False,
+            init_method=config.init_method(), sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype)
+        self.linear_proj = RowParallelLinear(
+            config.hidden_size, config.hidden_size, bias=True, input_is_parallel=True,
+            init_method=config.output_layer_init_method(), skip_bias_add=True,
+            sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+
+    def forward(self, hidden_states: torch.Tensor):
+        qkv, _ = self.linear_qkv(hidden_states)                 # [s, b, 3D/t]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.num_local_heads, 3 * self.head_dim)   # [s, b, n, 3H]
+        q, k, v = torch.split(qkv, self.head_dim, dim=-1)       # each [s, b, n, H]
+        _inspect.record("Q", q, ("L", "B", "n", "H"))
+        _inspect.record("K", k, ("L", "B", "n", "H"))
+        _inspect.record("V", v, ("L", "B", "n", "H"))
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))    # [b, n, s, H]
+
+        dropout_p = self.attention_dropout if self.training else 0.0
+        # Each rank holds different heads: their dropout masks must differ, so draw them
+        # from the tensor-parallel RNG stream (Megatron-LM §3, last paragraph).
+        with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+            if self.attention_impl == "explicit":
+                z = explicit_causal_attention(q, k, v, dropout_p)
+            else:
+                z = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        _inspect.record("Z_i", z, ("B", "n", "L", "H"))        # [b, n, s, H]
+        z = z.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)  # [s, b, D/t]
+        _inspect.record("Z", z, ("L", "B", "D/t"))
+        out, bias = self.linear_proj(z)                         # Out = Z W^O, all-reduced: [s, b, D]
+        _inspect.record("Out", out, ("L", "B", "D"))
+        return out, bias

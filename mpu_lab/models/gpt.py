@@ -1,0 +1,260 @@
+"""GPT: vocab-parallel embedding + position embedding, parallel transformer layers, and an
+output layer tied to the embedding whose logits stay split along the vocabulary.
+
+Megatron-LM §3, "Input and output embedding": the embedding table ``E`` (``V x D``) is split
+along the vocabulary (rank ``i`` holds rows ``[i V/t, (i+1) V/t)``); the output layer reuses
+``E`` (weight tying), so rank ``i`` computes the logits of its own ``V/t`` ids, and
+:func:`~mpu_lab.tensor_parallel.vocab_parallel_cross_entropy` finishes the loss with
+all-reduces of ``b x s`` scalars instead of all-gathering ``b x s x V`` logits.
+
+Vocabulary padding (Megatron's ``_vocab_size_with_padding``): the vocabulary is padded with
+dummy ids up to a multiple of ``make_vocab_size_divisible_by x t`` (128 x t by default) so
+every rank gets an equal, GEMM-friendly slice. The padding depends on ``t``: a checkpoint can
+only be loaded at another TP size when both pad to the same size.
+
+:class:`PlainGPT` is the single-process twin written with ``torch.nn`` only (``nn.Embedding``,
+``nn.Linear``, the same SDPA, batch-first like nanoGPT). Its parameter names equal
+:class:`GPTModel`'s, so a gathered or consolidated TP=1 state dict loads into either one.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mpu_lab import comm, distributed, parallel_state
+from mpu_lab.models.mlp import ACTIVATIONS
+from mpu_lab.models.transformer import ParallelTransformer, TransformerConfig
+from mpu_lab.tensor_parallel import (
+    VocabParallelEmbedding,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    get_rng_tracker,
+    scatter_to_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+
+
+def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
+                   tensor_model_parallel_size: int = 1) -> int:
+    """The vocabulary size rounded up to a multiple of ``divisible_by x t`` (Megatron)."""
+    if vocab_size < 1 or make_vocab_size_divisible_by < 1 or tensor_model_parallel_size < 1:
+        raise ValueError(f"vocab_size {vocab_size}, make_vocab_size_divisible_by "
+                         f"{make_vocab_size_divisible_by} and tensor_model_parallel_size "
+                         f"{tensor_model_parallel_size} must all be >= 1")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+class LanguageModelEmbedding(torch.nn.Module):
+    """Word (vocab-parallel) plus learned position embeddings, then dropout.
+
+    ``forward(input_ids [b, s], position_ids [b, s])`` -> ``[s, b, D]`` (sequence-first), or
+    this rank's ``[s/t, b, D]`` with sequence parallelism.
+    """
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int):
+        super().__init__()
+        self.config = config
+        self.word_embeddings = VocabParallelEmbedding(
+            vocab_size, config.hidden_size, init_method=config.init_method(),
+            params_dtype=config.params_dtype)
+        # Built on the CPU from the default generator, like the master weights, so the numbers
+        # do not depend on the device or on the tensor-parallel size.
+        weight = torch.empty(max_sequence_length, config.hidden_size, dtype=torch.float32)
+        config.init_method()(weight)
+        self.position_embeddings = torch.nn.Embedding(
+            max_sequence_length, config.hidden_size,
+            _weight=weight.to(device=distributed.get_device(), dtype=config.params_dtype))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        words = self.word_embeddings(input_ids)                      # [b, s, D], all-reduced
+        positions = self.position_embeddings(position_ids)           # [b, s, D]
+        embeddings = (words + positions).transpose(0, 1).contiguous()  # [s, b, D]
+        if self.config.sequence_parallel:
+            # Keep this rank's block of tokens; each block needs its own dropout mask.
+            embeddings = scatter_to_sequence_parallel_region(embeddings)  # [s/t, b, D]
+            rng = get_rng_tracker().fork() if (self.training and self.config.hidden_dropout > 0) \
+                else contextlib.nullcontext()
+        else:
+            rng = contextlib.nullcontext()
+        with rng:
+            embeddings = F.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
+        return embeddings
+
+
+class GPTModel(torch.nn.Module):
+    """Megatron-core's ``GPTModel`` for one pipeline stage.
+
+    ``forward(input_ids [b, s], position_ids=None, labels=None, decoder_input=None)``:
+
+    * with ``labels`` ([b, s]): the per-token loss ``[b, s]`` (fp32), like Megatron;
+    * without: the logits, ``[b, s, V/t]`` (``parallel_output=True``) or gathered ``[b, s, V]``.
+
+    ``pre_process`` / ``post_process`` say whether this stage holds the embedding / the final
+    LayerNorm and output layer; a stage without ``pre_process`` takes ``decoder_input``
+    (``[s, b, D]``) and one without ``post_process`` returns the hidden states.
+    ``vocab_size`` is the padded size (see :func:`pad_vocab_size`).
+    """
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
+                 pre_process: bool = True, post_process: bool = True,
+                 parallel_output: bool = True, share_embeddings_and_output_weights: bool = True):
+        super().__init__()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        config.check(tp)
+        if vocab_size % tp:
+            raise ValueError(f"vocab_size {vocab_size} is not divisible by the tensor-parallel "
+                             f"size {tp}: pad it with pad_vocab_size({vocab_size}, 128, {tp}) "
+                             f"= {pad_vocab_size(vocab_size, 128, tp)}")
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process, self.post_process = pre_process, post_process
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        # Construction order = the order the default generator is consumed: identical for
+        # every tensor-parallel size, so TP=k shards are slices of the TP=1 weights.
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length)
+        self.decoder = ParallelTransformer(config, post_process=post_process)
+        self.output_layer_weight = None
+        if post_process and not (pre_process and share_embeddings_and_output_weights):
+            # A last pipeline stage without the embedding keeps its own copy of the output
+            # weight (keeping it equal to the first stage's is the pipeline schedule's job).
+            own = VocabParallelEmbedding(vocab_size, config.hidden_size,
+                                         init_method=config.init_method(),
+                                         params_dtype=config.params_dtype)
+            self.output_layer_weight = own.weight
+
+    def output_weight(self) -> torch.Tensor:
+        """``[V/t, D]``: the tied embedding table, or this stage's own output weight."""
+        if self.output_layer_weight is not None:
+            return self.output_layer_weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None,
+                decoder_input: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.pre_process:
+            if position_ids is None:
+                s = input_ids.size(1)
+                position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+            with comm.comm_tag("embedding.forward"):
+                hidden = self.embedding(input_ids, position_ids)      # [s, b, D] (or [s/t, b, D])
+            hidden = comm.tag_backward_output(hidden, "embedding.backward")
+        else:
+            hidden = decoder_input
+        hidden = self.decoder(hidden)
+        if not self.post_process:
+            return hidden
+        return self._logits_and_loss(hidden, labels)
+
+    def _logits_and_loss(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]):
+        hidden = comm.tag_backward_input(hidden, "output.backward")
+        with comm.comm_tag("output.forward"):
+            if self.config.sequence_parallel:
+                total = gather_from_sequence_parallel_region(hidden)  # [s, b, D]
+            else:
+                total = copy_to_tensor_model_parallel_region(hidden)  # f
+            logits = F.linear(total, self.output_weight())            # [s, b, V/t]
+            if labels is None:
+                if not self.parallel_output:
+                    logits = gather_from_tensor_model_parallel_region(logits)  # [s, b, V]
+                return logits.transpose(0, 1).contiguous()            # [b, s, V/t]
+            target = labels.transpose(0, 1)                           # [s, b]
+            if parallel_state.get_tensor_model_parallel_world_size() == 1:
+                # One rank holds the whole vocabulary: vocab_parallel_cross_entropy reduces to
+                # F.cross_entropy, which is fused and faster.
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                                       target.reshape(-1), reduction="none").view_as(target)
+            else:
+                loss = vocab_parallel_cross_entropy(logits.float(), target)  # [s, b]
+            loss = loss.transpose(0, 1).contiguous()                  # [b, s]
+        return comm.tag_backward_output(loss, "output.backward")
+
+
+# --------------------------------------------------------------------------- the dense twin
+class _PlainAttention(torch.nn.Module):
+    def __init__(self, hidden_size, num_heads):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
+        self.linear_qkv = torch.nn.Linear(hidden_size, 3 * hidden_size)   # rows grouped by head
+        self.linear_proj = torch.nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x):                                            # [b, s, D]
+        b, s, d = x.shape
+        qkv = self.linear_qkv(x).view(b, s, self.num_heads, 3 * self.head_dim)  # [b, s, n, 3H]
+        q, k, v = (t.transpose(1, 2) for t in qkv.split(self.head_dim, dim=-1))  # [b, n, s, H]
+        z = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, n, s, H]
+        return self.linear_proj(z.transpose(1, 2).reshape(b, s, d))  # [b, s, D]
+
+
+class _PlainMLP(torch.nn.Module):
+    def __init__(self, hidden_size, ffn_hidden_size, activation):
+        super().__init__()
+        self.linear_fc1 = torch.nn.Linear(hidden_size, ffn_hidden_size)
+        self.linear_fc2 = torch.nn.Linear(ffn_hidden_size, hidden_size)
+        self.activation = ACTIVATIONS[activation]
+
+    def forward(self, x):
+        return self.linear_fc2(self.activation(self.linear_fc1(x)))
+
+
+class _PlainLayer(torch.nn.Module):
+    def __init__(self, hidden_size, num_heads, ffn_hidden_size, activation, eps):
+        super().__init__()
+        self.input_layernorm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        self.self_attention = _PlainAttention(hidden_size, num_heads)
+        self.pre_mlp_layernorm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        self.mlp = _PlainMLP(hidden_size, ffn_hidden_size, activation)
+
+    def forward(self, x):
+        x = x + self.self_attention(self.input_layernorm(x))
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class PlainGPT(torch.nn.Module):
+    """The same GPT in plain single-process PyTorch (no dropout), batch-first.
+
+    ``forward(input_ids [b, s], labels=None)``: per-token loss ``[b, s]`` or logits
+    ``[b, s, V]``. Build it with :meth:`from_config` and copy weights in with
+    ``load_state_dict(gathered_tp1_state_dict)``.
+    """
+
+    def __init__(self, num_layers: int, hidden_size: int, num_attention_heads: int,
+                 vocab_size: int, max_sequence_length: int, ffn_hidden_size: Optional[int] = None,
+                 activation: str = "gelu", layernorm_epsilon: float = 1e-5):
+        super().__init__()
+        ffn_hidden_size = ffn_hidden_size or 4 * hidden_size
+        self.embedding = torch.nn.Module()
+        self.embedding.word_embeddings = torch.nn.Embedding(vocab_size, hidden_size)
+        self.embedding.position_embeddings = torch.nn.Embedding(max_sequence_length, hidden_size)
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList(
+            [_PlainLayer(hidden_size, num_attention_heads, ffn_hidden_size, activation,
+                         layernorm_epsilon) for _ in range(num_layers)])
+        self.decoder.final_layernorm = torch.nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+
+    @classmethod
+    def from_config(cls, config: TransformerConfig, vocab_size: int, max_sequence_length: int):
+        return cls(config.num_layers, config.hidden_size, config.num_attention_heads, vocab_size,
+                   max_sequence_length, config.ffn_hidden_size, config.activation,
+                   config.layernorm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None):
+        b, s = input_ids.shape
+        positions = torch.arange(s, device=input_ids.device)
+        x = self.embedding.word_embeddings(input_ids) + self.embedding.position_embeddings(positions)
+        for layer in self.decoder.layers:
+            x = layer(x)
+        x = self.decoder.final_layernorm(x)                          # [b, s, D]
+        logits = F.linear(x, self.embedding.word_embeddings.weight)  # tied: [b, s, V]
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().view(b * s, -1), labels.reshape(-1),
+                               reduction="none").view(b, s)

@@ -1,0 +1,213 @@
+"""What the labs show about a real forward/backward pass: tensor shapes and collectives.
+
+* :func:`shape_table` — the lecture's table (Q, K, V, Score, Z, Out, A, A', x') for given
+  ``B, L, D, n_H, d_tp``, read off the live tensors of one ``ParallelTransformerLayer`` forward
+  on this rank (the models call :func:`record` at each step; it costs nothing when no
+  recording is active).
+* :func:`count_collectives` — every collective of a training step, labelled by layer and
+  direction (``layer0.forward``, ``layer0.backward``, ``embedding.forward``, ...), with kind,
+  group and bytes; :func:`per_layer_counts` summarises it and :func:`expected_layer_counts`
+  is the analysis it should match (2 all-reduces forward and 2 backward per layer; with
+  sequence parallelism 2 all-gathers + 2 reduce-scatters each way).
+
+Both run inside a rank whose groups are initialised (a ``torchrun`` worker such as
+``launch/inspect_gpt.py``); at ``d_tp = 1`` they also run in the notebook's own process
+(:func:`mpu_lab.training.init_single_process`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+_RECORDING: List[Dict[str, Tuple[tuple, tuple]]] = []
+
+
+def record(name: str, tensor: torch.Tensor, dims: Sequence[str] = ()) -> None:
+    """Remember ``tensor``'s shape (and the meaning of each dimension) under ``name`` if a
+    :func:`record_activations` block is open. The first layer to record a name wins."""
+    if _RECORDING and name not in _RECORDING[-1]:
+        _RECORDING[-1][name] = (tuple(tensor.shape), tuple(dims))
+
+
+@contextlib.contextmanager
+def record_activations():
+    """``with record_activations() as shapes:`` -> ``{name: (shape, dims)}`` of the forward."""
+    shapes: Dict[str, Tuple[tuple, tuple]] = {}
+    _RECORDING.append(shapes)
+    try:
+        yield shapes
+    finally:
+        _RECORDING.remove(shapes)
+
+
+def _batch_first(shape, dims, drop=()):
+    """A recorded shape in the lecture's order: ``(B, L, product of the other dimensions)``;
+    dimensions named in ``drop`` (e.g. the head count ``n``) are left out of the product."""
+    b = l = None
+    rest = 1
+    for d, size in zip(dims, shape):
+        if d == "B" and b is None:
+            b = size
+        elif d == "L" and l is None:
+            l = size
+        elif d not in drop:
+            rest *= size
+    return (b, l, rest)
+
+
+def shape_table(batch_size: int = 2, seq_length: int = 8, hidden_size: int = 16,
+                num_attention_heads: int = 4, tensor_model_parallel_size: Optional[int] = None,
+                activation: str = "relu", ffn_hidden_size: Optional[int] = None) -> List[dict]:
+    """The lecture's shape table for one transformer layer on this rank, measured.
+
+    Runs one ``ParallelTransformerLayer`` forward (explicit attention, so the ``L x L`` scores
+    exist) on ``x`` of ``[L, B, D]`` under the current tensor-parallel group, whose size must
+    be ``tensor_model_parallel_size`` (``d_tp``; default: the current size). Each row:
+    ``name``, ``computation``, ``lecture`` (the symbolic output shape), ``shape`` (measured,
+    in the lecture's ``B x L x ...`` order), ``expected`` (the lecture's shape with the numbers
+    put in), ``per_rank`` (how many such tensors this rank holds: ``n_H/d_tp`` for per-head
+    rows) and ``live`` (the tensor's own shape and dimension names, sequence-first).
+    """
+    from mpu_lab import parallel_state
+    from mpu_lab.models.transformer import ParallelTransformerLayer, TransformerConfig
+
+    if not parallel_state.model_parallel_is_initialized():
+        if tensor_model_parallel_size not in (None, 1):
+            raise RuntimeError(
+                f"shape_table at d_tp={tensor_model_parallel_size} needs "
+                f"{tensor_model_parallel_size} ranks: run it in a torchrun worker "
+                f"(mpu_lab.launch.run('inspect_gpt.py', ['--tp', '{tensor_model_parallel_size}'"
+                f"], nproc={tensor_model_parallel_size})) or call it with d_tp=1 here")
+        from mpu_lab.training import init_single_process
+        init_single_process()
+    t = parallel_state.get_tensor_model_parallel_world_size()
+    if tensor_model_parallel_size is not None and tensor_model_parallel_size != t:
+        raise ValueError(f"tensor_model_parallel_size {tensor_model_parallel_size} differs from "
+                         f"the initialised tensor-parallel group size {t}")
+    config = TransformerConfig(num_layers=1, hidden_size=hidden_size,
+                               num_attention_heads=num_attention_heads,
+                               ffn_hidden_size=ffn_hidden_size, activation=activation,
+                               attention_impl="explicit")
+    config.check(t)
+    from mpu_lab import distributed
+    device = distributed.get_device()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        layer = ParallelTransformerLayer(config).eval()
+        x = torch.randn(seq_length, batch_size, hidden_size, device=device)   # [L, B, D]
+        with torch.no_grad(), record_activations() as rec:
+            layer(x)
+
+    B, L, D, nH = batch_size, seq_length, hidden_size, num_attention_heads
+    H, n, F = D // nH, nH // t, config.ffn_hidden_size
+    ffn = "4D" if F == 4 * D else "F"
+    act = activation
+    rows = []
+
+    def add(name, computation, lecture, key, expected, per_rank=1, per_head=False):
+        shape, dims = rec[key]
+        measured = _batch_first(shape, dims, drop=("n",) if per_head else ())
+        rows.append(dict(name=name, computation=computation, lecture=lecture, shape=measured,
+                         expected=expected, per_rank=per_rank,
+                         live=dict(shape=shape, dims=dims)))
+
+    add("Q", "Q = x W^Q", "B x L x D/d_tp", "Q", (B, L, D // t))
+    add("K", "K = x W^K", "B x L x D/d_tp", "K", (B, L, D // t))
+    add("V", "V = x W^V", "B x L x D/d_tp", "V", (B, L, D // t))
+    add("Q_i", "[Q_1..Q_{n_H/d_tp}] = Partition_-1(Q)", "B x L x H", "Q", (B, L, H), n, True)
+    add("K_i", "[K_1..K_{n_H/d_tp}] = Partition_-1(K)", "B x L x H", "K", (B, L, H), n, True)
+    add("V_i", "[V_1..V_{n_H/d_tp}] = Partition_-1(V)", "B x L x H", "V", (B, L, H), n, True)
+    add("Score_i", "Score_i = softmax(Q_i K_i^T / sqrt(H))", "B x L x L", "Score", (B, L, L), n, True)
+    add("Z_i", "Z_i = Score_i V_i", "B x L x H", "Z_i", (B, L, H), n, True)
+    add("Z", "Z = Merge_-1([Z_1..Z_{n_H/d_tp}])", "B x L x D/d_tp", "Z", (B, L, D // t))
+    add("Out", "Out = Z W^O, then AllReduce(Out)", "B x L x D", "Out", (B, L, D))
+    add("A", "A = Out W^1", f"B x L x {ffn}/d_tp", "A", (B, L, F // t))
+    add("A'", f"A' = {act}(A)", f"B x L x {ffn}/d_tp", "A'", (B, L, F // t))
+    add("x'", "x' = A' W^2, then AllReduce(x')", "B x L x D", "x'", (B, L, D))
+    return rows
+
+
+def format_shape_table(rows: List[dict]) -> str:
+    """The table as aligned text (deterministic: safe in compared notebook outputs)."""
+    header = ("tensor", "computation", "lecture", "measured", "per rank")
+    body = [(r["name"], r["computation"], r["lecture"], " x ".join(map(str, r["shape"])),
+             str(r["per_rank"])) for r in rows]
+    widths = [max(len(x[i]) for x in [header] + body) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [header] + body]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- collectives
+def count_collectives(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                      steps: int = 1) -> List[dict]:
+    """Run ``steps`` forward+backward passes (no optimizer step) and return every collective
+    issued through :mod:`mpu_lab.comm`: dicts with ``step``, ``tag``, ``kind``, ``group``
+    (global ranks), ``bytes``. The gradient all-reduce of sequence-parallel parameters
+    (:func:`~mpu_lab.models.transformer.finalize_model_grads`) is included, tagged
+    ``grads.sequence_parallel``."""
+    from mpu_lab import comm
+    from mpu_lab.models.transformer import finalize_model_grads
+
+    events = []
+    for step in range(steps):
+        comm.clear_backward_tag()
+        with comm.CommCounter() as counter:
+            loss = model(input_ids, labels=labels).mean()
+            loss.backward()
+            finalize_model_grads(model)
+        comm.clear_backward_tag()
+        model.zero_grad(set_to_none=True)
+        events += [dict(step=step, tag=e.tag, kind=e.kind, group=list(e.group_ranks),
+                        bytes=e.bytes) for e in counter.events]
+    return events
+
+
+def per_layer_counts(events: List[dict], step: int = 0) -> Dict[str, Dict[str, int]]:
+    """``{tag: {kind: count}}`` for one step, e.g. ``{"layer0.forward": {"all_reduce": 2}}``."""
+    table: Dict[str, Dict[str, int]] = {}
+    for e in events:
+        if e["step"] != step:
+            continue
+        kinds = table.setdefault(str(e["tag"]), {})
+        kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+    return table
+
+
+def expected_layer_counts(sequence_parallel: bool, tensor_model_parallel_size: int
+                          ) -> Dict[str, Dict[str, int]]:
+    """The analysis: collectives of one transformer layer per step, by direction.
+
+    Without sequence parallelism: ``g`` after attention and after the MLP (forward), ``f``
+    before QKV and before fc1 (backward) — 2 all-reduces each way. With it, each ``g``
+    becomes a reduce-scatter and each ``f`` an all-gather, in both directions (the backward
+    of an all-gather is a reduce-scatter and vice versa). Nothing at TP=1.
+    """
+    if tensor_model_parallel_size == 1:
+        return {"forward": {}, "backward": {}}
+    if sequence_parallel:
+        pair = {"all_gather": 2, "reduce_scatter": 2}
+        return {"forward": dict(pair), "backward": dict(pair)}
+    return {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+
+
+def format_collectives(events: List[dict], step: int = 0) -> str:
+    """One line per (tag, kind): count and bytes of this rank's inputs, in order of first use."""
+    order, table = [], {}
+    for e in events:
+        if e["step"] != step:
+            continue
+        key = (str(e["tag"]), e["kind"], tuple(e["group"]))
+        if key not in table:
+            order.append(key)
+            table[key] = [0, 0]
+        table[key][0] += 1
+        table[key][1] += e["bytes"]
+    lines = [f"{'tag':<26}{'collective':<16}{'group':<16}{'count':>6}{'bytes':>12}"]
+    for key in order:
+        tag, kind, group = key
+        n, b = table[key]
+        lines.append(f"{tag:<26}{kind:<16}{str(list(group)):<16}{n:>6}{b:>12}")
+    return "\n".join(lines)

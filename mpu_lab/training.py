@@ -1,0 +1,635 @@
+"""Train the small GPT with tensor, sequence and data parallelism (``launch/train_gpt.py``).
+
+The pieces, in the order a step uses them (Megatron's ``pretrain`` / ``train_step``):
+
+* :func:`parse_args` / :func:`validate_args` — Megatron-style flags; the validation is pure
+  (no ``torch.distributed``) so a notebook or launcher can reject a bad configuration *before*
+  any process starts, with a ``ValueError`` naming the numbers;
+* :func:`setup` — groups, seeds, :class:`~mpu_lab.models.GPTModel`, DDP over the
+  data-parallel group, AdamW, the learning-rate schedule, an optional checkpoint;
+* :func:`train_step` — ``num_micro_batches`` forward/backward passes (gradient accumulation:
+  global batch = micro batch x micro-batches x DP), sequence-parallel gradient all-reduce,
+  fp16 loss-scale check, TP-aware gradient clipping, the optimizer step;
+* :func:`train` — the loop, logging JSON lines (``--metrics-file``) and saving checkpoints.
+
+Data parallelism is torch's ``DistributedDataParallel`` on the data-parallel group
+(``process_group=get_data_parallel_group()``), with a communication hook that routes its
+bucket all-reduces through :mod:`mpu_lab.comm` so they are counted (tag
+``grads.data_parallel``). Mixed precision is ``torch.autocast`` over fp32 parameters (the
+optimizer always sees fp32), with a dynamic loss scale for ``--fp16`` whose overflow check is
+agreed on by the whole model-parallel group, as in Megatron.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import socket
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from mpu_lab.datasets import BYTE_VOCAB_SIZE
+from mpu_lab.models.gpt import pad_vocab_size
+from mpu_lab.models.transformer import TransformerConfig
+
+
+# --------------------------------------------------------------------------- arguments
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train_gpt.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a small GPT with tensor/sequence/data parallelism (Megatron-style flags).")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="default: --seq-length")
+    g.add_argument("--activation", choices=["gelu", "relu"], default="gelu")
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="Megatron's default is 0.1; 0 keeps runs at different TP sizes equal")
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP size (Megatron)")
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true",
+                   help="synthetic learnable data (the default when --data-path is not given)")
+    g.add_argument("--data-path", default=None, help="a text file, read as bytes (vocab 256)")
+    g.add_argument("--vocab-size", type=int, default=512, help="vocabulary of the mock data")
+    g = p.add_argument_group("batch and schedule")
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro batch size x data-parallel size")
+    g.add_argument("--train-iters", type=int, default=300)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("precision")
+    g.add_argument("--fp16", action="store_true", help="autocast to float16, dynamic loss scale")
+    g.add_argument("--bf16", action="store_true", help="autocast to bfloat16")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--metrics-file", default=None,
+                   help="append one JSON line per logged iteration (rank 0)")
+    g.add_argument("--quiet", action="store_true", help="no per-iteration log lines")
+    g.add_argument("--save", default=None, help="folder for iter_XXXXXXX checkpoints")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None,
+                   help="a checkpoint folder, or a folder of iter_XXXXXXX checkpoints (latest)")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    return build_parser().parse_args(None if argv is None else list(map(str, argv)))
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def model_config(args) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        activation=args.activation, sequence_parallel=args.sequence_parallel,
+        layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std)
+
+
+def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = True
+                  ) -> argparse.Namespace:
+    """Check ``args`` for a job of ``world_size`` ranks and fill in the derived values
+    (``data_parallel_size``, ``num_micro_batches``, ``padded_vocab_size``, ...).
+
+    Pure: no ``torch.distributed``, so it runs in the notebook before ``torchrun`` starts.
+    Raises ``ValueError`` naming the numbers and what would be valid. Returns ``args``.
+    """
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tensor-model-parallel-size {tp} and --pipeline-model-parallel-size "
+                         f"{pp} must be >= 1")
+    if pp != 1:
+        raise ValueError(f"--pipeline-model-parallel-size {pp}: pipeline parallelism is not "
+                         f"wired into train_gpt.py yet (GPTModel has pre_process/post_process "
+                         f"for it); use 1")
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor x pipeline parallel size "
+            f"{tp} x {pp} = {tp * pp}; with {world_size} ranks valid tensor-parallel sizes "
+            f"are {_divisors(world_size)}")
+    dp = world_size // (tp * pp)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "train_iters", "log_interval"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    model_config(args).check(tp, args.seq_length)
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.max_position_embeddings < args.seq_length:
+        raise ValueError(f"--max-position-embeddings {args.max_position_embeddings} is smaller "
+                         f"than --seq-length {args.seq_length}")
+
+    mbs = args.micro_batch_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    gbs = args.global_batch_size
+    if gbs < 1 or gbs % (mbs * dp):
+        raise ValueError(
+            f"--global-batch-size {gbs} must be a multiple of micro batch size x data-parallel "
+            f"size = {mbs} x {dp} = {mbs * dp} (global batch = micro batch x micro-batches x "
+            f"DP); e.g. {mbs * dp}, {2 * mbs * dp} or {4 * mbs * dp}")
+    args.data_parallel_size = dp
+    args.num_micro_batches = gbs // (mbs * dp)
+    args.world_size = world_size
+
+    if args.fp16 and args.bf16:
+        raise ValueError("--fp16 and --bf16 exclude each other: pick one")
+    if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        raise ValueError(f"need 0 <= --min-lr ({args.min_lr}) <= --lr ({args.lr}) and --lr > 0")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_decay_iters < 1:
+        raise ValueError(f"--lr-decay-iters must be >= 1, got {args.lr_decay_iters}")
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise ValueError(f"give --lr-warmup-fraction ({args.lr_warmup_fraction}) or "
+                             f"--lr-warmup-iters ({args.lr_warmup_iters}), not both")
+        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+            raise ValueError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+        args.lr_warmup_steps = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    else:
+        args.lr_warmup_steps = args.lr_warmup_iters
+    if not 0 <= args.lr_warmup_steps <= args.lr_decay_iters:
+        raise ValueError(f"the warmup ({args.lr_warmup_steps} iterations) must be in "
+                         f"[0, --lr-decay-iters {args.lr_decay_iters}]")
+    if args.clip_grad < 0 or args.weight_decay < 0:
+        raise ValueError(f"--clip-grad ({args.clip_grad}) and --weight-decay "
+                         f"({args.weight_decay}) must be >= 0")
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        raise ValueError(f"--save-interval {args.save_interval} needs --save DIR and a value >= 1")
+
+    if args.data_path:
+        from mpu_lab.datasets import check_text_file
+        check_text_file(args.data_path, args.seq_length)
+        args.vocab_size = BYTE_VOCAB_SIZE
+    if args.vocab_size < 2:
+        raise ValueError(f"--vocab-size must be >= 2, got {args.vocab_size}")
+    if args.make_vocab_size_divisible_by < 1:
+        raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got "
+                         f"{args.make_vocab_size_divisible_by}")
+    args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
+
+    if check_load and args.load:
+        from mpu_lab import checkpointing
+        path = checkpointing.find_checkpoint(args.load)
+        checkpointing.check_compatible(checkpointing.read_checkpoint_info(path), args)
+    return args
+
+
+def vocab_padding_message(args) -> str:
+    return (f"> padded vocab (size: {args.vocab_size}) with "
+            f"{args.padded_vocab_size - args.vocab_size} dummy tokens (new size: "
+            f"{args.padded_vocab_size}): a multiple of make_vocab_size_divisible_by x TP = "
+            f"{args.make_vocab_size_divisible_by} x {args.tensor_model_parallel_size}, as Megatron does")
+
+
+# --------------------------------------------------------------------------- learning rate
+class OptimizerParamScheduler:
+    """Megatron's learning-rate schedule, counted in iterations: linear warmup from 0 to
+    ``max_lr`` over ``warmup_steps``, then ``constant`` / ``linear`` / ``cosine`` decay to
+    ``min_lr`` at ``decay_steps``, ``min_lr`` after. Step ``k`` (1-based) uses
+    ``get_lr(k - 1)``, as Megatron (which starts counting at 0)."""
+
+    def __init__(self, optimizer, max_lr: float, min_lr: float, warmup_steps: int,
+                 decay_steps: int, decay_style: str):
+        if decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"decay_style must be constant, linear or cosine, got {decay_style!r}")
+        self.optimizer = optimizer
+        self.max_lr, self.min_lr = max_lr, min_lr
+        self.warmup_steps, self.decay_steps = warmup_steps, decay_steps
+        self.decay_style = decay_style
+        self.num_steps = 0
+        self._apply(self.get_lr(0))
+
+    def get_lr(self, num_steps: int) -> float:
+        if self.warmup_steps > 0 and num_steps <= self.warmup_steps:
+            return self.max_lr * num_steps / self.warmup_steps
+        if self.decay_style == "constant":
+            return self.max_lr
+        if num_steps > self.decay_steps:
+            return self.min_lr
+        ratio = (num_steps - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps)
+        if self.decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def _apply(self, lr: float):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def lr_for_next_step(self) -> float:
+        lr = self.get_lr(self.num_steps)
+        self._apply(lr)
+        return lr
+
+    def step(self):
+        self.num_steps += 1
+
+    def state_dict(self) -> Dict[str, Any]:
+        return dict(num_steps=self.num_steps, max_lr=self.max_lr, min_lr=self.min_lr,
+                    warmup_steps=self.warmup_steps, decay_steps=self.decay_steps,
+                    decay_style=self.decay_style)
+
+    def load_state_dict(self, state: Dict[str, Any]):
+        # The step count comes from the checkpoint; the schedule's shape from this run's flags.
+        self.num_steps = int(state["num_steps"])
+
+
+# --------------------------------------------------------------------------- helpers
+def init_single_process(backend: str = "auto"):
+    """A one-rank ``torch.distributed`` world and TP=1 groups in this very process (a notebook,
+    a benchmark, a unit test). Does nothing when a world already exists."""
+    import torch.distributed as dist
+
+    from mpu_lab import distributed, parallel_state
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        distributed.init(backend=backend)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and LayerNorm parameters (1-D), as Megatron."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.dim() == 1 else decay).append(p)
+    groups = [dict(params=decay, weight_decay=args.weight_decay),
+              dict(params=no_decay, weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_eps)
+
+
+def build_scheduler(optimizer, args) -> OptimizerParamScheduler:
+    return OptimizerParamScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_steps,
+                                   args.lr_decay_iters,
+                                   "constant" if args.lr_decay_style == "constant" else args.lr_decay_style)
+
+
+def clip_grad_norm(parameters, max_norm: float, model_parallel_group=None) -> float:
+    """Global L2 norm of the gradients of a tensor-parallel model, then clip to ``max_norm``.
+
+    A split parameter contributes its shard on every rank; a replicated one (LayerNorm,
+    position embedding, row-parallel bias) only on tensor-parallel rank 0, so nothing is
+    counted twice; the squares are summed over the model-parallel group (Megatron's
+    ``get_grad_norm_fp32``). ``max_norm = 0`` only measures.
+    """
+    from mpu_lab import comm
+    from mpu_lab.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    params = [p for p in parameters if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if param_is_not_tensor_parallel_duplicate(p):
+            total += p.grad.detach().float().pow(2).sum()
+    if model_parallel_group is not None and comm.group_size(model_parallel_group) > 1:
+        with comm.comm_tag("grads.norm"):
+            total = comm.all_reduce(total, group=model_parallel_group)
+    norm = float(total.sqrt())
+    if max_norm > 0:
+        coeff = max_norm / (norm + 1e-6)
+        if coeff < 1.0:
+            for p in params:
+                p.grad.detach().mul_(coeff)
+    return norm
+
+
+class DynamicLossScaler:
+    """fp16 loss scaling (Megatron's ``DynamicGradScaler``): halve the scale and skip the step
+    on an overflow seen by *any* rank of the model-parallel group; double it after
+    ``growth_interval`` clean steps."""
+
+    def __init__(self, initial_scale: float = 2.0 ** 16, min_scale: float = 1.0,
+                 growth_interval: int = 1000):
+        self.scale, self.min_scale, self.growth_interval = initial_scale, min_scale, growth_interval
+        self.clean_steps = 0
+
+    def unscale_and_check(self, params, group) -> bool:
+        from mpu_lab import comm
+        grads = [p.grad for p in params if p.grad is not None]
+        found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        for g in grads:
+            g.mul_(1.0 / self.scale)
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        if group is not None and comm.group_size(group) > 1:
+            import torch.distributed as dist
+            with comm.comm_tag("grads.overflow"):
+                found = comm.all_reduce(found, group=group, op=dist.ReduceOp.MAX)
+        return bool(found.item() > 0)
+
+    def update(self, found_inf: bool):
+        if found_inf:
+            self.scale = max(self.min_scale, self.scale / 2)
+            self.clean_steps = 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps % self.growth_interval == 0:
+                self.scale *= 2
+
+
+def _ddp_counted_allreduce_hook(state, bucket):
+    """DDP communication hook: average the bucket over the data-parallel group through
+    :mod:`mpu_lab.comm` (counted, tag ``grads.data_parallel``) instead of DDP's own call."""
+    from mpu_lab import comm
+    group, size = state
+    with comm.comm_tag("grads.data_parallel"):
+        reduced = comm.all_reduce(bucket.buffer(), group=group)
+    reduced.div_(size)
+    fut = torch.futures.Future()
+    fut.set_result(reduced)
+    return fut
+
+
+# --------------------------------------------------------------------------- training
+@dataclasses.dataclass
+class TrainState:
+    args: argparse.Namespace
+    model: torch.nn.Module            # the GPTModel
+    ddp_model: torch.nn.Module        # what forward goes through (DDP, or the model at DP=1)
+    optimizer: torch.optim.Optimizer
+    scheduler: OptimizerParamScheduler
+    dataset: Any
+    iteration: int = 0               # optimizer steps done
+    scaler: Optional[DynamicLossScaler] = None
+    skipped_iterations: int = 0
+
+
+def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> TrainState:
+    """Groups, seeds, model, DDP, optimizer, schedule, data; loads ``args.load`` if given.
+    ``args`` must have been through :func:`validate_args`. ``torch.distributed`` must be up."""
+    import torch.distributed as dist
+
+    from mpu_lab import datasets, distributed, parallel_state
+    from mpu_lab.models.gpt import GPTModel
+    from mpu_lab.tensor_parallel import model_parallel_manual_seed
+
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
+                                             args.pipeline_model_parallel_size)
+    model_parallel_manual_seed(args.seed)
+    device = distributed.get_device()
+    model = GPTModel(model_config(args), args.padded_vocab_size, args.max_position_embeddings)
+    ddp_model = model
+    dp = parallel_state.get_data_parallel_world_size()
+    if dp > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        group = parallel_state.get_data_parallel_group()
+        ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
+                        process_group=group, broadcast_buffers=False)
+        ddp_model.register_comm_hook((group, dp), _ddp_counted_allreduce_hook)
+    optimizer = build_optimizer(model, args)
+    scheduler = build_scheduler(optimizer, args)
+    num_samples = args.global_batch_size * max(args.train_iters, 1)
+    dataset = datasets.build_dataset(args.data_path, num_samples, args.seq_length,
+                                     args.vocab_size, args.seed)
+    state = TrainState(args, model, ddp_model, optimizer, scheduler, dataset,
+                       scaler=DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None)
+    if dist.get_rank() == 0 and args.padded_vocab_size != args.vocab_size:
+        log(vocab_padding_message(args))
+    if args.load:
+        from mpu_lab import checkpointing
+        info = checkpointing.load_checkpoint(
+            args.load, model, optimizer=None if args.no_load_optim else optimizer,
+            scheduler=None if args.no_load_optim else scheduler, load_rng=not args.no_load_rng,
+            args=args)
+        state.iteration = info["iteration"]
+        if dist.get_rank() == 0:
+            log(f"> loaded {info['path']} (iteration {info['iteration']}, saved at TP="
+                f"{info['tensor_model_parallel_size']}, now TP={args.tensor_model_parallel_size})")
+    return state
+
+
+def get_batch(state: TrainState, iteration: int, micro_batch: int) -> Dict[str, torch.Tensor]:
+    """This rank's micro-batch: read by tensor-parallel rank 0, broadcast to its group
+    (Megatron's ``broadcast_data``: the group works on the same tokens)."""
+    from mpu_lab import comm, datasets, distributed, parallel_state
+    from mpu_lab.tensor_parallel import broadcast_data
+    args = state.args
+    keys = ["tokens", "labels", "position_ids", "loss_mask"]
+    data = None
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
+        ids = datasets.batch_indices(iteration, micro_batch, args.micro_batch_size,
+                                     parallel_state.get_data_parallel_rank(),
+                                     parallel_state.get_data_parallel_world_size(),
+                                     args.num_micro_batches)
+        batch = datasets.collate([state.dataset[i] for i in ids])
+        batch["loss_mask"] = batch["loss_mask"].long()
+        data = batch
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        with comm.comm_tag("data"):
+            out = broadcast_data(keys, data, torch.int64)
+    else:
+        device = distributed.get_device()
+        out = {k: data[k].to(device) for k in keys}
+    out["loss_mask"] = out["loss_mask"].float()
+    return out
+
+
+def _autocast(args, device):
+    if args.bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if args.fp16:
+        return torch.autocast(device_type=device.type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def train_step(state: TrainState) -> Dict[str, float]:
+    """One iteration (``state.iteration`` is 0-based on entry, incremented on exit)."""
+    from mpu_lab import comm, distributed, parallel_state
+    from mpu_lab.models.transformer import finalize_model_grads
+    args, model, ddp_model = state.args, state.model, state.ddp_model
+    device = distributed.get_device()
+    model.train()
+    state.optimizer.zero_grad(set_to_none=True)
+    M = args.num_micro_batches
+    scale = state.scaler.scale if state.scaler else 1.0
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for m in range(M):
+        batch = get_batch(state, state.iteration, m)
+        sync = contextlib.nullcontext()
+        if ddp_model is not model and m < M - 1:
+            sync = ddp_model.no_sync()   # accumulate locally; all-reduce on the last micro-batch
+        with sync:
+            with _autocast(args, device):
+                losses = ddp_model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+            mask = batch["loss_mask"]
+            loss = (losses.float() * mask).sum() / mask.sum()        # mean over this micro-batch
+            (loss * (scale / M)).backward()
+        comm.clear_backward_tag()
+        loss_sum += loss.detach()
+    finalize_model_grads(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    mp_group = parallel_state.get_model_parallel_group()
+    skipped = False
+    if state.scaler:
+        skipped = state.scaler.unscale_and_check(params, mp_group)
+        state.scaler.update(skipped)
+    lr = state.scheduler.lr_for_next_step()
+    grad_norm = float("nan")
+    if not skipped:
+        grad_norm = clip_grad_norm(params, args.clip_grad, mp_group)
+        state.optimizer.step()
+    else:
+        state.skipped_iterations += 1
+    state.scheduler.step()
+    state.iteration += 1
+    # Loss of the global batch: mean over micro-batches, then over the data-parallel group.
+    loss = loss_sum / M
+    dp_group = parallel_state.get_data_parallel_group()
+    if comm.group_size(dp_group) > 1:
+        with comm.comm_tag("logging"):
+            loss = comm.all_reduce(loss, group=dp_group) / comm.group_size(dp_group)
+    out = dict(lm_loss=float(loss), grad_norm=grad_norm, lr=lr, skipped=skipped)
+    if state.scaler:
+        out["loss_scale"] = state.scaler.scale
+    return out
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(state: TrainState, train_iters: Optional[int] = None,
+          log: Callable[[str], None] = print) -> List[Dict[str, Any]]:
+    """Run to ``train_iters`` (default ``args.train_iters``) optimizer steps; return the
+    metrics of each logged iteration (the same dicts as the ``--metrics-file`` lines)."""
+    import torch.distributed as dist
+
+    from mpu_lab import checkpointing, distributed
+    args = state.args
+    end = args.train_iters if train_iters is None else train_iters
+    device = distributed.get_device()
+    rank0 = dist.get_rank() == 0
+    metrics_out = open(args.metrics_file, "a") if (args.metrics_file and rank0) else None
+    tokens_per_iteration = args.global_batch_size * args.seq_length
+    logged: List[Dict[str, Any]] = []
+    window_losses, window_start = [], None
+    try:
+        _sync(device)
+        window_start = time.perf_counter()
+        while state.iteration < end:
+            step = train_step(state)
+            window_losses.append(step["lm_loss"])
+            it = state.iteration
+            if it % args.log_interval == 0 or it == end:
+                _sync(device)
+                now = time.perf_counter()
+                dt = (now - window_start) / len(window_losses)
+                record = dict(iteration=it, lm_loss=sum(window_losses) / len(window_losses),
+                              grad_norm=step["grad_norm"], lr=step["lr"], iteration_time_s=dt,
+                              tokens_per_s=tokens_per_iteration / dt,
+                              consumed_samples=it * args.global_batch_size,
+                              skipped_iterations=state.skipped_iterations)
+                if "loss_scale" in step:
+                    record["loss_scale"] = step["loss_scale"]
+                logged.append(record)
+                if metrics_out:
+                    metrics_out.write(json.dumps(record) + "\n")
+                    metrics_out.flush()
+                if rank0 and not args.quiet:
+                    log(f" iteration {it:8d}/{end:8d} | consumed samples: {record['consumed_samples']:9d}"
+                        f" | elapsed time per iteration (ms): {dt * 1e3:8.1f} | learning rate: "
+                        f"{step['lr']:.3E} | lm loss: {record['lm_loss']:.6E} | grad norm: "
+                        f"{step['grad_norm']:.3f} | tokens/s: {record['tokens_per_s']:.0f}")
+                window_losses = []
+                window_start = time.perf_counter()
+            if args.save and args.save_interval and it % args.save_interval == 0:
+                checkpointing.save_checkpoint(args.save, state)
+                window_start = time.perf_counter()
+        if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
+            checkpointing.save_checkpoint(args.save, state)
+    finally:
+        if metrics_out:
+            metrics_out.close()
+    return logged
+
+
+def pretrain(argv: Optional[Sequence[str]] = None, args: Optional[argparse.Namespace] = None,
+             log: Callable[[str], None] = print):
+    """Parse, validate, set up and train in a process that ``torch.distributed`` already runs
+    in (a torchrun worker; groups are (re)initialised from the flags). Returns
+    ``(metrics, state)``."""
+    import torch.distributed as dist
+    if args is None:
+        args = parse_args(argv)
+    validate_args(args, dist.get_world_size())
+    state = setup(args, log=log)
+    return train(state, log=log), state
+
+
+# --------------------------------------------------------------------------- the dense twin
+def train_dense_twin(args: argparse.Namespace, model: torch.nn.Module, iterations: int,
+                     start_iteration: int = 0) -> List[float]:
+    """Train a single-process model (e.g. :class:`~mpu_lab.models.PlainGPT` holding the
+    gathered TP=1 weights) with the same data, batches, optimizer, schedule and clipping as
+    :func:`train` at DP=1 (``num_micro_batches x DP`` micro-batches per step). Returns the
+    per-iteration losses. No ``torch.distributed`` needed."""
+    from mpu_lab import datasets
+    M = args.num_micro_batches * args.data_parallel_size
+    dataset = datasets.build_dataset(args.data_path, args.global_batch_size * args.train_iters,
+                                     args.seq_length, args.vocab_size, args.seed)
+    optimizer = build_optimizer(model, args)
+    scheduler = build_scheduler(optimizer, args)
+    scheduler.num_steps = start_iteration
+    losses = []
+    for it in range(start_iteration, start_iteration + iterations):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for m in range(M):
+            ids = datasets.batch_indices(it, m, args.micro_batch_size, 0, 1, M)
+            batch = datasets.collate([dataset[i] for i in ids])
+            per_token = model(batch["tokens"], labels=batch["labels"])
+            loss = (per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+            (loss / M).backward()
+            total += float(loss)
+        scheduler.lr_for_next_step()
+        if args.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        optimizer.step()
+        scheduler.step()
+        losses.append(total / M)
+    return losses

@@ -1,0 +1,176 @@
+"""GPTModel under tensor, sequence and data parallelism against its dense twin, the collective
+count, the shape table, resharding checkpoints (one 4-rank job), and launch/train_gpt.py."""
+import json
+import pathlib
+import shutil
+
+import pytest
+import torch
+
+from mpu_lab import checkpointing
+from mpu_lab.launch import LaunchError, run
+from mpu_lab.models import PlainGPT, TransformerConfig, expected_layer_counts
+
+HERE = pathlib.Path(__file__).parent
+pytestmark = pytest.mark.slow
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoint_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpt_ckpt")
+
+
+@pytest.fixture(scope="module")
+def reports(checkpoint_root):
+    return run(HERE / "mp" / "gpt_checks.py", [str(checkpoint_root)], nproc=4, timeout_s=240,
+               show="none").results
+
+
+def rel_diff(a, b):
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def test_tp_shards_are_slices_of_the_tp1_master_weights(reports):
+    for r in reports:
+        assert r["same_initial_weights"] == {k: True for k in r["same_initial_weights"]}
+
+
+@pytest.mark.parametrize("config", ["tp1", "tp2", "tp2_sp", "tp4", "tp4_sp"])
+def test_losses_match_the_dense_twin_for_20_iterations(reports, config):
+    for r in reports:
+        losses = r["losses"][config]
+        assert len(losses) == 20
+        assert rel_diff(losses, r["dense_losses"]) <= RTOL
+        assert rel_diff(losses, r["losses"]["tp1"]) <= RTOL
+    assert reports[0]["losses"][config][-1] < reports[0]["losses"][config][0] - 0.3   # it learns
+
+
+def test_data_parallel_matches_dp1_at_the_same_global_batch(reports):
+    r = reports[0]
+    assert r["dp"] == {"tp1": 4, "tp2": 2, "tp2_sp": 2, "tp4": 1, "tp4_sp": 1}
+    assert rel_diff(r["losses"]["tp1"], r["dense_losses"]) <= RTOL        # DP=4 vs one process
+    assert rel_diff(r["losses"]["tp2"], r["losses"]["tp4"]) <= RTOL       # DP=2 vs DP=1
+    assert r["micro_batches"]["tp2"] == 2                                 # with accumulation
+
+
+def test_metrics_have_the_contract_keys(reports):
+    assert {"iteration", "lm_loss", "grad_norm", "lr", "iteration_time_s",
+            "tokens_per_s"} <= set(reports[0]["metric_keys"])
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_collectives_per_layer_equal_the_analysis(reports, sp):
+    expected = expected_layer_counts(sp, 2)
+    for r in reports:
+        for step_counts in r["counts"]["sp" if sp else "no_sp"]:       # two steps
+            for layer in (0, 1):
+                assert step_counts[f"layer{layer}.forward"] == expected["forward"]
+                assert step_counts[f"layer{layer}.backward"] == expected["backward"]
+    if sp:
+        assert reports[0]["counts"]["sp"][0]["grads.sequence_parallel"] == {"all_reduce": 1}
+    else:
+        assert "grads.sequence_parallel" not in reports[0]["counts"]["no_sp"][0]
+
+
+def test_collective_events_name_group_and_bytes(reports):
+    # layer0 forward, TP=2 without SP: two all-reduces of [s, b, h] fp32 over the TP group.
+    for r in reports:
+        events = r["layer_events"]["no_sp"]
+        assert [e["kind"] for e in events] == ["all_reduce", "all_reduce"]
+        assert all(e["bytes"] == 32 * 2 * 64 * 4 for e in events)   # seq 32, mbs 2, hidden 64
+        tp_group = [r["rank"] - r["rank"] % 2, r["rank"] - r["rank"] % 2 + 1]
+        assert all(e["group"] == tp_group for e in events)
+        sp_events = r["layer_events"]["sp"]
+        assert [e["kind"] for e in sp_events] == ["all_gather", "reduce_scatter"] * 2
+        assert sp_events[0]["bytes"] == 16 * 2 * 64 * 4       # all-gather of this rank's [s/t, b, h]
+        assert sp_events[1]["bytes"] == 32 * 2 * 64 * 4       # reduce-scatter of partial [s, b, h]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_shape_table_read_off_live_tensors_matches_the_lecture(reports, tp):
+    rows = reports[0][f"shape_table_tp{tp}"]
+    assert [r["name"] for r in rows] == ["Q", "K", "V", "Q_i", "K_i", "V_i", "Score_i", "Z_i",
+                                         "Z", "Out", "A", "A'", "x'"]
+    for row in rows:
+        assert row["shape"] == row["expected"], row
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["Q"]["shape"] == [2, 8, 16 // tp]          # B x L x D/d_tp
+    assert by_name["Score_i"]["per_rank"] == 4 // tp          # n_H/d_tp heads here
+    assert by_name["A"]["shape"] == [2, 8, 64 // tp]          # B x L x 4D/d_tp
+
+
+@pytest.mark.parametrize("tp", ["tp4", "tp1", "tp2"])
+def test_checkpoint_saved_at_tp2_loads_at_other_sizes_and_training_continues(reports, tp):
+    for r in reports:
+        assert r["loaded_iteration"][tp] == 10
+        assert r["loaded_identical"][tp] is True                 # bit-identical parameters
+        assert rel_diff(r["resumed"][tp], r["resume_reference"]) <= RTOL
+
+
+def test_consolidated_checkpoint_is_one_ordinary_state_dict(reports, tmp_path):
+    import hashlib
+    path = reports[0]["saved_path"]
+    out = tmp_path / "model.pt"
+    from mpu_lab.checkpointing import main
+    assert main(["consolidate", path, str(out)]) == 0
+    sd = torch.load(out)
+    digest = {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in sd.items()}
+    assert digest == reports[0]["saved_digest"]
+    twin = PlainGPT.from_config(TransformerConfig(num_layers=2, hidden_size=64,
+                                                  num_attention_heads=4), 256, 32)
+    twin.load_state_dict(sd)   # TP=1 names, no resharding left to do
+
+
+def test_missing_partial_and_mismatched_checkpoints_are_named(reports, tmp_path, checkpoint_root):
+    saved = pathlib.Path(reports[0]["saved_path"])
+    with pytest.raises(checkpointing.CheckpointError, match="does not exist"):
+        checkpointing.find_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(checkpointing.CheckpointError, match="neither"):
+        checkpointing.find_checkpoint(tmp_path)
+    parent = tmp_path / "run"
+    shutil.copytree(saved, parent / "iter_0000010")
+    shutil.copytree(saved, parent / "iter_0000020")
+    (parent / "iter_0000020" / ".metadata").unlink()          # interrupted inside DCP
+    assert checkpointing.find_checkpoint(parent).name == "iter_0000010"
+    with pytest.raises(checkpointing.CheckpointError, match="partial: it has no .metadata"):
+        checkpointing.find_checkpoint(parent / "iter_0000020")
+    (parent / "iter_0000010" / checkpointing.MARKER).unlink()  # interrupted after DCP
+    with pytest.raises(checkpointing.CheckpointError, match="no complete checkpoint"):
+        checkpointing.find_checkpoint(parent)
+    from mpu_lab import training
+    args = training.validate_args(training.parse_args(
+        ["--num-layers", 2, "--hidden-size", 128, "--num-attention-heads", 4, "--seq-length", 32,
+         "--vocab-size", 256, "--make-vocab-size-divisible-by", 64, "--load", str(saved)]), 1,
+        check_load=False)
+    with pytest.raises(checkpointing.CheckpointError, match="hidden_size: checkpoint 64, this run 128"):
+        checkpointing.check_compatible(checkpointing.read_checkpoint_info(saved), args)
+    args = training.parse_args(["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4,
+                                "--seq-length", 32, "--vocab-size", 256,
+                                "--tensor-model-parallel-size", 4, "--load", str(saved)])
+    with pytest.raises(checkpointing.CheckpointError, match="padded_vocab_size: checkpoint 256, this run 512"):
+        training.validate_args(args, 4)   # before any process starts
+
+
+def test_train_gpt_script_writes_metrics_saves_and_resumes_at_another_tp(tmp_path):
+    common = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+              "--seq-length", "16", "--micro-batch-size", "4", "--vocab-size", "128",
+              "--make-vocab-size-divisible-by", "32", "--train-iters", "12",
+              "--log-interval", "4", "--save", str(tmp_path / "ckpt")]
+    metrics = tmp_path / "metrics.jsonl"
+    job = run("train_gpt.py", common + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                        "--save-interval", "8", "--metrics-file", str(metrics)],
+              nproc=2, timeout_s=120, show="none")
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [m["iteration"] for m in lines] == [4, 8, 12]
+    for m in lines:
+        assert {"iteration", "lm_loss", "grad_norm", "lr", "iteration_time_s", "tokens_per_s"} <= set(m)
+    assert job.results[0]["metrics"][-1]["lm_loss"] == lines[-1]["lm_loss"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")) == ["iter_0000008", "iter_0000012"]
+    resumed = run("train_gpt.py", common[:-2] + ["--train-iters", "16", "--load", str(tmp_path / "ckpt")],
+                  nproc=1, timeout_s=120, show="none")
+    assert [m["iteration"] for m in resumed.results[0]["metrics"]] == [16]
+    with pytest.raises(LaunchError, match="not divisible by the tensor-parallel size 3"):
+        run("train_gpt.py", common + ["--tensor-model-parallel-size", "3"], nproc=3,
+            timeout_s=60, show="none")
