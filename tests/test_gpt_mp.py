@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mpu_lab import checkpointing
-from mpu_lab.launch import LaunchError, run
+from mpu_lab.launch import run
 from mpu_lab.models import PlainGPT, TransformerConfig, expected_layer_counts
 
 HERE = pathlib.Path(__file__).parent
@@ -171,6 +171,16 @@ def test_train_gpt_script_writes_metrics_saves_and_resumes_at_another_tp(tmp_pat
     resumed = run("train_gpt.py", common[:-2] + ["--train-iters", "16", "--load", str(tmp_path / "ckpt")],
                   nproc=1, timeout_s=120, show="none")
     assert [m["iteration"] for m in resumed.results[0]["metrics"]] == [16]
-    with pytest.raises(LaunchError, match="not divisible by the tensor-parallel size 3"):
-        run("train_gpt.py", common + ["--tensor-model-parallel-size", "3"], nproc=3,
-            timeout_s=60, show="none")
+
+
+def test_train_gpt_script_checks_its_flags_before_starting_torch_distributed(monkeypatch):
+    import importlib.util
+
+    from mpu_lab.launch import LAUNCH_DIR
+    spec = importlib.util.spec_from_file_location("train_gpt", LAUNCH_DIR / "train_gpt.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by the "
+                                         "tensor-parallel size 3"):
+        script.main(["--tensor-model-parallel-size", "3"])
