@@ -1,0 +1,303 @@
+"""The labs' exercises: each ``check_*`` function says whether an answer is right.
+
+A check prints one verdict line and returns a :class:`Verdict`, true when the answer is right
+and false when it is wrong or missing (the labs ship with ``answer = None``). The expected
+value is never hard-coded: it is computed from :mod:`mpu_lab` itself (the pure rank-group
+math, the shard arithmetic of :mod:`mpu_lab.viz`), so a check stays right for any parameters
+an instructor picks.
+
+    >>> check_group_of_rank([2, 6, 10, 14], rank=6, family="dp", world_size=32, tp=4, pp=2)
+    Right: rank 6's dp group is [2, 6, 10, 14].
+    Verdict(True)
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Optional, Sequence
+
+from mpu_lab import parallel_state, viz
+
+RIGHT, WRONG, EMPTY = "Right:", "Not yet:", "No answer yet:"
+
+
+class Verdict:
+    """What a check returns: true when the answer is right. It shows nothing in a notebook
+    (the printed line is the verdict), so a check can end a cell without an ``Out[]``."""
+
+    def __init__(self, ok: bool):
+        self.ok = bool(ok)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (bool, Verdict)):
+            return self.ok == bool(other)
+        return NotImplemented
+
+    def __hash__(self):
+        return hash(self.ok)
+
+    def __repr__(self) -> str:
+        return f"Verdict({self.ok})"
+
+    def _ipython_display_(self):
+        pass
+
+
+def _verdict(ok: bool, right: str, wrong: str) -> Verdict:
+    print(f"{RIGHT} {right}" if ok else f"{WRONG} {wrong}")
+    return Verdict(ok)
+
+
+def _unanswered(answer: Any, what: str) -> bool:
+    if answer is None or answer is Ellipsis:
+        print(f"{EMPTY} replace None with {what}.")
+        return True
+    return False
+
+
+def _as_int_list(answer: Any) -> Optional[List[int]]:
+    """``answer`` as a list of ints (from a list, tuple, torch.Size, range or tensor), or None."""
+    if hasattr(answer, "tolist") and not isinstance(answer, (list, tuple)):
+        answer = answer.tolist()
+    try:
+        items = list(answer)
+    except TypeError:
+        return None
+    out = []
+    for item in items:
+        if isinstance(item, bool):
+            return None
+        try:
+            value = int(item)
+        except (TypeError, ValueError):
+            return None
+        if value != item:
+            return None
+        out.append(value)
+    return out
+
+
+def _as_int(answer: Any) -> Optional[int]:
+    if isinstance(answer, bool):
+        return None
+    try:
+        value = int(answer)
+    except (TypeError, ValueError):
+        return None
+    return value if value == answer else None
+
+
+# --------------------------------------------------------------------------- lab 01
+def check_group_of_rank(answer: Any, rank: int, family: str, world_size: int, tp: int = 1,
+                        pp: int = 1, cp: int = 1, order: str = parallel_state.DEFAULT_ORDER) -> Verdict:
+    """Is ``answer`` the ``family`` group (e.g. ``"dp"``) that holds ``rank``, in Megatron's order?"""
+    if _unanswered(answer, f"the list of ranks in rank {rank}'s {family} group"):
+        return Verdict(False)
+    groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order)
+    (expected,) = [g for g in groups[family] if rank in g]
+    given = _as_int_list(answer)
+    if given is not None and sorted(given) == sorted(expected) and given != expected:
+        return _verdict(False, "", f"the right ranks, but Megatron lists them as {expected}; "
+                                   f"order the ranks by their {family} rank (ascending here).")
+    hint = (f"{family} groups hold ranks that agree on every coordinate except {family}; with "
+            f"order {order!r}, rank = tp_rank + t*(cp_rank + c*(dp_rank + d*pp_rank)).")
+    return _verdict(given == expected, f"rank {rank}'s {family} group is {expected}.",
+                    f"{answer!r} is not rank {rank}'s {family} group. Hint: {hint}")
+
+
+def check_crossing_count(answer: Any, family: str, world_size: int, tp: int = 1, pp: int = 1,
+                         cp: int = 1, order: str = parallel_state.DEFAULT_ORDER,
+                         gpus_per_node: int = 8) -> Verdict:
+    """How many ``family`` groups have ranks in more than one box of ``gpus_per_node`` GPUs?"""
+    if _unanswered(answer, f"the number of {family} groups that cross a node boundary"):
+        return Verdict(False)
+    groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order)
+    crossing = viz.groups_crossing_nodes(groups[family], gpus_per_node)
+    return _verdict(_as_int(answer) == len(crossing),
+                    f"{len(crossing)} of {len(groups[family])} {family} groups cross a node "
+                    f"boundary: {crossing}.",
+                    f"{answer!r} is not it. Hint: node k holds ranks {gpus_per_node}k ... "
+                    f"{gpus_per_node}k+{gpus_per_node - 1}; list the {family} groups with "
+                    f"generate_rank_groups and look for one that straddles such a boundary.")
+
+
+# --------------------------------------------------------------------------- labs 02/03
+def _column_weight_shape(input_size: int, output_size: int, tp: int) -> tuple:
+    (rows, cols) = viz.shard_shapes("column", input_size, output_size, tp)[0]  # A_i: [in, out/t]
+    return (cols, rows)                                                        # W_i = A_i^T
+
+
+def check_column_weight_shape(answer: Any, input_size: int, output_size: int, tp: int) -> Verdict:
+    """Shape of one rank's ``ColumnParallelLinear(input_size, output_size).weight`` at ``tp``."""
+    if _unanswered(answer, "a shape such as (rows, cols)"):
+        return Verdict(False)
+    expected = _column_weight_shape(input_size, output_size, tp)
+    given = _as_int_list(answer)
+    if given is not None and tuple(given) == expected[::-1] and expected[0] != expected[1]:
+        return _verdict(False, "", f"{tuple(given)} is A_i = [in, out/t]; the Parameter stores "
+                                   f"W_i = A_i^T because F.linear computes X W^T.")
+    return _verdict(given is not None and tuple(given) == expected,
+                    f"each rank stores weight {expected}: A_i = [{input_size}, "
+                    f"{output_size // tp}] transposed, cut by the tensor-parallel size {tp}.",
+                    f"{answer!r} is not it. Hint: the columns of A (output_size) are cut into t "
+                    f"pieces, and the weight is stored as [out/t, in].")
+
+
+def check_strided_rows(answer: Any, rank: int, size: int, tp: int, stride: int) -> Verdict:
+    """Which rows of a fused ``[size, ...]`` master weight does ``rank`` keep with ``stride``?"""
+    if _unanswered(answer, f"the list of master-weight rows that rank {rank} keeps"):
+        return Verdict(False)
+    owners = viz.strided_owners(size, tp, stride)
+    expected = [row for row, owner in enumerate(owners) if owner == rank]
+    given = _as_int_list(answer)
+    return _verdict(given is not None and sorted(given) == expected,
+                    f"rank {rank} keeps rows {expected}: one piece of {size // (tp * stride)} "
+                    f"rows from each of the {stride} fused parts.",
+                    f"{answer!r} is not it. Hint: cut the {size} rows into tp*stride = "
+                    f"{tp * stride} pieces; rank r keeps pieces r, r+{tp}, r+{2 * tp}, ...")
+
+
+def check_row_weight_shape(answer: Any, input_size: int, output_size: int, tp: int) -> Verdict:
+    """Shape of one rank's ``RowParallelLinear(input_size, output_size).weight`` at ``tp``."""
+    if _unanswered(answer, "a shape such as (rows, cols)"):
+        return Verdict(False)
+    (rows, cols) = viz.shard_shapes("row", input_size, output_size, tp)[0]  # A_i: [in/t, out]
+    expected = (cols, rows)
+    given = _as_int_list(answer)
+    if given is not None and tuple(given) == (rows, cols) and rows != cols:
+        return _verdict(False, "", f"{(rows, cols)} is A_i = [in/t, out]; the Parameter stores "
+                                   f"W_i = A_i^T because F.linear computes X W^T.")
+    return _verdict(given is not None and tuple(given) == expected,
+                    f"each rank stores weight {expected}: A_i = [{rows}, {cols}] transposed, "
+                    f"the rows of A cut by the tensor-parallel size {tp}.",
+                    f"{answer!r} is not it. Hint: the rows of A (input_size) are cut into t "
+                    f"pieces, and the weight is stored as [out, in/t].")
+
+
+# Collectives of one tensor-parallel MLP, Column(gather_output=False) -> Row(input_is_parallel=True):
+# forward: f is the identity, g all-reduces once; backward: g is the identity, f all-reduces once.
+MLP_ALL_REDUCES = {"forward": 1, "backward": 1}
+
+
+def check_mlp_all_reduces(answer: Any) -> Verdict:
+    """All-reduces of one tensor-parallel MLP (Megatron-LM §3): ``(forward, backward)``."""
+    if _unanswered(answer, "a pair (forward, backward) of counts"):
+        return Verdict(False)
+    given = _as_int_list(answer)
+    expected = [MLP_ALL_REDUCES["forward"], MLP_ALL_REDUCES["backward"]]
+    return _verdict(given == expected,
+                    "one all-reduce forward (g after the row-parallel layer) and one backward "
+                    "(f before the column-parallel layer).",
+                    f"{answer!r} is not it. Hint: with gather_output=False and "
+                    f"input_is_parallel=True nothing is gathered or scattered; only f and g "
+                    f"communicate, each in one direction.")
+
+
+# --------------------------------------------------------------------------- lab 04
+def group_sum_of_ranks(rank: int, world_size: int, tp: int, pp: int = 1) -> int:
+    """What an all-reduce of each rank's own rank number gives on ``rank`` over its TP group —
+    Megatron's copy-to test: 6 on ranks 0-3 and 22 on ranks 4-7 for 8 ranks at tp=4."""
+    groups = parallel_state.generate_rank_groups(world_size, tp, pp)
+    (group,) = [g for g in groups["tp"] if rank in g]
+    return sum(group)
+
+
+def gather_split_expected(rank: int, world_size: int, tp: int, pp: int = 1,
+                          shape: Sequence[int] = (2, 4)) -> List[float]:
+    """``gather_split_1d_tensor`` of tensors filled with their rank, as seen on ``rank``."""
+    groups = parallel_state.generate_rank_groups(world_size, tp, pp)
+    (group,) = [g for g in groups["tp"] if rank in g]
+    numel = 1
+    for s in shape:
+        numel *= s
+    return [float(r) for r in group for _ in range(numel)]
+
+
+def check_all_reduce_of_ranks(answer: Any, rank: int, world_size: int, tp: int, pp: int = 1) -> Verdict:
+    """Predict the all-reduce (sum over the TP group) of the rank numbers, seen on ``rank``."""
+    if _unanswered(answer, f"the number rank {rank} holds after the all-reduce"):
+        return Verdict(False)
+    expected = group_sum_of_ranks(rank, world_size, tp, pp)
+    return _verdict(_as_int(answer) == expected,
+                    f"rank {rank}'s tensor-parallel group sums to {expected}.",
+                    f"{answer!r} is not it. Hint: only the ranks of rank {rank}'s tensor-parallel "
+                    f"group take part; add up their rank numbers.")
+
+
+def check_gather_split(answer: Any, rank: int, world_size: int, tp: int, pp: int = 1,
+                       shape: Sequence[int] = (2, 4)) -> Verdict:
+    """Predict ``gather_split_1d_tensor`` on ``rank`` when every rank holds ``ones(shape) * rank``."""
+    if _unanswered(answer, f"the 1-D list of values rank {rank} ends up with"):
+        return Verdict(False)
+    expected = gather_split_expected(rank, world_size, tp, pp, shape)
+    given = answer.tolist() if hasattr(answer, "tolist") else answer
+    try:
+        given = [float(v) for v in given]
+    except (TypeError, ValueError):
+        given = None
+    groups = parallel_state.generate_rank_groups(world_size, tp, pp)
+    (group,) = [g for g in groups["tp"] if rank in g]
+    return _verdict(given == expected,
+                    f"{len(expected)} values: each of the ranks {group} contributes its "
+                    f"{len(expected) // len(group)} flattened elements, in group order.",
+                    f"that is not it ({len(given) if given else 0} values given, "
+                    f"{len(expected)} expected). Hint: flatten each rank's tensor and "
+                    f"concatenate over the tensor-parallel group, lowest rank first.")
+
+
+def _ranges(by_value: dict) -> str:
+    return ", ".join(f"ranks {rs[0]}-{rs[-1]} hold {v:g}" if len(rs) > 1 else f"rank {rs[0]} holds {v:g}"
+                     for v, rs in by_value.items())
+
+
+def _megatron_expectation(name: str, rank: int, got: dict, world_size: int) -> bool:
+    """Megatron's unit-test assertion for test ``name`` on ``rank`` (layouts of COLLECTIVE_LAYOUTS)."""
+    tp, pp = viz.COLLECTIVE_LAYOUTS[name]
+    (group,) = [g for g in parallel_state.generate_rank_groups(world_size, tp, pp)["tp"] if rank in g]
+    pos = group.index(rank)
+    if name == "broadcast":
+        return got["src"] == group[0] and got["means"] == [0.0, 1.0]
+    if name in ("copy", "reduce"):
+        return got["value"] == sum(group)
+    if name == "scatter":
+        return got["column"] == pos
+    if name == "gather":
+        return got["blocks"] == group
+    if name == "gather_split":
+        return got["output"] == gather_split_expected(rank, world_size, tp, pp)
+    if name == "sequence":
+        return got["rows"] == [2 * pos, 2 * pos + 2] and got["reduce_scatter"] == tp * pos
+    raise ValueError(f"unknown test {name!r}")
+
+
+def check_megatron_expectations(results: Sequence[dict]) -> Verdict:
+    """Hold every rank's values from ``launch/collectives.py`` to Megatron's unit tests.
+
+    One line per test; for copy-to and reduce-from it spells out the famous sums (6 on ranks
+    0-3 and 22 on ranks 4-7 for 8 ranks at tp=4). Expectations come from the rank-group math,
+    so they hold for any multiple of 8 ranks.
+    """
+    world = len(results)
+    ok_all = True
+    for name in results[0]["tests"]:
+        ok = all(_megatron_expectation(name, r, res["tests"][name], world)
+                 for r, res in enumerate(results))
+        ok_all &= ok
+        detail = ""
+        if name in ("copy", "reduce"):
+            by_value = {}
+            for r, res in enumerate(results):
+                by_value.setdefault(res["tests"][name]["value"], []).append(r)
+            detail = ": " + _ranges(by_value)
+        tp, pp = viz.COLLECTIVE_LAYOUTS[name]
+        print(f"{name:<12} (tp={tp}, pp={pp}) {'as Megatron expects' if ok else 'DIFFERS from Megatron'}"
+              f"{detail}")
+    return _verdict(ok_all, f"all {world} ranks agree with Megatron's unit tests.",
+                    "some values differ from Megatron's unit tests (see above).")
+
+
+def summarize(results: Iterable[bool]) -> str:
+    """``3 of 4 right`` for a list of check results."""
+    results = list(results)
+    return f"{sum(bool(r) for r in results)} of {len(results)} right"

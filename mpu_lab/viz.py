@@ -1,0 +1,672 @@
+"""Pictures and small views for the labs, and the figures in ``figures/``.
+
+Every ``plot_*`` function builds and returns a :class:`matplotlib.figure.Figure` without touching
+pyplot's global state: a notebook shows it by ending a cell with it, a script saves it
+(:func:`save_figures`, run by ``python -m mpu_lab.notebooks figures``), a test inspects it.
+The ``show_*`` / ``print_*`` functions print plain text in a fixed order (what nbval compares).
+
+What is drawn where:
+
+* lab 01 — :func:`plot_rank_grid`, :func:`plot_group_families` (GPUs in boxes of
+  ``gpus_per_node``, coloured by group; groups that leave a box are hatched, thick outline),
+  :func:`format_groups` (the MPU walkthrough's tables), :func:`show_rank_groups` and its
+  ipywidgets front end :func:`interactive_rank_groups`;
+* labs 02/03 — :func:`shard_shapes`, :func:`print_shard_shapes`, :func:`strided_owners`,
+  :func:`plot_column_split`, :func:`plot_row_split`, :func:`plot_fg` (Megatron-LM §3, Fig. 3);
+* lab 04 — :func:`plot_collective`: each rank's tensor before and after a collective.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
+
+from mpu_lab import parallel_state
+
+# Fixed style, so pictures (and the PNGs in figures/) do not depend on a user's matplotlibrc.
+STYLE = {
+    "font.family": "DejaVu Sans",
+    "font.size": 9,
+    "axes.titlesize": 10,
+    "figure.dpi": 100,
+    "savefig.dpi": 100,
+    "hatch.linewidth": 1.0,
+}
+CROSSING = "#000000"   # outline and hatching of a group that leaves its box
+_LABEL_BOX = dict(facecolor="white", alpha=0.8, edgecolor="none", pad=1.0)
+FAMILY_NAMES = {
+    "tp": "tensor model-parallel", "pp": "pipeline model-parallel", "dp": "data_parallel",
+    "cp": "context-parallel", "tp-pp": "model-parallel", "dp-cp": "data+context-parallel",
+    "tp-dp": "tensor+data-parallel", "tp-cp": "tensor+context-parallel",
+    "tp-dp-cp": "tensor+data+context-parallel", "embedding": "embedding",
+    "position-embedding": "position-embedding",
+}
+# Order in which show_rank_groups lists families: the walkthrough's first (dp, tp, pp).
+SHOWN_FAMILIES = ("dp", "tp", "pp", "cp", "tp-pp")
+
+
+def _styled(fn):
+    """Run a drawing function under :data:`STYLE` (rcParams are read as artists are made)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with matplotlib.rc_context(STYLE):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _figure(width: float, height: float) -> Figure:
+    return Figure(figsize=(width, height), dpi=STYLE["figure.dpi"])
+
+
+def group_colors(n: int) -> List:
+    """``n`` distinguishable colours (tab10, then tab20, then a cycle of tab20)."""
+    cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+    size = 10 if n <= 10 else 20
+    return [cmap(i % size) for i in range(n)]
+
+
+def rank_colors(n: int) -> List:
+    """One colour per tensor-parallel rank (the same palette in every lab)."""
+    return group_colors(max(n, 1))[:n]
+
+
+# --------------------------------------------------------------------------- lab 01: groups
+def node_of(rank: int, gpus_per_node: int) -> int:
+    """The box (node) that holds ``rank`` when ranks fill boxes in order, as torchrun does."""
+    return rank // gpus_per_node
+
+
+def groups_crossing_nodes(groups: Sequence[Sequence[int]], gpus_per_node: int) -> List[List[int]]:
+    """The groups whose ranks do not all sit in one box of ``gpus_per_node`` GPUs."""
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    return [list(g) for g in groups if len({node_of(r, gpus_per_node) for r in g}) > 1]
+
+
+def format_groups(groups: Dict[str, List[List[int]]], families: Iterable[str] = ("dp", "tp", "pp")
+                  ) -> str:
+    """The MPU walkthrough's listing: ``8 data_parallel groups:`` then ``[g0, g2], [g1, g3], ...``."""
+    lines = []
+    for fam in families:
+        listed = ", ".join("[" + ", ".join(f"g{r}" for r in g) + "]" for g in groups[fam])
+        lines.append(f" {len(groups[fam])} {FAMILY_NAMES.get(fam, fam)} groups:")
+        lines.append(f" {listed}")
+    return "\n".join(lines)
+
+
+@_styled
+def plot_rank_grid(groups: Sequence[Sequence[int]], world_size: int, gpus_per_node: int = 8,
+                   title: str = "", ax=None):
+    """Draw ``world_size`` GPUs, ``gpus_per_node`` to a box, coloured by their group.
+
+    Each square shows the rank (``g5``) and, below it, the index of its group. Groups whose
+    members sit in more than one box are hatched and outlined in black. Returns the Axes.
+    """
+    if ax is None:
+        height = 0.9 * _nodes(world_size, gpus_per_node) + 0.8
+        ax = _figure(max(4.0, 0.75 * gpus_per_node + 1), height).add_subplot()
+    nodes = _nodes(world_size, gpus_per_node)
+    index = {r: i for i, g in enumerate(groups) for r in g}
+    colors = group_colors(len(groups))
+    crossing = {r for g in groups_crossing_nodes(groups, gpus_per_node) for r in g}
+    for node in range(nodes):
+        y = nodes - 1 - node   # node 0 on top
+        ax.add_patch(FancyBboxPatch((-0.12, y - 0.1), gpus_per_node + 0.24 - 0.0, 0.86,
+                                    boxstyle="round,pad=0.02,rounding_size=0.08",
+                                    facecolor="#f4f4f4", edgecolor="#555555", linewidth=1.2))
+        first, last = node * gpus_per_node, min(world_size, (node + 1) * gpus_per_node) - 1
+        ax.text(-0.3, y + 0.33, f"node {node}\nranks {first}-{last}", ha="right", va="center",
+                fontsize=8, color="#333333")
+        for slot in range(gpus_per_node):
+            rank = node * gpus_per_node + slot
+            if rank >= world_size:
+                continue
+            face = colors[index[rank]] if rank in index else "white"
+            ax.add_patch(Rectangle((slot + 0.06, y), 0.88, 0.66, facecolor=face,
+                                   edgecolor=CROSSING if rank in crossing else "#222222",
+                                   linewidth=2.6 if rank in crossing else 0.8,
+                                   hatch="///" if rank in crossing else None))
+            ax.text(slot + 0.5, y + 0.43, f"g{rank}", ha="center", va="center", fontsize=9,
+                    fontweight="bold", bbox=_LABEL_BOX if rank in crossing else None)
+            if rank in index:
+                ax.text(slot + 0.5, y + 0.15, f"#{index[rank]}", ha="center", va="center",
+                        fontsize=7)
+    ax.set_xlim(-2.0, gpus_per_node + 0.3)
+    ax.set_ylim(-0.25, nodes)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    if title:
+        ax.set_title(title, loc="left")
+    return ax
+
+
+def _nodes(world_size: int, gpus_per_node: int) -> int:
+    return -(-world_size // gpus_per_node)
+
+
+def describe_crossings(groups: Dict[str, List[List[int]]], gpus_per_node: int,
+                       families: Iterable[str] = ("tp", "dp", "pp")) -> str:
+    """One line per family: how many of its groups leave their box, and which."""
+    lines = []
+    for fam in families:
+        cross = groups_crossing_nodes(groups[fam], gpus_per_node)
+        which = "" if not cross else ": " + ", ".join(str(g) for g in cross[:4]) + \
+            (", ..." if len(cross) > 4 else "")
+        lines.append(f"{fam:>3} groups crossing a node boundary: {len(cross)} of "
+                     f"{len(groups[fam])}{which}")
+    return "\n".join(lines)
+
+
+@_styled
+def plot_group_families(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1,
+                        order: str = parallel_state.DEFAULT_ORDER, gpus_per_node: int = 8,
+                        families: Sequence[str] = ("tp", "dp", "pp")) -> Figure:
+    """One panel per group family (tensor, data, pipeline by default) of the same world."""
+    groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order)
+    nodes = _nodes(world_size, gpus_per_node)
+    width = max(5.5, 0.8 * gpus_per_node + 2.2)
+    fig = _figure(width, len(families) * (0.85 * nodes + 0.55) + 0.4)
+    axes = fig.subplots(len(families), 1, squeeze=False)[:, 0]
+    for ax, fam in zip(axes, families):
+        cross = len(groups_crossing_nodes(groups[fam], gpus_per_node))
+        title = (f"{FAMILY_NAMES.get(fam, fam)} groups ({fam}): {len(groups[fam])} groups of "
+                 f"{len(groups[fam][0])}; {cross} cross a node boundary"
+                 + (" (hatched)" if cross else ""))
+        plot_rank_grid(groups[fam], world_size, gpus_per_node, title=title, ax=ax)
+    dp = world_size // (tp * pp * cp)
+    fig.suptitle(f"n={world_size} GPUs, {gpus_per_node} per node: t={tp}, p={pp}, c={cp}, "
+                 f"d={dp}, order {order!r}", x=0.02, ha="left", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def show_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1,
+                     order: str = parallel_state.DEFAULT_ORDER, gpus_per_node: int = 8,
+                     draw: bool = True) -> None:
+    """Print the groups of one configuration and draw them — the body of lab 01's widget.
+
+    A configuration that does not tile the world prints the reason instead of raising, so
+    the interactive view keeps working while a learner moves the sliders. Returns None (so
+    neither ``interact`` nor a notebook cell shows the figure a second time).
+    """
+    try:
+        groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order)
+    except ValueError as exc:
+        print(f"not a valid configuration: {exc}")
+        return None
+    dp = world_size // (tp * pp * cp)
+    print(f"n = {world_size} = t*p*c*d = {tp}*{pp}*{cp}*{dp}   (order {order!r}, "
+          f"{gpus_per_node} GPUs per node)")
+    families = [f for f in SHOWN_FAMILIES if f != "cp" or cp > 1]
+    print(format_groups(groups, families))
+    basic = [f for f in ("tp", "cp", "dp", "pp") if f in families]
+    print(describe_crossings(groups, gpus_per_node, basic))
+    if not draw:
+        return None
+    fig = plot_group_families(world_size, tp, pp, cp, order, gpus_per_node,
+                              families=basic)
+    _display(fig)
+
+
+def _display(fig):
+    try:
+        from IPython.display import display
+    except ImportError:  # outside IPython: nothing to show on
+        return
+    display(fig)
+
+
+def interactive_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1,
+                            order: str = parallel_state.DEFAULT_ORDER, gpus_per_node: int = 8
+                            ) -> None:
+    """ipywidgets sliders for :func:`show_rank_groups` (world size, t, p, c, order, box size)."""
+    import ipywidgets as widgets
+
+    orders = ["tp-cp-dp-pp", "tp-cp-pp-dp", "tp-pp-dp", "dp-tp-pp", "pp-dp-tp"]
+    if order not in orders:
+        orders.insert(0, order)
+    widgets.interact(
+        show_rank_groups,
+        world_size=widgets.IntSlider(value=world_size, min=1, max=64, description="world size"),
+        tp=widgets.IntSlider(value=tp, min=1, max=16, description="tp"),
+        pp=widgets.IntSlider(value=pp, min=1, max=16, description="pp"),
+        cp=widgets.IntSlider(value=cp, min=1, max=8, description="cp"),
+        order=widgets.Dropdown(options=orders, value=order, description="order"),
+        gpus_per_node=widgets.IntSlider(value=gpus_per_node, min=1, max=16,
+                                        description="GPUs/node"),
+        draw=widgets.fixed(True),
+    )   # interact displays the sliders itself; returning None keeps the cell output clean
+
+
+# --------------------------------------------------------------------------- labs 02/03: splits
+def shard_shapes(kind: str, input_size: int, output_size: int, parts: int) -> List[tuple]:
+    """Shapes of ``A``'s pieces (``A`` is ``[input_size, output_size]``, ``Y = X A``).
+
+    ``kind="column"`` cuts the columns (``A_i: [in, out/parts]``), ``"row"`` the rows
+    (``A_i: [in/parts, out]``). The pieces are real ``torch.split`` views of a full matrix,
+    the way Megatron slices its master weight; ``parts`` must divide the cut dimension.
+    """
+    import torch
+
+    if kind not in ("column", "row"):
+        raise ValueError(f"kind must be 'column' or 'row', got {kind!r}")
+    cut = output_size if kind == "column" else input_size
+    if parts < 1 or cut % parts:
+        raise ValueError(f"{kind} split: {cut} is not divisible into {parts} equal parts")
+    master_a = torch.empty(input_size, output_size)             # A = W^T, [in, out]
+    dim = 1 if kind == "column" else 0
+    return [tuple(p.shape) for p in torch.split(master_a, cut // parts, dim=dim)]
+
+
+def print_shard_shapes(kind: str, input_size: int, output_size: int, parts: int) -> None:
+    """Print the pieces as the MPU walkthrough does: ``A = [`` ``A0= torch.Size([...]),`` ... ``]``."""
+    shapes = shard_shapes(kind, input_size, output_size, parts)
+    print("A = [")
+    print(", ".join(f"A{i}= torch.Size({list(s)})" for i, s in enumerate(shapes)))
+    print(" ]")
+    print(f"{len(shapes)} pieces")
+
+
+def strided_owners(size: int, tp: int, stride: int) -> List[int]:
+    """Which tensor-parallel rank owns each row of a fused ``[size, ...]`` weight with ``stride``.
+
+    Megatron cuts the master weight into ``tp * stride`` pieces of ``size / (tp * stride)``
+    rows and gives rank ``r`` pieces ``r, r + tp, r + 2 tp, ...``: with ``[Q; K; V]`` fused
+    (``stride=3``) every rank gets its slice of Q, of K and of V.
+    """
+    if size % (tp * stride):
+        raise ValueError(f"{size} rows cannot be cut into tp*stride = {tp}*{stride} equal pieces")
+    piece = size // (tp * stride)
+    return [(row // piece) % tp for row in range(size)]
+
+
+def _block(ax, x, y, w, h, color, label="", fontsize=9, hatch=None, alpha=1.0, edge="#222222"):
+    ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor=edge, linewidth=0.9,
+                           hatch=hatch, alpha=alpha))
+    if label:
+        ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=fontsize)
+
+
+def _arrow(ax, start, end, text="", color="#333333", style="-|>", text_offset=(0, 0.12)):
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=12, color=color,
+                                 linewidth=1.2))
+    if text:
+        mx, my = (start[0] + end[0]) / 2 + text_offset[0], (start[1] + end[1]) / 2 + text_offset[1]
+        ax.text(mx, my, text, ha="center", va="bottom", fontsize=8, color=color)
+
+
+@_styled
+def plot_column_split(input_size: int = 1024, output_size: int = 512, tp: int = 2,
+                      stride: int = 1) -> Figure:
+    """``Y = X A`` with ``A`` cut by columns: rank ``i`` holds ``A_i`` and computes ``Y_i``.
+
+    With ``stride > 1`` (a fused weight such as ``[Q K V]``) the columns are cut into
+    ``tp * stride`` pieces dealt out round-robin, so each rank owns one piece of every part.
+    """
+    owners = strided_owners(output_size, tp, stride)
+    colors = rank_colors(tp)
+    pieces = tp * stride
+    fig = _figure(10.5, 3.7)
+    ax = fig.add_subplot()
+    # Geometry (drawing units): X is [b, in], A is [in, out], Y is [b, out].
+    in_h, out_w, b_h = 2.4, 3.0, 1.0
+    x0, a0, y0 = 0.0, 3.2, 7.4
+    _block(ax, x0, 1.4, 2.4, b_h, "#d9d9d9", f"X\n[b, {input_size}]\nsame on every rank")
+    ax.text(2.8, 1.9, "x", fontsize=16, ha="center", va="center")
+    w = out_w / pieces
+    for p in range(pieces):
+        rank = owners[p * (output_size // pieces)]
+        label = f"A{rank}" if stride == 1 else f"r{rank}"
+        _block(ax, a0 + p * w, 0.2, w, in_h, colors[rank], label)
+    ax.text(a0 + out_w / 2, 2.75, f"A [{input_size}, {output_size}], cut by columns", ha="center",
+            fontsize=9)
+    ax.text(6.8, 1.9, "=", fontsize=16, ha="center", va="center")
+    for p in range(pieces):
+        rank = owners[p * (output_size // pieces)]
+        _block(ax, y0 + p * w, 1.4, w, b_h, colors[rank], f"Y{rank}" if stride == 1 else "")
+    ax.text(y0 + out_w / 2, 2.55, f"Y [b, {output_size}]", ha="center", fontsize=9)
+    shard = f"[{input_size}, {output_size // tp}]"
+    note = (f"t = {tp}: rank i keeps A_i {shard} (stored as weight [{output_size // tp}, "
+            f"{input_size}]) and computes Y_i = X A_i [b, {output_size // tp}]; "
+            f"gather_output=True all-gathers Y = [Y_0 ... Y_{tp - 1}]")
+    if stride > 1:
+        note = (f"stride = {stride}: {pieces} pieces of {output_size // pieces} columns dealt out "
+                f"round-robin; rank r keeps pieces r, r+{tp}, ... (its slice of each fused part)")
+    ax.text(0, -0.35, note, fontsize=8, va="top")
+    ax.set_xlim(-0.2, 10.6)
+    ax.set_ylim(-0.8, 3.0)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title("Column-parallel linear (Megatron-LM section 3): A = [A_0, ..., A_{t-1}]",
+                 loc="left")
+    fig.tight_layout()
+    return fig
+
+
+@_styled
+def plot_row_split(input_size: int = 1024, output_size: int = 512, tp: int = 2) -> Figure:
+    """``Y = X A`` with ``A`` cut by rows and ``X`` by columns: ``Y = sum_i X_i A_i`` (``g``)."""
+    if input_size % tp:
+        raise ValueError(f"input_size {input_size} is not divisible by tp {tp}")
+    colors = rank_colors(tp)
+    fig = _figure(10.5, 3.9)
+    ax = fig.add_subplot()
+    in_w, in_h, out_w, b_h = 2.4, 2.4, 2.4, 1.0
+    w = in_w / tp
+    for r in range(tp):
+        _block(ax, r * w, 1.4, w, b_h, colors[r], f"X{r}")
+    ax.text(in_w / 2, 2.55, f"X [b, {input_size}], cut by columns", ha="center", fontsize=9)
+    ax.text(2.8, 1.9, "x", fontsize=16, ha="center", va="center")
+    h = in_h / tp
+    for r in range(tp):
+        _block(ax, 3.2, 0.2 + in_h - (r + 1) * h, out_w, h, colors[r], f"A{r}")
+    ax.text(3.2 + out_w / 2, 2.75, f"A [{input_size}, {output_size}], cut by rows", ha="center",
+            fontsize=9)
+    ax.text(6.0, 1.9, "=", fontsize=16, ha="center", va="center")
+    # Partial results: every rank holds a full-shape [b, out] partial sum.
+    for r in range(tp):
+        off = 0.12 * (tp - 1 - r)
+        _block(ax, 6.4 + off, 1.4 - off, 1.6, b_h, colors[r], f"X{r} A{r}" if r == tp - 1 else "",
+               alpha=0.9)
+    ax.text(7.2, 2.55, f"{tp} partial sums [b, {output_size}]", ha="center", fontsize=9)
+    ax.text(7.2, 1.15 - 0.12 * (tp - 1), "one X_i A_i per rank", ha="center", va="top", fontsize=8)
+    _arrow(ax, (8.2, 1.9), (9.0, 1.9), "g: all-reduce")
+    _block(ax, 9.1, 1.4, 1.3, b_h, "#d9d9d9", "Y")
+    ax.text(9.75, 2.55, "Y + b", ha="center", fontsize=9)
+    ax.text(0, -0.35, f"t = {tp}: rank i keeps A_i [{input_size // tp}, {output_size}] (stored as "
+            f"weight [{output_size}, {input_size // tp}]) and X_i [b, {input_size // tp}]; "
+            f"the bias is added once, after the all-reduce", fontsize=8, va="top")
+    ax.set_xlim(-0.2, 10.6)
+    ax.set_ylim(-0.8, 3.0)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title("Row-parallel linear (Megatron-LM section 3): A = [A_0; ...; A_{t-1}], "
+                 "X = [X_0, ..., X_{t-1}]", loc="left")
+    fig.tight_layout()
+    return fig
+
+
+@_styled
+def plot_fg(tp: int = 2) -> Figure:
+    """The MLP of Megatron-LM Fig. 3a: ``f`` -> column-parallel ``A`` -> GeLU -> row-parallel
+    ``B`` -> ``g``, one lane per tensor-parallel rank."""
+    colors = rank_colors(tp)
+    fig = _figure(10.5, 1.2 + 0.9 * tp)
+    ax = fig.add_subplot()
+    lane = 0.9
+    top = lane * tp
+    mid = top / 2
+
+    def op(x, text, sub):
+        ax.add_patch(FancyBboxPatch((x - 0.35, mid - 0.35), 0.7, 0.7,
+                                    boxstyle="round,pad=0.02,rounding_size=0.1",
+                                    facecolor="#fff2cc", edgecolor="#8a6d00", linewidth=1.2))
+        ax.text(x, mid, text, ha="center", va="center", fontsize=14, fontweight="bold")
+        ax.text(x, mid - 0.55, sub, ha="center", va="top", fontsize=7.5)
+
+    _block(ax, 0.0, mid - 0.3, 0.8, 0.6, "#d9d9d9", "X")
+    _arrow(ax, (0.8, mid), (1.4, mid))
+    op(1.75, "f", "fwd: identity\nbwd: all-reduce")
+    for r in range(tp):
+        y = top - (r + 0.5) * lane
+        _arrow(ax, (2.1, mid), (2.8, y), style="-|>")
+        _block(ax, 2.8, y - 0.28, 1.6, 0.56, colors[r], f"X A{r}  (col.)", fontsize=8)
+        _arrow(ax, (4.4, y), (4.8, y))
+        _block(ax, 4.8, y - 0.28, 1.1, 0.56, colors[r], f"GeLU -> Y{r}", fontsize=8)
+        _arrow(ax, (5.9, y), (6.3, y))
+        _block(ax, 6.3, y - 0.28, 1.5, 0.56, colors[r], f"Y{r} B{r}  (row)", fontsize=8)
+        _arrow(ax, (7.8, y), (8.4, mid))
+    op(8.75, "g", "fwd: all-reduce\nbwd: identity")
+    _arrow(ax, (9.1, mid), (9.6, mid))
+    _block(ax, 9.6, mid - 0.3, 0.8, 0.6, "#d9d9d9", "Z")
+    ax.set_xlim(-0.1, 10.5)
+    ax.set_ylim(-0.2, top + 0.1)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(f"f and g around a tensor-parallel MLP, t = {tp} (one lane per rank)", loc="left")
+    fig.tight_layout()
+    return fig
+
+
+# --------------------------------------------------------------------------- lab 04: collectives
+def _as_2d(values) -> Optional[np.ndarray]:
+    if values is None:          # this rank holds nothing (e.g. a broadcast receiver before)
+        return None
+    arr = np.asarray(values, dtype=float)
+    if arr.ndim == 0:
+        arr = arr.reshape(1, 1)
+    elif arr.ndim == 1:
+        arr = arr.reshape(1, -1)
+    elif arr.ndim > 2:
+        arr = arr.reshape(-1, arr.shape[-1])
+    return arr
+
+
+def _summary(arr: np.ndarray) -> str:
+    """``2x4, all 3`` / ``1x16: 0 x8, 1 x8`` (runs, when few) / ``8x8``."""
+    shape = f"{arr.shape[0]}x{arr.shape[1]}"
+    flat = arr.ravel()
+    if not flat.size:
+        return shape
+    runs = []
+    for v in flat:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    if len(runs) == 1:
+        return f"{shape}, all {runs[0][0]:g}"
+    if len(runs) <= 4:
+        return f"{shape}: " + ", ".join(f"{v:g} x{n}" for v, n in runs)
+    return shape
+
+
+@_styled
+def plot_collective(title: str, before: Sequence, after: Sequence,
+                    groups: Optional[Sequence[Sequence[int]]] = None,
+                    labels: Sequence[str] = ("before", "after")) -> Figure:
+    """Each rank's tensor before and after a collective, one column per rank.
+
+    ``before``/``after``: per rank (rank order), nested lists or arrays (0-, 1- or 2-D; more
+    dimensions are flattened to 2-D). Small tensors get their values written in; all panels
+    share one colour scale. ``groups`` (e.g. the tensor-parallel groups) are marked above the
+    columns so one sees which ranks talked to each other.
+    """
+    before = [_as_2d(b) for b in before]
+    after = [_as_2d(a) for a in after]
+    if len(before) != len(after):
+        raise ValueError(f"{len(before)} 'before' tensors but {len(after)} 'after' tensors")
+    n = len(before)
+    present = [a.ravel() for a in before + after if a is not None]
+    values = np.concatenate(present) if present else np.zeros(1)
+    vmin, vmax = float(values.min()), float(values.max())
+    if vmin == vmax:
+        vmin, vmax = vmin - 1, vmax + 1
+    fig = _figure(max(6.0, 1.25 * n + 1.0), 3.3)
+    axes = fig.subplots(2, n, squeeze=False)
+    group_of = {}
+    if groups:
+        for i, g in enumerate(groups):
+            for r in g:
+                group_of[r] = i
+    gcolors = group_colors(len(groups)) if groups else []
+    for row, (name, tensors) in enumerate(zip(labels, (before, after))):
+        for r, arr in enumerate(tensors):
+            ax = axes[row, r]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_ylabel(name, fontsize=9)
+            if row == 0:
+                ax.set_title(f"rank {r}", fontsize=9,
+                             color=gcolors[group_of[r]] if r in group_of else "black",
+                             fontweight="bold" if r in group_of else "normal")
+            if arr is None:
+                ax.text(0.5, 0.5, "nothing", ha="center", va="center", fontsize=8,
+                        color="#777777", transform=ax.transAxes)
+                ax.set_xlabel("-", fontsize=7)
+                continue
+            ax.imshow(arr, cmap="viridis", vmin=vmin, vmax=vmax, aspect="auto",
+                      interpolation="nearest")
+            if arr.size <= 16 and arr.shape[1] <= 8:
+                for (i, j), v in np.ndenumerate(arr):
+                    shade = (v - vmin) / (vmax - vmin)
+                    ax.text(j, i, f"{v:g}", ha="center", va="center", fontsize=7,
+                            color="white" if shade < 0.6 else "black")
+            ax.set_xlabel(_summary(arr), fontsize=7)
+    sub = ""
+    if groups:
+        sub = "  (groups: " + " ".join(str(list(g)) for g in groups) + ")"
+    fig.suptitle(title + sub, x=0.01, ha="left", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# Megatron's unit-test layouts, as launch/collectives.py runs them on 8 ranks: (tp, pp).
+COLLECTIVE_LAYOUTS = {"broadcast": (2, 4), "copy": (4, 2), "reduce": (4, 2), "scatter": (4, 2),
+                      "gather": (4, 2), "gather_split": (2, 4), "sequence": (4, 2)}
+
+
+def _filled(values, n):
+    return [float(v) for v in values for _ in range(n)]
+
+
+def collective_views(name: str, results: Sequence[dict]) -> List[tuple]:
+    """``(title, before, after, tp_groups)`` per picture of one test of ``launch/collectives.py``.
+
+    ``results`` are the job's per-rank reports (``job.results``). The *after* side is what each
+    rank reported; the *before* side is the input the test builds on each rank (a rank's own
+    number, an ``arange``...), rebuilt here from the same rule.
+    """
+    tp, pp = COLLECTIVE_LAYOUTS[name]
+    world = len(results)
+    groups = parallel_state.generate_rank_groups(world, tp, pp)["tp"]
+    group_of = {r: g for g in groups for r in g}
+    got = [res["tests"][name] for res in results]
+    ranks = range(world)
+    if name == "broadcast":
+        before = [[0.0, 1.0] if r == group_of[r][0] else None for r in ranks]
+        after = [g["means"] for g in got]
+        return [("broadcast_data([0, 1], ...): keys 0 and 1 (8x8 of 0s, of 1s; means shown) go "
+                 "from each group's first rank to the others", before, after, groups)]
+    if name in ("copy", "reduce"):
+        what = ("copy_to_tensor_model_parallel_region, backward (f: all-reduce)" if name == "copy"
+                else "reduce_from_tensor_model_parallel_region, forward (g: all-reduce)")
+        return [(what, [[float(r)] for r in ranks], [[g["value"]] for g in got], groups)]
+    if name == "scatter":
+        full = np.arange(8 * tp, dtype=float).reshape(8, tp)
+        before = [full for _ in ranks]
+        after = [full[:, g["column"]:g["column"] + 1].T for g in got]
+        return [("scatter_to_tensor_model_parallel_region: each rank keeps its column of the "
+                 f"(8, {tp}) input (shown transposed)", before, after, groups)]
+    if name == "gather":
+        before = [[float(r)] * 8 for r in ranks]
+        after = [_filled(g["blocks"], 8) for g in got]
+        return [("gather_from_tensor_model_parallel_region: all-gather along the last dimension",
+                 before, after, groups)]
+    if name == "gather_split":
+        before = [np.full((2, 4), float(r)) for r in ranks]
+        after = [g["output"] for g in got]
+        return [("gather_split_1d_tensor: the group's flattened (2, 4) tensors, concatenated",
+                 before, after, groups)]
+    if name == "sequence":
+        seq = np.arange(2 * tp * 4, dtype=float).reshape(2 * tp, 4)
+        scatter_after = [seq[g["rows"][0]:g["rows"][1]] for g in got]
+        gather_after = [np.array(_filled(group_of[r], 4)).reshape(tp, 4) for r in ranks]
+        rows = np.array([[float(i)] * 4 for i in range(tp)])
+        rs_after = [[g["reduce_scatter"]] * 4 for g in got]
+        return [
+            (f"scatter_to_sequence_parallel_region: each rank keeps its block of the {2 * tp} "
+             f"sequence rows (dim 0)", [seq for _ in ranks], scatter_after, groups),
+            ("gather_from_sequence_parallel_region: all-gather along the sequence (dim 0)",
+             [[float(r)] * 4 for r in ranks], gather_after, groups),
+            (f"reduce_scatter_to_sequence_parallel_region: sum the ({tp}, 4) inputs, keep row "
+             f"tp_rank", [rows for _ in ranks], rs_after, groups),
+        ]
+    raise ValueError(f"unknown test {name!r}; known: {sorted(COLLECTIVE_LAYOUTS)}")
+
+
+def show_collective(name: str, results: Sequence[dict]) -> List[Figure]:
+    """Display the before/after picture(s) of one collectives test; return the figures."""
+    figs = [plot_collective(title, before, after, groups)
+            for title, before, after, groups in collective_views(name, results)]
+    for fig in figs:
+        _display(fig)
+    return figs
+
+
+def print_log_section(lines: Sequence[str], start: str, end: str) -> None:
+    """Print one section of a rank's log: from the first line starting with ``start`` through
+    the next line starting with ``end`` (both included)."""
+    inside, shown = False, 0
+    for text in lines:
+        inside = inside or text.startswith(start)
+        if inside:
+            print(text)
+            shown += 1
+            if shown > 1 and text.startswith(end):
+                return
+    if not shown:
+        print(f"(no log section starting with {start!r})")
+
+
+def print_test_log(lines: Sequence[str], name: str) -> None:
+    """Print test ``name``'s part of a ``launch/collectives.py`` log (rank 0's lines, which
+    hold every rank's line in rank order): from ``== name`` to ``name: passed ...``."""
+    print_log_section(lines, f"== {name} ", f"{name}: ")
+
+
+def print_parallel_linear(results: Sequence[dict], kind: str = "column") -> None:
+    """One row per rank of a ``launch/parallel_linear.py`` job, floats reduced to verdicts."""
+    print(f"{kind} parallel, tp={results[0]['tp']}")
+    print("rank  tp_rank  A_i            weight         shard = slice of master  "
+          "output == dense  grads within 1e-6")
+    for res in results:
+        r = res[kind]
+        grads = max(r["output_error"], r["input_grad_error"], r["weight_grad_error"]) <= 1e-6
+        exact = ("bit-exact" if r["output_bit_exact"] else
+                 "within 1e-6" if r["output_error"] <= 1e-6 else "NO")
+        print(f"{res['rank']:>4}  {r['tp_rank']:>7}  {str(r['A_shape']):<13}  "
+              f"{str(r['weight_shape']):<13}  {str(r['shard_is_master_slice']):<23}  "
+              f"{exact:<15}  {grads}")
+
+
+# --------------------------------------------------------------------------- figures/
+def figure_catalog() -> Dict[str, Callable[[], Figure]]:
+    """The figures committed under ``figures/``, by file name (built on demand)."""
+    return {
+        "rank_groups_tp2_pp4_16gpu.png": lambda: plot_group_families(16, 2, 4),
+        "rank_groups_tp4_pp2_16gpu.png": lambda: plot_group_families(16, 4, 2),
+        "rank_groups_tp_slowest_16gpu.png": lambda: plot_group_families(16, 2, 4, order="pp-dp-tp"),
+        "column_split_tp2.png": lambda: plot_column_split(1024, 512, 2),
+        "column_split_stride3_tp2.png": lambda: plot_column_split(1024, 768, 2, stride=3),
+        "row_split_tp2.png": lambda: plot_row_split(1024, 512, 2),
+        "fg_mlp_tp2.png": lambda: plot_fg(2),
+    }
+
+
+def save_figure(fig: Figure, path) -> pathlib.Path:
+    """Save ``fig`` as a byte-stable PNG (no software/date metadata, fixed dpi)."""
+    path = pathlib.Path(path)
+    with matplotlib.rc_context(STYLE):
+        fig.savefig(path, dpi=STYLE["savefig.dpi"], metadata={"Software": None},
+                    facecolor="white")
+    return path
+
+
+def save_figures(directory, names: Optional[Iterable[str]] = None) -> List[pathlib.Path]:
+    """Write the catalogue's figures (or only ``names``) into ``directory``; return the paths."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    catalog = figure_catalog()
+    wanted = list(names) if names is not None else list(catalog)
+    unknown = [n for n in wanted if n not in catalog]
+    if unknown:
+        raise ValueError(f"unknown figure(s) {unknown}; known: {sorted(catalog)}")
+    return [save_figure(catalog[name](), directory / name) for name in wanted]

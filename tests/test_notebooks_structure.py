@@ -1,0 +1,189 @@
+"""The committed notebooks are fit for nbval and papermill; the instructor tooling works.
+
+No kernel starts here except in the nbval-plugin test; nbval itself (run by `python -m pytest`
+through pyproject's addopts) executes the notebooks and compares their outputs.
+"""
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from mpu_lab import notebooks
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+LABS = sorted((REPO / "labs").glob("*.ipynb"))
+SANITIZE = REPO / "tests" / "nbval_sanitize.cfg"
+
+
+def test_committed_notebooks_have_no_structural_problems():
+    assert notebooks.structure_problems(REPO) == []
+
+
+def test_the_series_is_start_here_and_labs_01_to_04_at_least():
+    names = [p.name for p in notebooks.notebook_paths(REPO)]
+    assert names[0] == "Start_Here.ipynb"
+    for lab in ("01_rank_groups", "02_column_parallel", "03_row_parallel", "04_collectives"):
+        assert f"{lab}.ipynb" in names
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
+def test_lab_parameters_are_cpu_safe(path):
+    import papermill
+    params = papermill.inspect_notebook(str(path))
+    assert {"world_size", "backend"} <= set(params), sorted(params)
+    assert int(params["world_size"]["default"]) <= 8
+    assert params["backend"]["default"] == '"auto"'
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
+def test_lab_outputs_are_executed_in_order_without_widget_state(path):
+    nb = json.loads(path.read_text())
+    counts = [c["execution_count"] for c in nb["cells"] if c["cell_type"] == "code"]
+    assert counts == list(range(1, len(counts) + 1))      # one clean top-to-bottom run
+    assert "widgets" not in nb["metadata"] and "papermill" not in nb["metadata"]
+    assert nb["metadata"]["kernelspec"]["name"] == "python3"
+
+
+def test_start_here_lists_coming_labs_without_links():
+    text = "\n".join(c.source for c in nbformat.read(REPO / "Start_Here.ipynb", 4).cells
+                     if c.cell_type == "markdown")
+    for lab in ("05", "06", "07"):
+        row = [line for line in text.splitlines() if line.startswith(f"| {lab} ")]
+        assert row and "(coming)" in row[0] and "](" not in row[0]
+
+
+# --------------------------------------------------------------------------- the checker itself
+def write_nb(path, cells, **metadata):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = cells
+    nb.metadata.update({"kernelspec": dict(notebooks.KERNELSPEC)}, **metadata)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(path))
+
+
+def test_structure_checker_flags_what_breaks_nbval_and_papermill(tmp_path):
+    bad = nbformat.v4.new_code_cell("1 / 0")
+    bad.outputs = [nbformat.v4.new_output("error", ename="ZeroDivisionError", evalue="", traceback=[])]
+    bad.execution_count = None
+    write_nb(tmp_path / "labs" / "99_bad.ipynb", [
+        nbformat.v4.new_markdown_cell("# no objectives here, see [gone](missing.ipynb)"),
+        bad,
+        nbformat.v4.new_code_cell("\n".join(f"x{i} = {i}" for i in range(12))),
+    ], widgets={"state": {}})
+    problems = "\n".join(notebooks.structure_problems(tmp_path))
+    for needle in ("saved widget state", "stores an error output", "has outputs but no execution_count",
+                   "0 cells tagged 'parameters'", "links to missing missing.ipynb",
+                   "12 lines of logic", "learning objectives", "lacks a 'Previous' link",
+                   "no torchrun job", "no exercise check"):
+        assert needle in problems, needle
+
+
+def test_structure_checker_follows_anchors_into_other_notebooks(tmp_path):
+    write_nb(tmp_path / "labs" / "01_x.ipynb", [nbformat.v4.new_markdown_cell("## 1. The part")])
+    write_nb(tmp_path / "Start_Here.ipynb", [nbformat.v4.new_markdown_cell(
+        "[ok](labs/01_x.ipynb#1.-The-part) [bad](labs/01_x.ipynb#2.-Nothing)")])
+    problems = [p for p in notebooks.structure_problems(tmp_path) if p.startswith("Start_Here")]
+    assert problems == ["Start_Here.ipynb: cell 0 links to missing labs/01_x.ipynb#2.-Nothing"]
+
+
+def test_clean_strips_widget_state_and_timing_metadata():
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("x")
+    cell.metadata.update(papermill={"duration": 1.0}, execution={"iopub.status.busy": "now"})
+    cell.outputs = [nbformat.v4.new_output("display_data", data={
+        "text/plain": "interactive(...)", "application/vnd.jupyter.widget-view+json": {"model_id": "a"}})]
+    nb.cells = [cell]
+    nb.metadata.update(widgets={"state": {}}, papermill={"parameters": {}})
+    notebooks.clean(nb)
+    assert "widgets" not in nb.metadata and "papermill" not in nb.metadata
+    assert nb.metadata.kernelspec["name"] == "python3"
+    assert cell.metadata == {} and list(cell.outputs[0].data) == ["text/plain"]
+
+
+def test_only_selects_by_number_or_stem():
+    paths = notebooks.notebook_paths(REPO)
+    assert [p.stem for p in notebooks.select(paths, ["01"])] == ["01_rank_groups"]
+    assert [p.stem for p in notebooks.select(paths, ["Start_Here", "03_row_parallel"])] == \
+        ["Start_Here", "03_row_parallel"]
+    with pytest.raises(SystemExit, match="matches no notebook"):
+        notebooks.select(paths, ["42"])
+
+
+def test_example_instructor_parameters_resolve_for_every_lab():
+    params = notebooks.load_params(REPO / "labs" / "params_8gpu.yaml")
+    paths = notebooks.notebook_paths(REPO)
+    notebooks.check_param_sections(paths, params)
+    got = {p.stem: notebooks.params_for(p, nbformat.read(p, 4), params) for p in paths}
+    assert got["Start_Here"] == {}
+    assert got["01_rank_groups"] == {"world_size": 8, "backend": "nccl", "tp": 4, "pp": 2}
+    assert got["02_column_parallel"]["tp"] == 8 and got["04_collectives"]["backend"] == "nccl"
+
+
+def test_parameter_typos_are_refused(tmp_path):
+    paths = notebooks.notebook_paths(REPO)
+    lab = REPO / "labs" / "01_rank_groups.ipynb"
+    with pytest.raises(SystemExit, match=r"\['tpp'\] not in its parameters cell"):
+        notebooks.params_for(lab, nbformat.read(lab, 4), {"01": {"tpp": 4}})
+    with pytest.raises(SystemExit, match="defined by no notebook"):
+        notebooks.check_param_sections(paths, {"all": {"wrld_size": 8}})
+    with pytest.raises(SystemExit, match="names no notebook"):
+        notebooks.check_param_sections(paths, {"99_nothing": {"tp": 2}})
+
+
+def test_regenerate_command_line_help_documents_the_yaml_format():
+    out = subprocess.run([sys.executable, "-m", "mpu_lab.notebooks", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "regenerate" in out and "figures" in out and "all:" in out
+
+
+# --------------------------------------------------------------------------- nbval configuration
+def test_sanitize_file_is_well_formed_and_normalises_machine_details():
+    text = SANITIZE.read_text()
+    pairs = re.findall(r"^regex: (.*)$\n^replace: (.*)$", text, flags=re.MULTILINE)
+    assert len(pairs) == text.count("\nregex: ") + text.startswith("regex: ")
+    assert all(replace.strip() for _, replace in pairs)      # a bare `replace:` is dropped
+
+    def sanitize(s):
+        for regex, replace in pairs:
+            s = re.sub(regex, replace, s)
+        return s
+
+    assert sanitize("tensor([6.], device='cuda:2')") == sanitize("tensor([6.])") == "tensor([6.])"
+    assert sanitize("at 0x7f3a9c2b1d30>") == "at 0xADDR>"
+    assert sanitize("took 12.3 s") == "took TIME"
+    assert sanitize("tcp://localhost:29500") == sanitize("tcp://127.0.0.1:41234")
+    assert sanitize("backend nccl") == sanitize("backend gloo")
+    assert sanitize("/tmp/mpu_lab_run_abc/logs, x") == "TMPPATH, x"
+
+
+def test_pytest_runs_nbval_with_the_sanitize_file_and_the_stderr_plugin():
+    import tomllib
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert {"tests", "Start_Here.ipynb", "labs"} <= set(config["testpaths"])
+    for option in ("--nbval", "--nbval-current-env", "--nbval-sanitize-with tests/nbval_sanitize.cfg",
+                   "-p mpu_lab.notebooks"):
+        assert option in config["addopts"]
+
+
+def test_nbval_plugin_ignores_stderr_but_still_compares_stdout(tmp_path):
+    def notebook(name, stored_stdout):
+        cell = nbformat.v4.new_code_cell("import sys\nprint('out')\nprint('warning', file=sys.stderr)")
+        cell.execution_count = 1
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=stored_stdout),
+                        nbformat.v4.new_output("stream", name="stderr", text="an older warning\n")]
+        write_nb(tmp_path / name, [cell])
+
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")    # keep this repo's addopts out
+    notebook("stderr_differs.ipynb", "out\n")
+    notebook("stdout_differs.ipynb", "something else\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(tmp_path / "pytest.ini"),
+         "--rootdir", str(tmp_path), "--nbval", "--nbval-current-env", "-p", "mpu_lab.notebooks",
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert "1 failed, 1 passed" in run.stdout, run.stdout[-2000:]
+    assert "stdout_differs.ipynb::Cell 0" in run.stdout
