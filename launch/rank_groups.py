@@ -1,0 +1,53 @@
+"""Every rank builds Megatron's process groups and says which groups it is in (lab 01).
+
+    torchrun --standalone --nproc-per-node 8 launch/rank_groups.py --tp 2 --pp 2
+
+From a notebook: ``mpu_lab.launch.run("rank_groups.py", ["--tp", 2, "--pp", 2], nproc=8)``.
+
+Each rank calls ``initialize_model_parallel`` (every rank creates every group, as
+``torch.distributed.new_group`` requires), prints one line with its coordinates and its
+tensor / data / pipeline groups, then all-reduces its own rank number over each of those three
+groups: the sums prove the process groups really connect those ranks. It reports
+``parallel_state.describe()`` plus the sums to :func:`mpu_lab.launch.report`.
+"""
+import argparse
+
+import torch
+
+from mpu_lab import comm, distributed, launch
+from mpu_lab import parallel_state as ps
+
+FAMILIES = {"tp": ps.get_tensor_model_parallel_group, "dp": ps.get_data_parallel_group,
+            "pp": ps.get_pipeline_model_parallel_group}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2, help="tensor-model-parallel size t")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline-model-parallel size p")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size c")
+    parser.add_argument("--order", default=ps.DEFAULT_ORDER,
+                        help="parallel dimensions, fastest-varying first (default %(default)s)")
+    return parser.parse_args(argv)
+
+
+@launch.entrypoint
+def main(argv=None):
+    args = parse_args(argv)
+    distributed.init()   # backend: MPU_LAB_BACKEND (auto, gloo, nccl)
+    ps.initialize_model_parallel(args.tp, args.pp, args.cp, order=args.order)
+    info = ps.describe()
+    sums = {}
+    for name, get_group in FAMILIES.items():
+        mine = torch.tensor([float(info["rank"])], device=distributed.get_device())
+        sums[name] = int(comm.all_reduce(mine, group=get_group()).item())
+    groups = info["groups"]
+    print(f"rank {info['rank']}: tp_rank {info['tp_rank']}, dp_rank {info['dp_rank']}, "
+          f"pp_rank {info['pp_rank']} | tp {groups['tp']} dp {groups['dp']} pp {groups['pp']} "
+          f"| all-reduce of ranks over tp {sums['tp']}, dp {sums['dp']}, pp {sums['pp']}")
+    launch.report(dict(info, sums=sums))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
