@@ -108,13 +108,19 @@ class _LeaveBackwardRegion(torch.autograd.Function):
         return grad, None
 
 
+def _compiling() -> bool:
+    # Under torch.compile the tags are left out (a side effect in backward breaks the graph).
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
 def tag_backward_output(tensor: torch.Tensor, tag: str) -> torch.Tensor:
     """Apply to a region's output in forward: its backward collectives are labelled ``tag``.
 
     Identity in forward; in backward it sets the tag that :func:`_record` uses when no
     :func:`comm_tag` block is open. A no-op when ``tensor`` does not require grad.
     """
-    if torch.is_grad_enabled() and tensor.requires_grad:
+    if torch.is_grad_enabled() and tensor.requires_grad and not _compiling():
         return _EnterBackwardRegion.apply(tensor, tag)
     return tensor
 
@@ -122,7 +128,7 @@ def tag_backward_output(tensor: torch.Tensor, tag: str) -> torch.Tensor:
 def tag_backward_input(tensor: torch.Tensor, tag: str) -> torch.Tensor:
     """Apply to a region's input in forward: when the backward pass reaches it the region's
     backward is over and the tag ``tag`` (set by :func:`tag_backward_output`) is cleared."""
-    if torch.is_grad_enabled() and tensor.requires_grad:
+    if torch.is_grad_enabled() and tensor.requires_grad and not _compiling():
         return _LeaveBackwardRegion.apply(tensor, tag)
     return tensor
 
