@@ -191,7 +191,8 @@ def communication_plan(steps: List[Tuple[Op, ...]], pipeline_parallel_size: int,
 
 
 def verify_communication(schedule: str, pipeline_parallel_size: int, num_microbatches: int,
-                         num_model_chunks: int = 1, forward_only: bool = False) -> int:
+                         num_model_chunks: int = 1, forward_only: bool = False,
+                         one_op_per_step: bool = False) -> int:
     """Replay every stage's boundaries under the strictest point-to-point rules and raise
     ``RuntimeError`` on a deadlock or a mismatched message. Returns the number of messages.
 
@@ -199,10 +200,18 @@ def verify_communication(schedule: str, pipeline_parallel_size: int, num_microba
     (rendezvous), messages between two ranks are matched in the order they were posted
     (tags ignored — with ``p = 2`` both directions share one pair of ranks), and a stage waits
     for its whole batch before it computes on.
+
+    ``one_op_per_step=True`` communicates after every single op instead of after each step:
+    that deadlocks the interleaved schedule (try it), which is why the steady state pairs a
+    forward with a backward.
     """
     p, m, v = pipeline_parallel_size, num_microbatches, num_model_chunks
-    plans = [communication_plan(schedule_steps(schedule, p, r, m, v, forward_only), p, r, v)
-             for r in range(p)]
+    plans = []
+    for r in range(p):
+        steps = schedule_steps(schedule, p, r, m, v, forward_only)
+        if one_op_per_step:
+            steps = [(op,) for step in steps for op in step]
+        plans.append(communication_plan(steps, p, r, v))
     position = [0] * p                          # index of the boundary each rank is waiting in
     done: Dict[Tuple[int, int], set] = {}       # (rank, boundary) -> completed sides
     sends: Dict[Tuple[int, int], deque] = defaultdict(deque)   # (src, dst) -> posted sends

@@ -1,0 +1,100 @@
+"""Pipeline parallelism on 4 real ranks (gloo): p2p wrappers, and GPipe / 1F1B / interleaved at
+PP=4 and PP=2 x DP=2 against the single-process toy model (losses, every gradient, the tied
+embedding), the executed order, peak in-flight activations, and the measured bubble."""
+import math
+import pathlib
+
+import pytest
+
+from mpu_lab.launch import run
+from mpu_lab.pipeline_parallel import measured_bubble, plot_gantt, schedule_order, simulate
+from mpu_lab.pipeline_parallel.order import communication_plan, schedule_steps
+
+HERE = pathlib.Path(__file__).parent
+pytestmark = pytest.mark.slow
+RTOL = 1e-5
+RUNS = [(4, None, "gpipe"), (4, None, "1f1b"), (4, 2, "interleaved"),
+        (2, None, "gpipe"), (2, None, "1f1b"), (2, 2, "interleaved")]   # as in mp/pipeline_checks.py
+FUNCTIONS = {"gpipe": "forward_backward_pipelining_gpipe",
+             "1f1b": "forward_backward_pipelining_without_interleaving",
+             "interleaved": "forward_backward_pipelining_with_interleaving"}
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return run(HERE / "mp" / "pipeline_checks.py", nproc=4, timeout_s=180, show="none").results
+
+
+@pytest.mark.parametrize("pp", [4, 2])
+def test_p2p_wrappers_carry_activations_forward_and_gradients_back(reports, pp):
+    weights = [k + 2 for k in range(pp)]            # stage k multiplies by k + 2
+    for rank, report in enumerate(reports):
+        got = report["p2p"][str(pp)]
+        r = rank // (4 // pp)                       # pipeline rank (order tp-cp-dp-pp)
+        assert got["forward_value"] == math.prod(weights[:r])
+        assert got["weight_grad"] == math.prod(weights[:r]) * math.prod(weights[r + 1:])
+        assert (got["sends"], got["recvs"]) == ((1, 1) if r in (0, pp - 1) else (2, 2))
+        assert got["ring_ok"], (pp, rank)
+        assert "(5,)" in got["shape_error"] and "(2, 3, 4)" in got["shape_error"]
+
+
+@pytest.mark.parametrize("index", range(len(RUNS)), ids=[f"pp{p}-{s}" for p, _, s in RUNS])
+def test_losses_and_gradients_equal_the_single_process_model(reports, index):
+    pp, vpp, schedule = RUNS[index]
+    last_stage_ranks = 0
+    for report in reports:
+        got = report["runs"][index]
+        assert (got["pp"], got["vpp"], got["schedule"]) == (pp, vpp, schedule)
+        assert got["fn"] == FUNCTIONS[schedule]
+        assert got["emb_synced"]                                   # last stage's copy == first's
+        assert max(got["grad_rel"]) <= RTOL, got["grad_rel"]       # incl. the tied embedding
+        if got["pp_rank"] == pp - 1:
+            last_stage_ranks += 1
+            assert len(got["loss_rel"]) == 3 and max(got["loss_rel"]) <= RTOL
+            assert got["eval_rel"] <= RTOL                          # forward_only
+        else:
+            assert got["loss_rel"] == []
+        assert got["eval_no_grads"]
+    assert last_stage_ranks == 4 // pp                             # one per data-parallel replica
+
+
+@pytest.mark.parametrize("index", range(len(RUNS)), ids=[f"pp{p}-{s}" for p, _, s in RUNS])
+def test_ranks_execute_the_order_the_simulator_uses(reports, index):
+    pp, vpp, schedule = RUNS[index]
+    v = vpp or 1
+    for report in reports:
+        got = report["runs"][index]
+        r, m, stats = got["pp_rank"], got["m"], got["stats"]
+        expected = [list(op) for op in schedule_order(schedule, pp, r, m, v)]
+        assert [rec[:3] for rec in stats["records"]] == expected
+        assert got["eval_order"] == [list(op) for op in schedule_order(schedule, pp, r, m, v, True)]
+        plan = communication_plan(schedule_steps(schedule, pp, r, m, v), pp, r, v)
+        assert stats["messages_sent"] == sum(len(b.sends) for b in plan)
+        assert stats["messages_received"] == sum(len(b.recvs) for b in plan)
+        for _, _, _, start, end in stats["records"]:
+            assert end >= start
+
+
+@pytest.mark.parametrize("index", range(len(RUNS)), ids=[f"pp{p}-{s}" for p, _, s in RUNS])
+def test_measured_peak_in_flight_activations(reports, index):
+    pp, vpp, schedule = RUNS[index]
+    for report in reports:
+        got = report["runs"][index]
+        r, m, peak = got["pp_rank"], got["m"], got["stats"]["peak_in_flight"]
+        assert peak == simulate(schedule, pp, m, vpp or 1).peak_in_flight[r]
+        if schedule == "1f1b":
+            assert peak == pp - r and peak <= pp                    # at most p on the first stage
+        if schedule == "gpipe":
+            assert peak == m                                        # all micro-batches
+
+
+def test_wall_clock_timeline_is_drawn_with_the_measured_bubble(reports, tmp_path):
+    index = RUNS.index((4, None, "1f1b"))
+    records = [[tuple(rec) for rec in report["runs"][index]["stats"]["records"]] for report in reports]
+    got = measured_bubble(records, num_microbatches=8)
+    assert got["analytic_share"] == pytest.approx(3 / 11)
+    assert 0.0 < got["measured_share"] < 1.0                       # indicative on a shared CPU
+    fig = plot_gantt(records, title="1F1B, p=4, m=8 (measured)", time_unit="s")
+    fig.savefig(tmp_path / "gantt.png")
+    assert (tmp_path / "gantt.png").stat().st_size > 0
+    assert len(fig.axes[0].collections) == 4 * 16
