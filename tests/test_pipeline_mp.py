@@ -94,7 +94,7 @@ def test_wall_clock_timeline_is_drawn_with_the_measured_bubble(reports, tmp_path
     got = measured_bubble(records, num_microbatches=8)
     assert got["analytic_share"] == pytest.approx(3 / 11)
     assert 0.0 < got["measured_share"] < 1.0                       # indicative on a shared CPU
-    fig = plot_gantt(records, title="1F1B, p=4, m=8 (measured)", time_unit="s")
+    fig = plot_gantt(records, title="1F1B, p=4, m=8 (measured)", time_unit="ms")
     fig.savefig(tmp_path / "gantt.png")
     assert (tmp_path / "gantt.png").stat().st_size > 0
     assert len(fig.axes[0].collections) == 4 * 16

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from mpu_lab import distributed
+from mpu_lab import comm, distributed
 from mpu_lab import parallel_state as ps
 from mpu_lab.pipeline_parallel import p2p_communication as p2p
 from mpu_lab.pipeline_parallel.order import (
@@ -232,6 +232,9 @@ def run_schedule(schedule: str, *, forward_step_func: Callable, data_iterator, m
         else:
             grad = received.pop(("B", mb, chunk))
             torch.autograd.backward(output_tensor, grad_tensors=grad.to(output_tensor.dtype))
+        # A layer's backward-region tag (comm.tag_backward_output) must not label the sends
+        # that follow.
+        comm.clear_backward_tag()
         if stage > 0:
             if input_tensor.grad is None:
                 raise RuntimeError(f"stage {stage}: its input got no gradient in micro-batch "

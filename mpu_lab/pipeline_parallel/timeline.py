@@ -147,8 +147,8 @@ def plot_gantt(records: Sequence[Sequence[Record]], title: Optional[str] = None,
     orange, odd model chunks lighter; the number in a box is its micro-batch.
 
     ``records`` come from :func:`simulate` (``.records``) or from the ranks of a real run
-    (times in seconds are shifted to start at 0; pass ``time_unit="s"``). Returns the
-    matplotlib ``Figure`` (drawn into ``ax`` when given).
+    (times in seconds are shifted to start at 0; pass ``time_unit="s"`` or ``"ms"``, which
+    scales them by 1000). Returns the matplotlib ``Figure`` (drawn into ``ax`` when given).
     """
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -159,12 +159,13 @@ def plot_gantt(records: Sequence[Sequence[Record]], title: Optional[str] = None,
         ax = fig.add_subplot(1, 1, 1)
     else:
         fig = ax.figure
+    factor = 1000.0 if time_unit == "ms" else 1.0
     t0 = min(float(r[3]) for recs in records for r in recs)
-    span = max(float(r[4]) for recs in records for r in recs) - t0
+    span = (max(float(r[4]) for recs in records for r in recs) - t0) * factor
     for stage, recs in enumerate(records):
         y = len(records) - 1 - stage
         for kind, mb, chunk, start, end in recs:
-            x, w = float(start) - t0, float(end) - float(start)
+            x, w = (float(start) - t0) * factor, (float(end) - float(start)) * factor
             ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=_COLORS[(kind, chunk % 2)],
                            edgecolor="white", linewidth=0.5)
             if label_microbatches and w > span / 60:
