@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import pathlib
 import re
 import sys
@@ -51,9 +50,14 @@ def notebook_paths(root: pathlib.Path = REPO_ROOT) -> List[pathlib.Path]:
     return start + sorted((root / "labs").glob("*.ipynb"))
 
 
-def _matches(path: pathlib.Path, selector: str) -> bool:
+def _matches(path: pathlib.Path, selector) -> bool:
+    """``selector`` names ``path``: its stem, its number (``"01"``, or YAML's int ``1``), or a
+    leading part of the stem up to an underscore (``"start"`` for ``Start_Here``)."""
     stem, sel = path.stem.lower(), str(selector).lower()
-    return stem == sel or stem.startswith(sel + "_") or stem.startswith(sel)
+    number = stem.split("_", 1)[0]
+    if sel.isdigit() and number.isdigit():
+        return int(sel) == int(number)
+    return stem == sel or stem.startswith(sel + "_")
 
 
 def select(paths: Sequence[pathlib.Path], only: Optional[Iterable[str]]) -> List[pathlib.Path]:

@@ -109,6 +109,7 @@ def test_only_selects_by_number_or_stem():
     assert [p.stem for p in notebooks.select(paths, ["01"])] == ["01_rank_groups"]
     assert [p.stem for p in notebooks.select(paths, ["Start_Here", "03_row_parallel"])] == \
         ["Start_Here", "03_row_parallel"]
+    assert [p.stem for p in notebooks.select(paths, [2, "start"])] == ["Start_Here", "02_column_parallel"]
     with pytest.raises(SystemExit, match="matches no notebook"):
         notebooks.select(paths, ["42"])
 
