@@ -198,7 +198,11 @@ def regenerate(paths: Sequence[pathlib.Path], params: Optional[Dict[str, dict]] 
                   f"{first[-1] if first else type(exc).__name__}", file=out, flush=True)
             continue
         seconds = time.monotonic() - start
-        target = pathlib.Path(output_dir) / path.relative_to(REPO_ROOT) if output_dir else path
+        target = path
+        if output_dir:
+            inside = path.resolve().is_relative_to(REPO_ROOT)
+            target = pathlib.Path(output_dir) / (path.resolve().relative_to(REPO_ROOT) if inside
+                                                 else path.name)
         target.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, str(target))
         times[path.name] = seconds

@@ -3,6 +3,7 @@
 No kernel starts here except in the nbval-plugin test; nbval itself (run by `python -m pytest`
 through pyproject's addopts) executes the notebooks and compares their outputs.
 """
+import io
 import json
 import pathlib
 import re
@@ -133,6 +134,22 @@ def test_parameter_typos_are_refused(tmp_path):
         notebooks.check_param_sections(paths, {"all": {"wrld_size": 8}})
     with pytest.raises(SystemExit, match="names no notebook"):
         notebooks.check_param_sections(paths, {"99_nothing": {"tp": 2}})
+
+
+def test_regenerate_writes_back_only_what_ran_cleanly(tmp_path):
+    good, bad = tmp_path / "good.ipynb", tmp_path / "bad.ipynb"
+    write_nb(good, [nbformat.v4.new_code_cell("n = 2\nprint(n * 3)")])
+    write_nb(bad, [nbformat.v4.new_code_cell("raise ValueError('boom')")])
+    before = bad.read_bytes()
+    log = io.StringIO()
+    with pytest.raises(SystemExit, match="failed: bad.ipynb"):
+        notebooks.regenerate([good, bad], out=log)
+    assert bad.read_bytes() == before
+    cell = nbformat.read(good, 4).cells[0]
+    assert cell.execution_count == 1 and cell.outputs[0].text == "6\n"
+    lines = log.getvalue().splitlines()
+    assert "written" in lines[0] and "FAILED, not written" in lines[1] and "boom" in lines[1]
+    assert lines[2].startswith("total") and "(1 written, 1 failed)" in lines[2]
 
 
 def test_regenerate_command_line_help_documents_the_yaml_format():
