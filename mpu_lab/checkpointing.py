@@ -34,6 +34,7 @@ import os
 import pathlib
 import re
 import sys
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -390,7 +391,9 @@ def consolidate(path, out_file=None, include_optimizer: bool = False) -> Dict[st
     prefixes = ("model.", "optimizer.") if include_optimizer else ("model.",)
     sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
           for k, m in saved.items() if k.startswith(prefixes) and hasattr(m, "size")}
-    dcp.load(sd, checkpoint_id=str(d), no_dist=True)
+    with warnings.catch_warnings():   # "torch.distributed is disabled ...": single process on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=str(d), no_dist=True)
     out = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
     if out_file is not None:
         torch.save(out, out_file)

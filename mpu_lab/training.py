@@ -418,7 +418,7 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
         from torch.nn.parallel import DistributedDataParallel as DDP
         group = parallel_state.get_data_parallel_group()
         ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
-                        process_group=group, broadcast_buffers=False)
+                        process_group=group)   # GPTModel has no buffers to sync
         ddp_model.register_comm_hook((group, dp), _ddp_counted_allreduce_hook)
     optimizer = build_optimizer(model, args)
     scheduler = build_scheduler(optimizer, args)
