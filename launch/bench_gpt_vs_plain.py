@@ -49,7 +49,7 @@ def parse(argv):
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--precision", choices=["fp32", "bf16-autocast", "bf16"], default=None,
                    help="default: bf16 (parameters and activations) on a GPU, fp32 on the CPU")
-    p.add_argument("--rounds", type=int, default=10, help="interleaved blocks per model")
+    p.add_argument("--rounds", type=int, default=16, help="interleaved blocks per model")
     p.add_argument("--steps", type=int, default=None, help="steps per block (default 2 CPU, 10 GPU)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per model first")
     p.add_argument("--compile", action="store_true", help="torch.compile both models")

@@ -52,7 +52,7 @@ def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
 class LanguageModelEmbedding(torch.nn.Module):
     """Word (vocab-parallel) plus learned position embeddings, then dropout.
 
-    ``forward(input_ids [b, s], position_ids [b, s])`` -> ``[s, b, D]`` (sequence-first), or
+    ``forward(input_ids [b, s], position_ids [b, s] or [s])`` -> ``[s, b, D]`` (sequence-first), or
     this rank's ``[s/t, b, D]`` with sequence parallelism.
     """
 
@@ -72,7 +72,7 @@ class LanguageModelEmbedding(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         words = self.word_embeddings(input_ids)                      # [b, s, D], all-reduced
-        positions = self.position_embeddings(position_ids)           # [b, s, D]
+        positions = self.position_embeddings(position_ids)           # [b, s, D] or [s, D]
         embeddings = (words + positions).transpose(0, 1).contiguous()  # [s, b, D]
         if self.config.sequence_parallel:
             # Keep this rank's block of tokens; each block needs its own dropout mask.
@@ -81,8 +81,9 @@ class LanguageModelEmbedding(torch.nn.Module):
                 else contextlib.nullcontext()
         else:
             rng = contextlib.nullcontext()
-        with rng:
-            embeddings = F.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
+        if self.training and self.config.hidden_dropout > 0:
+            with rng:
+                embeddings = F.dropout(embeddings, p=self.config.hidden_dropout, training=True)
         return embeddings
 
 
@@ -141,9 +142,8 @@ class GPTModel(torch.nn.Module):
                 labels: Optional[torch.Tensor] = None,
                 decoder_input: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.pre_process:
-            if position_ids is None:
-                s = input_ids.size(1)
-                position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+            if position_ids is None:   # [s], broadcast over the batch
+                position_ids = torch.arange(input_ids.size(1), device=input_ids.device)
             with comm.comm_tag("embedding.forward"):
                 hidden = self.embedding(input_ids, position_ids)      # [s, b, D] (or [s/t, b, D])
             hidden = comm.tag_backward_output(hidden, "embedding.backward")

@@ -146,8 +146,9 @@ class ParallelTransformerLayer(torch.nn.Module):
     def _bias_dropout_add(self, x, bias, residual):
         if bias is not None:
             x = x + bias
-        with _hidden_dropout_context(self.config, self.training):
-            x = F.dropout(x, p=self.config.hidden_dropout, training=self.training)
+        if self.training and self.config.hidden_dropout > 0:
+            with _hidden_dropout_context(self.config, self.training):
+                x = F.dropout(x, p=self.config.hidden_dropout, training=True)
         return residual + x
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
