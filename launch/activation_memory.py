@@ -1,0 +1,57 @@
+"""Measure the activation memory of one transformer layer at TP = t, without and with sequence
+parallelism, against Korthikanti et al. 2022 (lab 05).
+
+    torchrun --standalone --nproc-per-node 2 launch/activation_memory.py --tp 2 \
+        --seq 128 --batch 2 --hidden 64 --heads 8 [--attention explicit sdpa]
+
+Every rank builds one ``ParallelTransformerLayer`` (dropout 0, fp32), runs its forward on its
+part of a batch and counts, through ``torch.autograd.graph.saved_tensors_hooks``, the bytes
+autograd keeps for backward (:mod:`mpu_lab.models.memory`). Rank 0 prints the table; every
+rank reports ``{"tp": t, "rows": [...]}``: for each ``--attention`` implementation a row
+without and one with SP, each holding the measured bytes, this package's terms and the
+paper's. From a notebook::
+
+    job = mpu_lab.launch.run("activation_memory.py", ["--tp", 2], nproc=2, show="none")
+"""
+import argparse
+import sys
+
+from mpu_lab import distributed, launch, parallel_state
+from mpu_lab.models import TransformerConfig, memory
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size t (= ranks)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length s")
+    p.add_argument("--batch", type=int, default=2, help="micro-batch size b")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size h")
+    p.add_argument("--heads", type=int, default=8, help="attention heads a")
+    p.add_argument("--attention", choices=["explicit", "sdpa"], nargs="+", default=["explicit"],
+                   help="explicit softmax (keeps the s x s scores) and/or SDPA")
+    p.add_argument("--activation", choices=["gelu", "relu"], default="gelu")
+    p.add_argument("--quiet", action="store_true", help="report only, print nothing")
+    return p.parse_args(argv)
+
+
+@launch.entrypoint
+def main(argv=None):
+    a = parse(argv)
+    # a shape that cannot be split fails here, before any communication
+    TransformerConfig(num_layers=1, hidden_size=a.hidden, num_attention_heads=a.heads,
+                      sequence_parallel=True).check(a.tp, a.seq)
+    distributed.init()
+    parallel_state.initialize_model_parallel(a.tp)
+    rows = [memory.measured_row(a.seq, a.batch, a.hidden, a.heads, sp, impl, a.activation)
+            for impl in a.attention for sp in (False, True)]
+    per_rank = launch.gather_lines(" ".join(str(r["measured"]) for r in rows))
+    if per_rank is not None and not a.quiet:
+        print(memory.format_comparison(rows, a.seq, a.batch, a.hidden, a.heads))
+        print("bytes measured on each rank (in the rows' order): "
+              + "; ".join(f"rank {i}: {line}" for i, line in enumerate(per_rank)))
+    launch.report({"tp": a.tp, "rows": rows})
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

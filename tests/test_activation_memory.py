@@ -1,0 +1,130 @@
+"""Activation memory per layer: Korthikanti et al. 2022's formulas (mpu_lab.perf), their terms,
+and what autograd really keeps for one ParallelTransformerLayer (mpu_lab.models.memory)."""
+import pytest
+import torch
+
+from mpu_lab import training
+from mpu_lab.launch import run
+from mpu_lab.models import memory
+from mpu_lab.perf import activation_memory_per_layer
+
+# GPT-3 175B as in the paper's Table 3: a = 96 heads, h = 12288, s = 2048, t = 8.
+GPT3 = dict(s=2048, b=1, h=12288, a=96)
+SMALL = dict(s=128, b=2, h=64, a=8)        # lab 05's layer: 5as/h = 80, like GPT-3
+
+
+@pytest.fixture(scope="module")
+def world():
+    import os
+
+    from mpu_lab import distributed
+    before = dict(os.environ)
+    training.init_single_process(backend="gloo")
+    yield
+    distributed.shutdown()
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in before:
+            os.environ.pop(key, None)
+
+
+# --------------------------------------------------------------------------- the formulas
+def test_gpt3_attention_term_is_80_and_the_three_rows_give_the_papers_bytes():
+    s, b, h, a = GPT3.values()
+    assert 5 * a * s / h == 80
+    sbh = s * b * h
+    assert activation_memory_per_layer(s, b, h, a) == sbh * 114 == 2_868_903_936
+    assert activation_memory_per_layer(s, b, h, a, t=8) == sbh * (10 + 3 + 10) == 578_813_952
+    assert activation_memory_per_layer(s, b, h, a, t=8, sp=True) == sbh * 114 / 8 == 358_612_992
+
+
+def test_at_t1_all_rows_agree_and_sequence_parallelism_divides_everything_by_t():
+    s, b, h, a = GPT3.values()
+    none = activation_memory_per_layer(s, b, h, a)
+    assert activation_memory_per_layer(s, b, h, a, 1, sp=True) == none
+    for t in (2, 4, 8):
+        assert activation_memory_per_layer(s, b, h, a, t, sp=True) == pytest.approx(none / t)
+        # TP alone leaves 10 sbh replicated on every rank
+        tp_only = activation_memory_per_layer(s, b, h, a, t)
+        assert tp_only - activation_memory_per_layer(s, b, h, a, t, sp=True) == \
+            pytest.approx(10 * s * b * h * (1 - 1 / t))
+
+
+def test_formula_rejects_sizes_below_one():
+    with pytest.raises(ValueError, match="t must be >= 1"):
+        activation_memory_per_layer(1, 1, 1, 1, t=0)
+
+
+@pytest.mark.parametrize("t,sp", [(1, False), (2, False), (2, True), (4, False), (8, True)])
+def test_papers_terms_add_up_to_its_formula(t, sp):
+    for shape in (GPT3, SMALL):
+        terms = memory.paper_terms(**shape, t=t, sequence_parallel=sp)
+        assert memory.total(terms) == activation_memory_per_layer(**shape, t=t, sp=sp)
+
+
+def test_terms_refuse_a_split_that_does_not_divide():
+    with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 3"):
+        memory.paper_terms(s=128, b=2, h=64, a=8, t=3)
+
+
+def test_mpu_lab_terms_are_the_papers_in_fp32_without_dropout_plus_bookkeeping():
+    s, b, h, a = SMALL.values()
+    sbh = s * b * h
+    ours = memory.total(memory.mpu_lab_terms(s, b, h, a))
+    # 4-byte values, no masks, no separate dropout output: 2 x sbh (32 + 2as/h)
+    assert ours == 2 * sbh * (32 + 2 * a * s // h) + 16 * s * b + s * s
+    # with SP the two gathered inputs stay full size: 2 x 4 sbh (1 - 1/t) above the paper's /t
+    t = 2
+    sp = memory.total(memory.mpu_lab_terms(s, b, h, a, t, True))
+    megatron_like = memory.total(memory.layer_activation_terms(
+        s, b, h, a, t, True, bytes_per_value=4, dropout=False, layernorm_stats=True,
+        causal_mask=True))
+    assert sp - megatron_like == 8 * sbh * (t - 1) // t
+
+
+# --------------------------------------------------------------------------- measuring
+def test_saved_tensors_counts_each_storage_once_and_leaves_out_the_weights():
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    with memory.SavedTensors(exclude=[w]) as saved:
+        y = x @ w              # saves x (and w, excluded)
+        z = (x.view(2, 16) * 2).sum() + torch.tanh(y).sum()   # tanh saves its output
+    assert saved.bytes == x.numel() * 4 + y.numel() * 4
+    assert [n for n, _, _ in saved.listing()] == [128, 128]
+    z.backward()               # the counted tensors still serve the backward pass
+    assert w.grad is not None
+
+
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_measured_bytes_at_tp1_equal_the_mpu_lab_terms_exactly(world, attention, activation):
+    row = memory.measured_row(**SMALL, attention_impl=attention, activation=activation)
+    assert row["measured"] == row["model"]
+
+
+def test_sdpa_keeps_no_s_by_s_tensor(world):
+    explicit = memory.measured_row(**SMALL)
+    sdpa = memory.measured_row(**SMALL, attention_impl="sdpa")
+    s, b, h, a = SMALL.values()
+    assert explicit["measured"] - sdpa["measured"] == 4 * a * s * s * b + s * s - 4 * a * s * b
+    assert all(shape[-1] != s or len(shape) < 2 or shape[-2] != s for _, shape, _ in sdpa["saved"])
+
+
+@pytest.mark.slow
+def test_tp2_job_measures_the_mpu_lab_terms_and_the_papers_ratios(world):
+    rows = run("activation_memory.py", ["--tp", 2, "--attention", "explicit", "sdpa", "--quiet"],
+               nproc=2, show="none", timeout_s=180).results
+    assert rows[0] == rows[1]                      # both ranks keep the same bytes
+    tp1 = memory.measured_row(**SMALL)
+    tp2, tp2_sp, sdpa, sdpa_sp = rows[0]["rows"]
+    for row in (tp2, tp2_sp, sdpa, sdpa_sp):
+        assert row["measured"] == row["model"], memory.config_name(row)
+    s, b, h, a = SMALL.values()
+    sbh = s * b * h
+    # TP=2 keeps (16 + 48/2) sbh + 4as^2b/2 (+ LayerNorm statistics and the causal mask)
+    assert tp2["measured"] == 4 * sbh * (4 + 12 // 2) + 4 * a * s * s * b // 2 + 16 * s * b + s * s
+    # the ratios follow the paper's within a few percent; SP saves exactly the replicated
+    # LayerNorm inputs and their statistics (the gathered f inputs stay)
+    paper = lambda t, sp: activation_memory_per_layer(s, b, h, a, t, sp)  # noqa: E731
+    assert tp2["measured"] / tp1["measured"] == pytest.approx(paper(2, False) / paper(1, False), rel=0.05)
+    assert tp2["measured"] - tp2_sp["measured"] == (8 * sbh + 16 * s * b) // 2
+    assert sdpa_sp["measured"] < sdpa["measured"] < tp2["measured"]
