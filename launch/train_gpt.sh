@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Train the small GPT on one machine, in the lecture's GPT_ARGS style (COMP4901Y, "Launch
 # Scripts"). The lecture trains 24 layers x 1024 hidden with TP=2, PP=2 for 500k iterations;
-# these numbers fit a laptop CPU (about a minute). Pipeline parallelism is not wired into
-# train_gpt.py yet, so PP stays 1 and the 4 ranks are TP=2 x DP=2.
+# these numbers fit a laptop CPU (about a minute). PP stays 1 here, so the 4 ranks are
+# TP=2 x DP=2; for the lecture's TP=2 x PP=2 pass the pipeline flags after the script
+# (the last flags win), e.g. with 4 layers and 1F1B:
 #
 #   bash launch/train_gpt.sh                 # 4 ranks (NPROC=2 bash launch/train_gpt.sh for 2)
+#   bash launch/train_gpt.sh --pipeline-model-parallel-size 2 --num-layers 4 --pipeline-schedule 1f1b
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

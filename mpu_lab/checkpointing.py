@@ -4,6 +4,12 @@ Each tensor-parallel shard is saved as a ``DTensor`` over the tensor-parallel gr
 (``Shard(partition_dim)``): DCP records every shard with its *global* offsets, so a checkpoint
 written at TP=2 can be read at TP=4 or TP=1 — each rank asks for the region it now owns and
 DCP reads the overlapping pieces (the resharding of Megatron's ``dist_checkpointing``).
+
+Pipeline stages save their layers under *global* layer numbers (``decoder.layers.<n>`` with
+``n = layer_offset + i``, not the stage's local ``i``), so the keys are those of the one-stage
+model whatever the pipeline size, and a checkpoint written at PP=2 loads at PP=1 or PP=4 the
+same way. The last stage's copy of the tied embedding (``output_layer_weight``, marked
+``shared``) is not saved: it is loaded from ``embedding.word_embeddings.weight``.
 Replicated tensors (LayerNorms, position embedding, row-parallel biases) are plain tensors;
 DCP writes one copy. Data-parallel replicas hold identical shards; DCP's planner writes each
 once.
@@ -16,9 +22,10 @@ The parent folder gets Megatron's ``latest_checkpointed_iteration.txt``.
 
 What is saved: ``model.<name>`` (parameters), ``optimizer.<name>.{exp_avg,exp_avg_sq,step}``
 (AdamW state, sharded like the parameter), ``scheduler``, ``iteration``, ``args``, and the RNG
-states per tensor-parallel rank (``rng.tp<r>.*``: the default generator and the tracker's
-tensor-parallel stream; restored only when the TP size is unchanged, otherwise the streams are
-reseeded as at start).
+states per pipeline and tensor-parallel rank (``rng.pp<k>.tp<r>.*``: the default generator and
+the tracker's tensor-parallel stream; all restored when the TP and PP sizes are unchanged;
+otherwise only the default generator of stage 0 / TP rank 0, and the streams are reseeded as
+at start).
 
 Command line::
 
@@ -171,8 +178,52 @@ def _as_saved(local: torch.Tensor, param):
                               shape=shape, stride=stride)
 
 
+def _chunks(model) -> List[torch.nn.Module]:
+    if isinstance(model, (list, tuple, torch.nn.ModuleList)):
+        return list(model)
+    return [model]
+
+
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+TIED_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def checkpoint_names(model) -> List[tuple]:
+    """``(name, parameter, is_copy)`` for every parameter of ``model`` (a module, or a list of
+    pipeline model chunks): the name the one-stage model gives it — layers numbered globally
+    (their ``layer_number``) — and ``is_copy`` for the last stage's copy of the tied embedding,
+    which is named like the embedding, loaded from it and never saved."""
+    out = []
+    for chunk in _chunks(model):
+        for name, p in chunk.named_parameters():
+            if getattr(p, "shared", False):
+                out.append((TIED_EMBEDDING, p, True))
+                continue
+            match = _LAYER_NAME.match(name)
+            if match:
+                layer = chunk.decoder.layers[int(match.group(1))]
+                number = getattr(layer, "layer_number", int(match.group(1)))
+                name = f"decoder.layers.{number}.{match.group(2)}"
+            out.append((name, p, False))
+    return out
+
+
 def _named_params(model):
-    return [(n, p) for n, p in model.named_parameters()]
+    """The parameters to save, with their checkpoint names."""
+    return [(n, p) for n, p, copy in checkpoint_names(model) if not copy]
+
+
+def _pipeline_union(names: List[str]) -> List[str]:
+    """The names held by the whole pipeline (every stage's), on every stage."""
+    import torch.distributed as dist
+
+    from mpu_lab import parallel_state
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return list(names)
+    gathered: List[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(gathered, list(names),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+    return sorted({n for part in gathered for n in part})
 
 
 def _rng_state_dict(prefix: str) -> Dict[str, torch.Tensor]:
@@ -215,6 +266,7 @@ def save_checkpoint(save_dir, state) -> pathlib.Path:
     dist.barrier()
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     sd: Dict[str, Any] = {}
     names = {}
     for name, p in _named_params(state.model):
@@ -228,7 +280,7 @@ def save_checkpoint(save_dir, state) -> pathlib.Path:
             sd[f"optimizer.{name}.exp_avg"] = _as_saved(st["exp_avg"].detach().cpu(), p)
             sd[f"optimizer.{name}.exp_avg_sq"] = _as_saved(st["exp_avg_sq"].detach().cpu(), p)
             sd[f"optimizer.{name}.step"] = torch.as_tensor(st["step"]).detach().cpu().reshape(())
-    sd.update(_rng_state_dict(f"rng.tp{tp_rank}"))
+    sd.update(_rng_state_dict(f"rng.pp{pp_rank}.tp{tp_rank}"))
     # Small objects as JSON text: DCP would flatten a dict into one entry per key.
     sd["scheduler"] = json.dumps(state.scheduler.state_dict())
     sd["iteration"] = it
@@ -241,6 +293,8 @@ def save_checkpoint(save_dir, state) -> pathlib.Path:
         info = dict(iteration=it, complete=True, format="mpu_lab/dcp-1",
                     tensor_model_parallel_size=args.tensor_model_parallel_size,
                     pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                    virtual_pipeline_model_parallel_size=getattr(
+                        args, "virtual_pipeline_model_parallel_size", None),
                     data_parallel_size=parallel_state.get_data_parallel_world_size(),
                     sequence_parallel=bool(args.sequence_parallel),
                     has_optimizer=has_optimizer, model=model_fields(args),
@@ -259,8 +313,9 @@ def save_checkpoint(save_dir, state) -> pathlib.Path:
 
 def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool = True,
                     args=None) -> Dict[str, Any]:
-    """Load a checkpoint saved at any tensor-parallel size into ``model`` (and ``optimizer``,
-    ``scheduler``). Collective. Returns the marker's info plus ``path``.
+    """Load a checkpoint saved at any tensor- and pipeline-parallel size into ``model`` (a
+    module or a list of pipeline model chunks; and ``optimizer``, ``scheduler``). Collective.
+    Returns the marker's info plus ``path``.
 
     Checks first, naming what is wrong: missing/partial folder, model shape (``args``), and
     every parameter's global shape against the checkpoint's metadata.
@@ -291,16 +346,22 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
             problems.append(f"{key}: checkpoint shape {tuple(getattr(meta, 'size', ()))}, "
                             f"model shape {tuple(shape)}")
             return
+        if key in buffers:   # one rank holding a tensor and its copy: read it once
+            targets.append((key, buffers[key], dest))
+            return
         buf = torch.empty(dest.shape, dtype=meta.properties.dtype)
+        buffers[key] = buf
         sd[key] = _as_saved(buf, param)
         targets.append((key, buf, dest))
 
+    buffers: Dict[str, torch.Tensor] = {}
     names = {}
-    for name, p in _named_params(model):
+    for name, p, _ in checkpoint_names(model):
         names[p] = name
         want(f"model.{name}", p, p.data)
+    held = set(_pipeline_union(sorted(set(names.values()))))
     extra = sorted(k[len("model."):] for k in saved if k.startswith("model.")
-                   and k[len("model."):] not in {n for n, _ in _named_params(model)})
+                   and k[len("model."):] not in held)
     if extra:
         problems.append(f"the checkpoint has parameters this model lacks: {extra}")
     if optimizer is not None:
@@ -316,19 +377,25 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
                 want(f"optimizer.{names[p]}.exp_avg", p, st["exp_avg"])
                 want(f"optimizer.{names[p]}.exp_avg_sq", p, st["exp_avg_sq"])
                 key = f"optimizer.{names[p]}.step"
-                if key in saved:
+                if key in saved and key not in sd:
                     sd[key] = torch.zeros((), dtype=torch.float32)
     if problems:
         raise CheckpointError(f"checkpoint {d} does not fit this model: " + "; ".join(problems))
 
     same_tp = info.get("tensor_model_parallel_size") == \
         parallel_state.get_tensor_model_parallel_world_size()
+    same_pp = info.get("pipeline_model_parallel_size", 1) == \
+        parallel_state.get_pipeline_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    rng_prefix = f"rng.tp{tp_rank if same_tp else 0}"
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if any(k.startswith("rng.pp") for k in saved):
+        rng_prefix = f"rng.pp{pp_rank if same_pp else 0}.tp{tp_rank if same_tp else 0}"
+    else:   # written before pipeline parallelism: one stage
+        rng_prefix = f"rng.tp{tp_rank if same_tp else 0}"
     rng_keys = [k for k in saved if k.startswith(rng_prefix + ".")] if load_rng else []
-    if not same_tp:
-        # The default generator is the same on every rank; the tensor-parallel streams are
-        # per rank and cannot be mapped to another TP size: they are reseeded instead.
+    if not (same_tp and same_pp):
+        # The tensor-parallel streams are per rank and cannot be mapped to other sizes: they
+        # are reseeded instead; the default generator is taken from the first stage.
         rng_keys = [k for k in rng_keys if ".tracker." not in k]
     for k in rng_keys:
         sd[k] = torch.empty(saved[k].size, dtype=saved[k].properties.dtype)
@@ -352,7 +419,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
         device = distributed.get_device()
         if device.type == "cuda" and f"{rng_prefix}.cuda" in sd:
             torch.cuda.set_rng_state(sd[f"{rng_prefix}.cuda"], device)
-        if same_tp:
+        if same_tp and same_pp:
             tracker = get_rng_tracker()
             states = tracker.get_states()
             for name in list(states):
@@ -366,9 +433,13 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
 
 
 # --------------------------------------------------------------------------- gather / consolidate
-def gather_model_state_dict(model) -> Dict[str, torch.Tensor]:
-    """The full (TP=1) parameters on every rank of the tensor-parallel group, on the CPU.
-    Collective over the tensor-parallel group."""
+def gather_model_state_dict(model, pipeline: bool = False) -> Dict[str, torch.Tensor]:
+    """The full (TP=1) parameters of ``model`` (a module or a list of pipeline chunks) on every
+    rank of the tensor-parallel group, on the CPU, with checkpoint names (global layer
+    numbers). Collective over the tensor-parallel group. ``pipeline=True``: the whole
+    model's, gathered over the pipeline group too (then collective over both)."""
+    import torch.distributed as dist
+
     from mpu_lab import comm, parallel_state
     out = {}
     group = parallel_state.get_tensor_model_parallel_group()
@@ -377,6 +448,11 @@ def gather_model_state_dict(model) -> Dict[str, torch.Tensor]:
         if _is_split(p):
             t = comm.all_gather(t, group=group, dim=p.partition_dim)
         out[name] = t.cpu().clone()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pipeline and pp > 1:
+        parts: List[Any] = [None] * pp
+        dist.all_gather_object(parts, out, group=parallel_state.get_pipeline_model_parallel_group())
+        out = {k: v for part in parts for k, v in part.items()}
     return out
 
 

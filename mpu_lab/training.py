@@ -1,21 +1,30 @@
-"""Train the small GPT with tensor, sequence and data parallelism (``launch/train_gpt.py``).
+"""Train the small GPT with tensor, sequence, pipeline and data parallelism (``launch/train_gpt.py``).
 
 The pieces, in the order a step uses them (Megatron's ``pretrain`` / ``train_step``):
 
 * :func:`parse_args` / :func:`validate_args` — Megatron-style flags; the validation is pure
   (no ``torch.distributed``) so a notebook or launcher can reject a bad configuration *before*
   any process starts, with a ``ValueError`` naming the numbers;
-* :func:`setup` — groups, seeds, :class:`~mpu_lab.models.GPTModel`, DDP over the
-  data-parallel group, AdamW, the learning-rate schedule, an optional checkpoint;
+* :func:`setup` — groups, seeds, :func:`get_model` (the :class:`~mpu_lab.models.GPTModel`,
+  or this rank's pipeline stage / model chunks), DDP over the data-parallel group (PP=1),
+  AdamW, the learning-rate schedule, an optional checkpoint;
 * :func:`train_step` — ``num_micro_batches`` forward/backward passes (gradient accumulation:
   global batch = micro batch x micro-batches x DP), sequence-parallel gradient all-reduce,
-  fp16 loss-scale check, TP-aware gradient clipping, the optimizer step;
+  fp16 loss-scale check, TP-aware gradient clipping, the optimizer step. With
+  ``--pipeline-model-parallel-size`` > 1, :func:`train_step_pipelined`: the micro-batches go
+  through the stages under :func:`~mpu_lab.pipeline_parallel.get_forward_backward_func`
+  (GPipe, 1F1B or interleaved, ``--pipeline-schedule``) with :func:`forward_step`, then the
+  data-parallel, sequence-parallel and tied-embedding gradient reductions;
 * :func:`train` — the loop, logging JSON lines (``--metrics-file``) and saving checkpoints.
 
-Data parallelism is torch's ``DistributedDataParallel`` on the data-parallel group
+Data parallelism at PP=1 is torch's ``DistributedDataParallel`` on the data-parallel group
 (``process_group=get_data_parallel_group()``), with a communication hook that routes its
 bucket all-reduces through :mod:`mpu_lab.comm` so they are counted (tag
-``grads.data_parallel``). Mixed precision is ``torch.autocast`` over fp32 parameters (the
+``grads.data_parallel``). At PP > 1 DDP is not used: it all-reduces during the backward of
+the micro-batch it runs last, and a pipeline schedule runs many backwards (of several
+chunks) between p2p messages, so the gradients are averaged over the data-parallel group
+explicitly, once per step after the schedule (:func:`allreduce_data_parallel_grads`, same
+tag) — what Megatron's own DDP does in ``finish_grad_sync``. Mixed precision is ``torch.autocast`` over fp32 parameters (the
 optimizer always sees fp32), with a dynamic loss scale for ``--fp16`` whose overflow check is
 agreed on by the whole model-parallel group, as in Megatron.
 """
@@ -24,12 +33,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
 import socket
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -46,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-schedule", default=None, metavar="{gpipe,1f1b,interleaved}",
+                   help="pipeline schedule (PP > 1): all-forward-all-backward (GPipe; alias afab), "
+                        "1F1B (alias pipedream-flush), or interleaved 1F1B over virtual stages; "
+                        "default as Megatron: interleaved when "
+                        "--num-layers-per-virtual-pipeline-stage is given, else 1f1b")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per model chunk for the interleaved schedule (Megatron's flag): "
+                        "v = num_layers / PP / this")
     g.add_argument("--sequence-parallel", action="store_true")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=2)
@@ -94,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", default=None,
                    help="append one JSON line per logged iteration (rank 0)")
     g.add_argument("--quiet", action="store_true", help="no per-iteration log lines")
+    g.add_argument("--record-timeline", action="store_true",
+                   help="PP > 1: every rank reports the forward/backward start and end times of "
+                        "its last iteration (launch.report), for a Gantt chart of the real run")
     g.add_argument("--save", default=None, help="folder for iter_XXXXXXX checkpoints")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", default=None,
@@ -134,10 +155,6 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
     if tp < 1 or pp < 1:
         raise ValueError(f"--tensor-model-parallel-size {tp} and --pipeline-model-parallel-size "
                          f"{pp} must be >= 1")
-    if pp != 1:
-        raise ValueError(f"--pipeline-model-parallel-size {pp}: pipeline parallelism is not "
-                         f"wired into train_gpt.py yet (GPTModel has pre_process/post_process "
-                         f"for it); use 1")
     if world_size % (tp * pp):
         raise ValueError(
             f"world size {world_size} is not divisible by tensor x pipeline parallel size "
@@ -167,6 +184,7 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
     args.data_parallel_size = dp
     args.num_micro_batches = gbs // (mbs * dp)
     args.world_size = world_size
+    _validate_pipeline(args)
 
     if args.fp16 and args.bf16:
         raise ValueError("--fp16 and --bf16 exclude each other: pick one")
@@ -210,6 +228,38 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
         path = checkpointing.find_checkpoint(args.load)
         checkpointing.check_compatible(checkpointing.read_checkpoint_info(path), args)
     return args
+
+
+def _validate_pipeline(args) -> None:
+    """The pipeline checks (:func:`mpu_lab.pipeline_parallel.validate_pipeline_args`) in terms
+    of this script's flags; fills in ``pipeline_schedule`` and
+    ``virtual_pipeline_model_parallel_size``."""
+    from mpu_lab.pipeline_parallel import validate_pipeline_args
+    pp, nlv = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    if pp == 1:
+        given = [f for f, v in (("--pipeline-schedule", args.pipeline_schedule),
+                                ("--num-layers-per-virtual-pipeline-stage", nlv)) if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} "
+                             f"--pipeline-model-parallel-size > 1, "
+                             f"got 1 (one stage runs its micro-batches one after the other)")
+        args.virtual_pipeline_model_parallel_size = None
+        return
+    try:
+        pipe = validate_pipeline_args(
+            num_layers=args.num_layers, pipeline_model_parallel_size=pp,
+            global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+            data_parallel_size=args.data_parallel_size, schedule=args.pipeline_schedule,
+            num_layers_per_virtual_pipeline_stage=nlv)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc} [here: --num-layers {args.num_layers}, --pipeline-model-parallel-size {pp}, "
+            f"--num-layers-per-virtual-pipeline-stage {nlv}, --pipeline-schedule "
+            f"{args.pipeline_schedule}, micro-batches per step = --global-batch-size "
+            f"{args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x DP "
+            f"{args.data_parallel_size}) = {args.num_micro_batches}]") from None
+    args.pipeline_schedule = pipe["schedule"]
+    args.virtual_pipeline_model_parallel_size = pipe["virtual_pipeline_model_parallel_size"]
 
 
 def vocab_padding_message(args) -> str:
@@ -314,9 +364,11 @@ def clip_grad_norm(parameters, max_norm: float, model_parallel_group=None) -> fl
     """Global L2 norm of the gradients of a tensor-parallel model, then clip to ``max_norm``.
 
     A split parameter contributes its shard on every rank; a replicated one (LayerNorm,
-    position embedding, row-parallel bias) only on tensor-parallel rank 0, so nothing is
-    counted twice; the squares are summed over the model-parallel group (Megatron's
-    ``get_grad_norm_fp32``). ``max_norm = 0`` only measures.
+    position embedding, row-parallel bias) only on tensor-parallel rank 0, and the last
+    pipeline stage's copy of the tied embedding (marked ``shared``) not at all — its gradient
+    is the first stage's — so nothing is counted twice; the squares are summed over the
+    model-parallel group, tensor x pipeline (Megatron's ``get_grad_norm_fp32``).
+    ``max_norm = 0`` only measures. Every parameter is clipped.
     """
     from mpu_lab import comm
     from mpu_lab.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -324,7 +376,7 @@ def clip_grad_norm(parameters, max_norm: float, model_parallel_group=None) -> fl
     device = params[0].grad.device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
-        if param_is_not_tensor_parallel_duplicate(p):
+        if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
             total += p.grad.detach().float().pow(2).sum()
     if model_parallel_group is not None and comm.group_size(model_parallel_group) > 1:
         with comm.comm_tag("grads.norm"):
@@ -388,7 +440,8 @@ def _ddp_counted_allreduce_hook(state, bucket):
 @dataclasses.dataclass
 class TrainState:
     args: argparse.Namespace
-    model: torch.nn.Module            # the GPTModel
+    model: torch.nn.Module            # the GPTModel (PP > 1: this rank's stage; a ModuleList of
+                                      # its chunks with virtual stages)
     ddp_model: torch.nn.Module        # what forward goes through (DDP, or the model at DP=1)
     optimizer: torch.optim.Optimizer
     scheduler: OptimizerParamScheduler
@@ -396,6 +449,33 @@ class TrainState:
     iteration: int = 0               # optimizer steps done
     scaler: Optional[DynamicLossScaler] = None
     skipped_iterations: int = 0
+    model_chunks: List[torch.nn.Module] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.model_chunks:
+            self.model_chunks = model_chunks_of(self.model)
+
+
+def model_chunks_of(model) -> List[torch.nn.Module]:
+    """``[model]``, or the chunks of a list / ``ModuleList`` of pipeline model chunks."""
+    if isinstance(model, (list, tuple, torch.nn.ModuleList)):
+        return list(model)
+    return [model]
+
+
+def get_model(args: argparse.Namespace) -> torch.nn.Module:
+    """This rank's part of the GPT (Megatron's ``get_model``): the whole
+    :class:`~mpu_lab.models.GPTModel` at PP=1; at PP > 1 its pipeline stage, or a
+    ``ModuleList`` of its ``v`` chunks with virtual stages, holding the same weights as the
+    PP=1 model (:func:`~mpu_lab.models.build_model_chunks`), the tied embedding copies made
+    equal over the embedding group. Groups and seeds must be set."""
+    from mpu_lab.models.gpt import build_model_chunks
+    from mpu_lab.pipeline_parallel import sync_embedding_weights
+    chunks = build_model_chunks(model_config(args), args.padded_vocab_size,
+                                args.max_position_embeddings)
+    if args.pipeline_model_parallel_size > 1:
+        sync_embedding_weights(chunks)
+    return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
 
 
 def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> TrainState:
@@ -404,17 +484,23 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
     import torch.distributed as dist
 
     from mpu_lab import datasets, distributed, parallel_state
-    from mpu_lab.models.gpt import GPTModel
     from mpu_lab.tensor_parallel import model_parallel_manual_seed
 
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
-                                             args.pipeline_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None))
     model_parallel_manual_seed(args.seed)
     device = distributed.get_device()
-    model = GPTModel(model_config(args), args.padded_vocab_size, args.max_position_embeddings)
+    model = get_model(args)
     ddp_model = model
     dp = parallel_state.get_data_parallel_world_size()
-    if dp > 1:
+    # Data parallelism: torch DDP at PP=1. At PP > 1 the schedule interleaves the backwards of
+    # many micro-batches (and chunks) with p2p messages; DDP would all-reduce during the last
+    # micro-batch's backward, which under 1F1B is not the last backward to run. So there the
+    # gradients are all-reduced explicitly over the data-parallel group once per step, after
+    # the schedule (allreduce_data_parallel_grads), as Megatron's own DDP does in
+    # finish_grad_sync.
+    if dp > 1 and args.pipeline_model_parallel_size == 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
         group = parallel_state.get_data_parallel_group()
         ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
@@ -438,7 +524,8 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
         state.iteration = info["iteration"]
         if dist.get_rank() == 0:
             log(f"> loaded {info['path']} (iteration {info['iteration']}, saved at TP="
-                f"{info['tensor_model_parallel_size']}, now TP={args.tensor_model_parallel_size})")
+                f"{info['tensor_model_parallel_size']} PP={info.get('pipeline_model_parallel_size', 1)}"
+                f", now TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size})")
     return state
 
 
@@ -478,6 +565,8 @@ def _autocast(args, device):
 
 def train_step(state: TrainState) -> Dict[str, float]:
     """One iteration (``state.iteration`` is 0-based on entry, incremented on exit)."""
+    if state.args.pipeline_model_parallel_size > 1:
+        return train_step_pipelined(state)
     from mpu_lab import comm, distributed, parallel_state
     from mpu_lab.models.transformer import finalize_model_grads
     args, model, ddp_model = state.args, state.model, state.ddp_model
@@ -526,6 +615,144 @@ def train_step(state: TrainState) -> Dict[str, float]:
     if state.scaler:
         out["loss_scale"] = state.scaler.scale
     return out
+
+
+def _microbatches(state: TrainState, iteration: int, chunk) -> Iterator[Optional[Dict[str, torch.Tensor]]]:
+    """One chunk's data iterator for one iteration: a micro-batch for each forward. Only the
+    chunks with the embedding (tokens) or the loss (labels, mask) read data; the others get
+    ``None`` (Megatron's ``get_batch`` on middle stages)."""
+    needs_data = chunk.pre_process or chunk.post_process
+    for m in range(state.args.num_micro_batches):
+        yield get_batch(state, iteration, m) if needs_data else None
+
+
+def forward_step(state: TrainState, data_iterator, model):
+    """Megatron's ``forward_step_func`` for the pipeline schedules: one micro-batch through
+    one model chunk; returns ``(output_tensor, loss_func)``. The first stage feeds tokens, the
+    last one labels; ``loss_func`` turns the per-token loss into this micro-batch's mean over
+    ``loss_mask`` (the schedule divides by the number of micro-batches)."""
+    from mpu_lab import distributed
+    from mpu_lab.pipeline_parallel.schedules import unwrap_model
+    batch = next(data_iterator)
+    chunk = unwrap_model(model)
+    labels = batch["labels"] if chunk.post_process else None
+    with _autocast(state.args, distributed.get_device()):
+        if chunk.pre_process:
+            output = model(batch["tokens"], batch["position_ids"], labels=labels)
+        else:
+            output = model(labels=labels)   # input from set_input_tensor
+
+    def loss_func(per_token_loss):
+        mask = batch["loss_mask"]
+        loss = (per_token_loss.float() * mask).sum() / mask.sum()
+        return loss, {"lm_loss": loss.detach()}
+
+    return output, loss_func
+
+
+def allreduce_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
+    """Average the gradients over the data-parallel group in one coalesced all-reduce (counted,
+    tag ``grads.data_parallel``): what DDP does at PP=1, done once after the pipeline schedule."""
+    from mpu_lab import comm, parallel_state
+    group = parallel_state.get_data_parallel_group()
+    size = comm.group_size(group)
+    if size == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    with comm.comm_tag("grads.data_parallel"):
+        flat = comm.all_reduce(flat, group=group)
+    flat.div_(size)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def train_step_pipelined(state: TrainState) -> Dict[str, float]:
+    """One iteration with pipeline parallelism (Megatron's ``train_step`` with
+    ``get_forward_backward_func()``): the schedule runs the forwards and backwards of all
+    micro-batches over the stages; then the gradients are finished — data-parallel average,
+    sequence-parallel LayerNorm sums, the tied embedding summed over the first and last stage
+    — clipped over the model-parallel group and applied. The loss lives on the last stage; it
+    is broadcast over the pipeline so every rank returns it."""
+    from mpu_lab import comm, distributed, parallel_state
+    from mpu_lab.models.transformer import finalize_model_grads
+    from mpu_lab.pipeline_parallel import (
+        allreduce_embedding_grads,
+        average_losses_across_microbatches,
+        get_forward_backward_func,
+    )
+    args, chunks = state.args, state.model_chunks
+    device = distributed.get_device()
+    for chunk in chunks:
+        chunk.train()
+    state.optimizer.zero_grad(set_to_none=True)
+    scale = state.scaler.scale if state.scaler else 1.0
+    iterators = [_microbatches(state, state.iteration, chunk) for chunk in chunks]
+    forward_backward = get_forward_backward_func(args.pipeline_schedule)
+    store = forward_backward(
+        forward_step_func=functools.partial(forward_step, state),
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False,
+        grad_scale_func=(lambda loss: loss * scale) if state.scaler else None)
+    comm.clear_backward_tag()
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    allreduce_data_parallel_grads(params)
+    finalize_model_grads(chunks)
+    with comm.comm_tag("grads.embedding"):
+        allreduce_embedding_grads(chunks)
+    mp_group = parallel_state.get_model_parallel_group()
+    skipped = False
+    if state.scaler:
+        skipped = state.scaler.unscale_and_check(params, mp_group)
+        state.scaler.update(skipped)
+    lr = state.scheduler.lr_for_next_step()
+    grad_norm = float("nan")
+    if not skipped:
+        grad_norm = clip_grad_norm(params, args.clip_grad, mp_group)
+        state.optimizer.step()
+    else:
+        state.skipped_iterations += 1
+    state.scheduler.step()
+    state.iteration += 1
+    # The loss of the global batch: on the last stage the mean over micro-batches, averaged
+    # over the data-parallel group; then sent from the last stage to the whole pipeline.
+    loss = torch.zeros((), dtype=torch.float32, device=device)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        loss += average_losses_across_microbatches(store)["lm_loss"]
+        dp_group = parallel_state.get_data_parallel_group()
+        if comm.group_size(dp_group) > 1:
+            with comm.comm_tag("logging"):
+                loss = comm.all_reduce(loss, group=dp_group) / comm.group_size(dp_group)
+    with comm.comm_tag("logging"):
+        loss = comm.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                              group=parallel_state.get_pipeline_model_parallel_group())
+    out = dict(lm_loss=float(loss), grad_norm=grad_norm, lr=lr, skipped=skipped)
+    if state.scaler:
+        out["loss_scale"] = state.scaler.scale
+    return out
+
+
+def schedule_timeline_report() -> Dict[str, Any]:
+    """This rank's pipeline coordinates and the records of its last schedule run
+    (:func:`~mpu_lab.pipeline_parallel.get_last_schedule_stats`), JSON-able, for
+    ``launch.report``; :func:`~mpu_lab.pipeline_parallel.timeline.pipeline_records` turns the
+    ranks' reports into the Gantt chart's input. ``{}`` when no schedule has run."""
+    from mpu_lab import parallel_state
+    from mpu_lab.pipeline_parallel import get_last_schedule_stats
+    stats = get_last_schedule_stats()
+    if stats is None:
+        return {}
+    return dict(pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
+                data_parallel_rank=parallel_state.get_data_parallel_rank(),
+                stats=stats.as_dict())
 
 
 def _sync(device):
@@ -603,11 +830,12 @@ def pretrain(argv: Optional[Sequence[str]] = None, args: Optional[argparse.Names
 
 # --------------------------------------------------------------------------- the dense twin
 def train_dense_twin(args: argparse.Namespace, model: torch.nn.Module, iterations: int,
-                     start_iteration: int = 0) -> List[float]:
+                     start_iteration: int = 0, grad_norms: Optional[List[float]] = None) -> List[float]:
     """Train a single-process model (e.g. :class:`~mpu_lab.models.PlainGPT` holding the
     gathered TP=1 weights) with the same data, batches, optimizer, schedule and clipping as
     :func:`train` at DP=1 (``num_micro_batches x DP`` micro-batches per step). Returns the
-    per-iteration losses. No ``torch.distributed`` needed."""
+    per-iteration losses; appends each step's gradient norm (before clipping) to
+    ``grad_norms`` when given. No ``torch.distributed`` needed."""
     from mpu_lab import datasets
     M = args.num_micro_batches * args.data_parallel_size
     dataset = datasets.build_dataset(args.data_path, args.global_batch_size * args.train_iters,
@@ -627,8 +855,9 @@ def train_dense_twin(args: argparse.Namespace, model: torch.nn.Module, iteration
             (loss / M).backward()
             total += float(loss)
         scheduler.lr_for_next_step()
-        if args.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
+        if grad_norms is not None:
+            grad_norms.append(float(norm))
         optimizer.step()
         scheduler.step()
         losses.append(total / M)

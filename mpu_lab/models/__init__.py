@@ -5,11 +5,18 @@
 * :class:`ParallelTransformerLayer`, :class:`ParallelTransformer` — pre-LN layers, optionally
   sequence-parallel (Korthikanti et al. 2022);
 * :class:`GPTModel` — vocab-parallel embedding, layers, tied vocab-parallel output and loss;
+  :func:`build_model_chunks` — one pipeline rank's stages of it, with the one-stage weights;
   :class:`PlainGPT` — its single-process ``torch.nn`` twin with the same parameter names;
 * :mod:`mpu_lab.models.inspect` — the lecture's shape table and the per-layer collective count.
 """
 from mpu_lab.models.attention import ParallelAttention
-from mpu_lab.models.gpt import GPTModel, LanguageModelEmbedding, PlainGPT, pad_vocab_size
+from mpu_lab.models.gpt import (
+    GPTModel,
+    LanguageModelEmbedding,
+    PlainGPT,
+    build_model_chunks,
+    pad_vocab_size,
+)
 from mpu_lab.models.inspect import (
     count_collectives,
     expected_layer_counts,
@@ -28,7 +35,7 @@ from mpu_lab.models.transformer import (
 
 __all__ = [
     "TransformerConfig", "ParallelMLP", "ParallelAttention", "ParallelTransformerLayer",
-    "ParallelTransformer", "GPTModel", "LanguageModelEmbedding", "PlainGPT", "pad_vocab_size",
+    "ParallelTransformer", "GPTModel", "LanguageModelEmbedding", "PlainGPT", "build_model_chunks", "pad_vocab_size",
     "finalize_model_grads", "shape_table", "format_shape_table", "count_collectives",
     "per_layer_counts", "expected_layer_counts", "format_collectives",
 ]

@@ -19,7 +19,7 @@ only be loaded at another TP size when both pad to the same size.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -97,13 +97,18 @@ class GPTModel(torch.nn.Module):
 
     ``pre_process`` / ``post_process`` say whether this stage holds the embedding / the final
     LayerNorm and output layer; a stage without ``pre_process`` takes ``decoder_input``
-    (``[s, b, D]``) and one without ``post_process`` returns the hidden states.
-    ``vocab_size`` is the padded size (see :func:`pad_vocab_size`).
+    (``[s, b, D]``, or what :meth:`set_input_tensor` was given) and one without
+    ``post_process`` returns the hidden states. ``num_layers`` / ``layer_offset``: this
+    stage's layers are the global layers ``[layer_offset, layer_offset + num_layers)`` (all of
+    them by default). ``vocab_size`` is the padded size (see :func:`pad_vocab_size`).
+    To build a pipeline rank's chunks with the weights of the one-stage model, use
+    :func:`build_model_chunks`.
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  pre_process: bool = True, post_process: bool = True,
-                 parallel_output: bool = True, share_embeddings_and_output_weights: bool = True):
+                 parallel_output: bool = True, share_embeddings_and_output_weights: bool = True,
+                 num_layers: Optional[int] = None, layer_offset: int = 0):
         super().__init__()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         config.check(tp)
@@ -121,15 +126,28 @@ class GPTModel(torch.nn.Module):
         # every tensor-parallel size, so TP=k shards are slices of the TP=1 weights.
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length)
-        self.decoder = ParallelTransformer(config, post_process=post_process)
+        self.decoder = ParallelTransformer(config, post_process=post_process,
+                                           num_layers=num_layers, layer_offset=layer_offset)
         self.output_layer_weight = None
         if post_process and not (pre_process and share_embeddings_and_output_weights):
             # A last pipeline stage without the embedding keeps its own copy of the output
-            # weight (keeping it equal to the first stage's is the pipeline schedule's job).
+            # weight; sync_embedding_weights() makes it equal to the first stage's and
+            # allreduce_embedding_grads() keeps it so. ``shared`` (Megatron's attribute) tells
+            # gradient clipping and checkpointing that it is a copy, counted and saved once.
             own = VocabParallelEmbedding(vocab_size, config.hidden_size,
                                          init_method=config.init_method(),
                                          params_dtype=config.params_dtype)
             self.output_layer_weight = own.weight
+            self.output_layer_weight.shared = share_embeddings_and_output_weights
+        self.input_tensor: Optional[torch.Tensor] = None
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Megatron's pipeline hook: the schedule hands this stage the activation received
+        from the previous stage (``[tensor]``, ``[s, b, D]``) before calling forward; a stage
+        without ``pre_process`` uses it as its decoder input."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
 
     def output_weight(self) -> torch.Tensor:
         """``[V/t, D]``: the tied embedding table, or this stage's own output weight."""
@@ -148,7 +166,10 @@ class GPTModel(torch.nn.Module):
                 hidden = self.embedding(input_ids, position_ids)      # [s, b, D] (or [s/t, b, D])
             hidden = comm.tag_backward_output(hidden, "embedding.backward")
         else:
-            hidden = decoder_input
+            hidden = decoder_input if decoder_input is not None else self.input_tensor
+            if hidden is None:
+                raise ValueError("this GPTModel stage has no embedding (pre_process=False): give "
+                                 "it decoder_input [s, b, D] or call set_input_tensor([tensor])")
         hidden = self.decoder(hidden)
         if not self.post_process:
             return hidden
@@ -176,6 +197,60 @@ class GPTModel(torch.nn.Module):
                 loss = vocab_parallel_cross_entropy(logits.float(), target)  # [s, b]
             loss = loss.transpose(0, 1).contiguous()                  # [b, s]
         return comm.tag_backward_output(loss, "output.backward")
+
+
+# --------------------------------------------------------------------------- pipeline stages
+def build_model_chunks(config: TransformerConfig, vocab_size: int, max_sequence_length: int,
+                       pipeline_model_parallel_size: Optional[int] = None,
+                       pipeline_model_parallel_rank: Optional[int] = None,
+                       virtual_pipeline_model_parallel_size: Optional[int] = None,
+                       **gpt_kwargs) -> List["GPTModel"]:
+    """This pipeline rank's model chunks (one, or ``v`` with virtual stages), holding exactly
+    the weights that the one-stage model built from the same ``torch.manual_seed`` holds.
+
+    Master weights are drawn on the CPU from the default generator, in construction order:
+    word embedding, position embedding, layer 0, layer 1, ... (see
+    :mod:`mpu_lab.tensor_parallel.layers`). A chunk holding global layers ``[a, b)`` must
+    therefore start drawing where the one-stage model reaches layer ``a``: the draws of what
+    comes before (the embedding, layers ``0..a-1``) are *replayed* — built and thrown away —
+    so every stage draws the whole model's numbers up to its last layer. That costs CPU time
+    once at start and makes PP=k start from exactly the PP=1 weights (Megatron instead seeds
+    each stage differently, ``seed + 100 * pp_rank``, and gives up that equality).
+
+    Chunk ``k`` is virtual stage ``k * p + r`` (:func:`~mpu_lab.pipeline_parallel.partition_table`);
+    ``pre_process`` on virtual stage 0, ``post_process`` on the last. The sizes default to
+    :mod:`mpu_lab.parallel_state`'s. The last stage's copy of the tied embedding is built from
+    its own draws: call :func:`~mpu_lab.pipeline_parallel.sync_embedding_weights` afterwards.
+    """
+    from mpu_lab.models.transformer import ParallelTransformerLayer
+    from mpu_lab.pipeline_parallel.partition import stage_layers
+    p = pipeline_model_parallel_size or parallel_state.get_pipeline_model_parallel_world_size()
+    r = pipeline_model_parallel_rank if pipeline_model_parallel_rank is not None \
+        else parallel_state.get_pipeline_model_parallel_rank()
+    v = virtual_pipeline_model_parallel_size
+    if v is None and pipeline_model_parallel_size is None:
+        v = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    v = v or 1
+    chunks: List[GPTModel] = []
+    drawn = 0          # global layers whose draws the default generator has gone past
+    embedding_drawn = False
+    for k in range(v):
+        layers = stage_layers(config.num_layers, p, r, v, k)
+        stage = k * p + r
+        if v > 1:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(k)
+        with torch.no_grad():
+            if stage > 0 and not embedding_drawn:
+                LanguageModelEmbedding(config, vocab_size, max_sequence_length)   # replay, discard
+            for n in range(drawn, layers.start):
+                ParallelTransformerLayer(config, n)                              # replay, discard
+        chunks.append(GPTModel(config, vocab_size, max_sequence_length, pre_process=stage == 0,
+                               post_process=stage == p * v - 1, num_layers=len(layers),
+                               layer_offset=layers.start, **gpt_kwargs))
+        embedding_drawn, drawn = True, layers.stop
+    if v > 1:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    return chunks
 
 
 # --------------------------------------------------------------------------- the dense twin

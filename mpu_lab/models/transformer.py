@@ -189,14 +189,16 @@ def sequence_parallel_params(model: torch.nn.Module) -> Iterable[torch.nn.Parame
     return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
 
 
-def finalize_model_grads(model: torch.nn.Module) -> None:
+def finalize_model_grads(model) -> None:
     """All-reduce, over the tensor-parallel group, the gradients of the parameters marked
     ``sequence_parallel`` (LayerNorms, row-parallel biases): Megatron's
     ``_allreduce_layernorm_grads``. One coalesced all-reduce; a no-op without sequence
-    parallelism or at TP=1. Call it after backward, before clipping and the optimizer step."""
+    parallelism or at TP=1. Call it after backward, before clipping and the optimizer step.
+    ``model`` is a module or a list of model chunks (pipeline stages)."""
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return
-    params = [p for p in sequence_parallel_params(model) if p.grad is not None]
+    modules = list(model) if isinstance(model, (list, tuple)) else [model]
+    params = [p for m in modules for p in sequence_parallel_params(m) if p.grad is not None]
     if not params:
         return
     grads = [p.grad for p in params]

@@ -56,6 +56,7 @@ from mpu_lab.pipeline_parallel.timeline import (
     analytic_bubble,
     bubble_share,
     measured_bubble,
+    pipeline_records,
     plot_gantt,
     simulate,
 )
@@ -70,5 +71,6 @@ __all__ = [
     "forward_backward_pipelining_without_interleaving", "get_forward_backward_func",
     "get_last_schedule_stats", "get_tensor_shape",
     "allreduce_embedding_grads", "shared_embedding_or_output_weight", "sync_embedding_weights",
-    "analytic_bubble", "bubble_share", "measured_bubble", "plot_gantt", "simulate",
+    "analytic_bubble", "bubble_share", "measured_bubble", "pipeline_records", "plot_gantt",
+    "simulate",
 ]

@@ -14,7 +14,8 @@
   records each rank takes during a real run (see
   :func:`~mpu_lab.pipeline_parallel.schedules.get_last_schedule_stats`). On an oversubscribed
   CPU the ranks also wait for cores, so that number is only indicative.
-* :func:`plot_gantt` — the Gantt chart of either.
+* :func:`plot_gantt` — the Gantt chart of either; :func:`pipeline_records` picks one
+  pipeline's records out of a ``train_gpt.py --record-timeline`` job's reports.
 """
 from __future__ import annotations
 
@@ -135,6 +136,41 @@ def measured_bubble(records: Sequence[Sequence[Record]], num_microbatches: int,
     return dict(measured_share=float(bubble_share(records)),
                 analytic_share=float(analytic["share"]),
                 analytic_relative=float(analytic["relative"]))
+
+
+def pipeline_records(reports: Sequence[Optional[Dict]], data_parallel_rank: int = 0,
+                     tensor_parallel_rank: int = 0) -> Dict:
+    """One pipeline's wall-clock records out of a real run's per-rank reports.
+
+    ``reports``: what the ranks reported, in rank order — e.g. ``job.results`` of
+    ``mpu_lab.launch.run("train_gpt.py", [..., "--record-timeline"], nproc=...)``, where each
+    rank's result holds ``"timeline"`` (:func:`mpu_lab.training.schedule_timeline_report`);
+    a report may also be that dict itself. Returns ``dict(records, num_microbatches,
+    num_model_chunks, schedule, ranks)`` with ``records[k]`` the records of pipeline stage
+    ``k`` (ready for :func:`plot_gantt` and :func:`measured_bubble`) and ``ranks[k]`` its
+    global rank.
+    """
+    stages = {}
+    for rank, report in enumerate(reports):
+        entry = (report or {}).get("timeline", report) if isinstance(report, dict) else None
+        if not entry or "stats" not in entry:
+            continue
+        if (entry["data_parallel_rank"], entry["tensor_parallel_rank"]) != \
+                (data_parallel_rank, tensor_parallel_rank):
+            continue
+        stages[entry["pipeline_parallel_rank"]] = (rank, entry["stats"])
+    if not stages:
+        raise ValueError(f"no timeline for data-parallel rank {data_parallel_rank}, tensor-"
+                         f"parallel rank {tensor_parallel_rank} in these reports: run with "
+                         f"--record-timeline and --pipeline-model-parallel-size > 1")
+    p = stages[min(stages)][1]["pipeline_parallel_size"]
+    if sorted(stages) != list(range(p)):
+        raise ValueError(f"timelines of pipeline stages {sorted(stages)} found, expected 0..{p - 1}")
+    first = stages[0][1]
+    return dict(records=[[tuple(r) for r in stages[k][1]["records"]] for k in range(p)],
+                ranks=[stages[k][0] for k in range(p)], schedule=first["schedule"],
+                num_microbatches=first["num_microbatches"],
+                num_model_chunks=first["num_model_chunks"])
 
 
 # --------------------------------------------------------------------------- the picture
