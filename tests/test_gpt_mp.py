@@ -153,7 +153,7 @@ def test_missing_partial_and_mismatched_checkpoints_are_named(reports, tmp_path,
         training.validate_args(args, 4)   # before any process starts
 
 
-def test_train_gpt_script_writes_metrics_saves_and_resumes_at_another_tp(tmp_path):
+def test_train_gpt_script_writes_metrics_saves_and_resumes_at_another_tp_and_pp(tmp_path):
     common = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
               "--seq-length", "16", "--micro-batch-size", "4", "--vocab-size", "128",
               "--make-vocab-size-divisible-by", "32", "--train-iters", "12",
@@ -168,9 +168,20 @@ def test_train_gpt_script_writes_metrics_saves_and_resumes_at_another_tp(tmp_pat
         assert {"iteration", "lm_loss", "grad_norm", "lr", "iteration_time_s", "tokens_per_s"} <= set(m)
     assert job.results[0]["metrics"][-1]["lm_loss"] == lines[-1]["lm_loss"]
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")) == ["iter_0000008", "iter_0000012"]
-    resumed = run("train_gpt.py", common[:-2] + ["--train-iters", "16", "--load", str(tmp_path / "ckpt")],
-                  nproc=1, timeout_s=120, show="none")
+    # Saved at TP=2, resumed at PP=2 (1F1B, 2 micro-batches of 2) with each rank's timeline.
+    resumed = run("train_gpt.py", common[:-2] + ["--train-iters", "16", "--load", str(tmp_path / "ckpt"),
+                                                 "--pipeline-model-parallel-size", "2",
+                                                 "--micro-batch-size", "2", "--global-batch-size", "4",
+                                                 "--record-timeline"],
+                  nproc=2, timeout_s=120, show="none")
     assert [m["iteration"] for m in resumed.results[0]["metrics"]] == [16]
+    assert [m["lm_loss"] for r in resumed.results for m in r["metrics"]] == \
+        [resumed.results[1]["metrics"][0]["lm_loss"]] * 2    # stage 0 got the last stage's loss
+    from mpu_lab.pipeline_parallel import pipeline_records, schedule_order
+    timeline = pipeline_records(resumed.results)
+    assert (timeline["schedule"], timeline["num_microbatches"], timeline["ranks"]) == ("1f1b", 2, [0, 1])
+    assert [[list(r[:3]) for r in recs] for recs in timeline["records"]] == \
+        [[list(op) for op in schedule_order("1f1b", 2, stage, 2)] for stage in (0, 1)]
 
 
 def test_train_gpt_script_checks_its_flags_before_starting_torch_distributed(monkeypatch):

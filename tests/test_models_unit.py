@@ -140,12 +140,44 @@ def validate(argv, world_size=1):
     (["--tensor-model-parallel-size", 3], 4, r"world size 4 is not divisible .* \[1, 2, 4\]"),
     (["--micro-batch-size", 4, "--global-batch-size", 12], 2, "--global-batch-size 12 must be a multiple of .* 4 x 2 = 8"),
     (["--fp16", "--bf16"], 1, "exclude each other"),
-    (["--pipeline-model-parallel-size", 2], 2, "pipeline"),
+    # pipeline parallelism
+    (["--num-layers", 3, "--pipeline-model-parallel-size", 2], 2,
+     "num_layers 3 is not divisible by pipeline_model_parallel_size 2"),
+    (["--num-layers", 4, "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 3], 2,
+     r"num_layers_per_virtual_pipeline_stage 3 does not divide the 2 layers of each stage.*\[1, 2\]"),
+    (["--num-layers", 4, "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
+      "--micro-batch-size", 2, "--global-batch-size", 2], 2,
+     r"num_microbatches divisible by pipeline_model_parallel_size: 1 micro-batches for 2 stages.*"
+     r"--global-batch-size 2 / \(--micro-batch-size 2 x DP 1\) = 1"),
+    (["--num-layers", 2, "--pipeline-model-parallel-size", 2, "--micro-batch-size", 4,
+      "--global-batch-size", 12], 4, "--global-batch-size 12 must be a multiple of .* 4 x 2 = 8"),
+    (["--num-layers", 2, "--pipeline-model-parallel-size", 2, "--pipeline-schedule", "zigzag"], 2,
+     r"unknown pipeline schedule 'zigzag'; choose one of \['no-pipelining', 'gpipe', '1f1b', 'interleaved'\]"),
+    (["--num-layers", 4, "--pipeline-model-parallel-size", 2, "--pipeline-schedule", "gpipe",
+      "--num-layers-per-virtual-pipeline-stage", 1], 2,
+     "schedule 'gpipe' runs one model chunk per stage, but virtual_pipeline_model_parallel_size is 2"),
+    (["--pipeline-schedule", "1f1b"], 2, r"--pipeline-schedule needs --pipeline-model-parallel-size > 1"),
+    (["--pipeline-model-parallel-size", 3, "--num-layers", 3], 4,
+     r"world size 4 is not divisible by tensor x pipeline parallel size 1 x 3 = 3"),
     (["--load", "/nonexistent/ckpt"], 1, "does not exist"),
 ])
 def test_bad_configurations_raise_before_any_process_starts(argv, world, message):
     with pytest.raises(ValueError, match=message):
         validate(argv, world)
+
+
+def test_pipeline_flags_fill_in_schedule_and_virtual_stages():
+    args = validate(["--num-layers", 8, "--pipeline-model-parallel-size", 2, "--micro-batch-size", 2,
+                     "--global-batch-size", 16, "--num-layers-per-virtual-pipeline-stage", 2], 4)
+    assert (args.data_parallel_size, args.num_micro_batches) == (2, 4)
+    assert (args.pipeline_schedule, args.virtual_pipeline_model_parallel_size) == ("interleaved", 2)
+    training.validate_args(args, 4)   # idempotent
+    args = validate(["--num-layers", 4, "--pipeline-model-parallel-size", 2], 2)
+    assert (args.pipeline_schedule, args.virtual_pipeline_model_parallel_size) == ("1f1b", None)
+    args = validate(["--num-layers", 4, "--pipeline-model-parallel-size", 2, "--pipeline-schedule", "AFAB"], 2)
+    assert args.pipeline_schedule == "gpipe"
+    args = validate([], 1)
+    assert (args.pipeline_schedule, args.virtual_pipeline_model_parallel_size) == (None, None)
 
 
 def test_vocab_is_padded_to_a_multiple_of_128_times_tp():
