@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAUNCH_DIR = REPO_ROOT / "launch"
@@ -306,12 +306,15 @@ def _first_failed_rank(lines) -> Optional[int]:
 
 def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600.0,
         show: str = "live", env: Optional[Dict[str, str]] = None, cwd=None,
-        python: str = sys.executable) -> LaunchResult:
+        python: str = sys.executable,
+        on_line: Optional[Callable[[Optional[int], str], None]] = None) -> LaunchResult:
     """Run ``script`` with ``nproc`` ranks under torchrun; return the ranks' reports.
 
     ``show``: ``"live"`` prints each line as it arrives (``[rank3] ...``), ``"ranks"`` prints
     all lines after the job grouped in rank order, ``"none"`` prints nothing.
     ``env`` adds environment variables (e.g. ``{"MPU_LAB_TIMEOUT_S": "20"}``).
+    ``on_line(rank, text)`` is called, in this thread, for each line as it arrives (rank
+    ``None`` for torchrun's own lines): e.g. to redraw a live view while the job runs.
     Raises :class:`LaunchError` (root-cause rank and traceback) or :class:`LaunchTimeout`.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
@@ -376,6 +379,8 @@ def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600
             lines.append((rank, text))
             if show == "live":
                 print(f"[rank{rank}] {text}" if rank is not None else text, flush=True)
+            if on_line is not None:
+                on_line(rank, text)
         if not timed_out:
             proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
     except subprocess.TimeoutExpired:

@@ -13,7 +13,11 @@ What is drawn where:
   ipywidgets front end :func:`interactive_rank_groups`;
 * labs 02/03 — :func:`shard_shapes`, :func:`print_shard_shapes`, :func:`strided_owners`,
   :func:`plot_column_split`, :func:`plot_row_split`, :func:`plot_fg` (Megatron-LM §3, Fig. 3);
-* lab 04 — :func:`plot_collective`: each rank's tensor before and after a collective.
+* lab 04 — :func:`plot_collective`: each rank's tensor before and after a collective;
+* lab 05 — :func:`plot_transformer_layer` (f and g, or the sequence-parallel all-gather and
+  reduce-scatter, around both blocks of a layer), :func:`plot_activation_memory`;
+* lab 07 — :func:`plot_loss_curves` (curves that should coincide, their relative
+  differences, a checkpoint line) and :class:`LiveLossPlot` (redrawn while a job runs).
 """
 from __future__ import annotations
 
@@ -637,6 +641,228 @@ def print_parallel_linear(results: Sequence[dict], kind: str = "column") -> None
               f"{exact:<15}  {grads}")
 
 
+# --------------------------------------------------------------------------- lab 05: the layer
+def _op(ax, x, y, text, sub, width=0.8):
+    ax.add_patch(FancyBboxPatch((x - width / 2, y - 0.32), width, 0.64,
+                                boxstyle="round,pad=0.02,rounding_size=0.1",
+                                facecolor="#fff2cc", edgecolor="#8a6d00", linewidth=1.2))
+    ax.text(x, y, text, ha="center", va="center", fontsize=9 if len(text) > 2 else 13,
+            fontweight="bold")
+    ax.text(x, y - 0.42, sub, ha="center", va="top", fontsize=7)
+
+
+def _layer_block(ax, tp: int, sequence_parallel: bool, block: str) -> None:
+    """One row of :func:`plot_transformer_layer`: LN -> f -> t lanes of 3 ops -> g -> + x."""
+    colors = rank_colors(tp)
+    lane = 0.8
+    top = lane * tp
+    mid = top / 2
+    rows = "s/t" if sequence_parallel else "s"
+    if block == "attention":
+        lanes = [("x W^QKV_{i}  (col.)", "[s, b, 3h/t]"), ("softmax(Q K^T / sqrt(H)) V", "n_H/t heads"),
+                 ("Z_{i} W^O_{i}  (row)", "[s, b, h] partial")]
+    else:
+        lanes = [("x W^1_{i}  (col.)", "[s, b, 4h/t]"), ("GeLU", "elementwise"),
+                 ("A'_{i} W^2_{i}  (row)", "[s, b, h] partial")]
+    f_name, f_sub = (("AG", "all-gather along s\nbwd: reduce-scatter") if sequence_parallel
+                     else ("f", "fwd: identity\nbwd: all-reduce"))
+    g_name, g_sub = (("RS", "reduce-scatter along s\nbwd: all-gather") if sequence_parallel
+                     else ("g", "fwd: all-reduce\nbwd: identity"))
+    _block(ax, 0.0, mid - 0.3, 1.0, 0.6, "#d9d9d9", f"x\n[{rows}, b, h]", fontsize=8)
+    _arrow(ax, (1.0, mid), (1.3, mid))
+    _block(ax, 1.3, mid - 0.3, 0.9, 0.6, "#e8e8e8", f"LayerNorm\n[{rows}, b, h]", fontsize=7.5)
+    _arrow(ax, (2.2, mid), (2.5, mid))
+    _op(ax, 2.9, mid, f_name, f_sub)
+    for r in range(tp):
+        y = top - (r + 0.5) * lane
+        _arrow(ax, (3.3, mid), (3.7, y))
+        x = 3.7
+        for k, (text, sub) in enumerate(lanes):
+            label = text.replace("{i}", str(r))
+            _block(ax, x, y - 0.27, 1.9, 0.54, colors[r], f"{label}\n{sub}", fontsize=7)
+            if k < len(lanes) - 1:
+                _arrow(ax, (x + 1.9, y), (x + 2.15, y))
+            x += 2.15
+        _arrow(ax, (x - 0.25, y), (10.35, mid))
+    _op(ax, 10.75, mid, g_name, g_sub)
+    _arrow(ax, (11.15, mid), (11.45, mid))
+    _block(ax, 11.45, mid - 0.3, 1.0, 0.6, "#d9d9d9", f"+ x\n[{rows}, b, h]", fontsize=8)
+    ax.set_xlim(-0.1, 12.55)
+    ax.set_ylim(_layer_block_bottom(tp), top + 0.05)
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def _layer_block_bottom(tp: int) -> float:
+    """Lowest y of a :func:`_layer_block` drawing (the captions under f and g)."""
+    return min(0.0, 0.4 * tp - 0.9) - 0.05
+
+
+@_styled
+def plot_transformer_layer(tp: int = 2, sequence_parallel: bool = False) -> Figure:
+    """One GPT layer under tensor parallelism (Megatron-LM Fig. 3; Korthikanti et al. Fig. 5
+    with ``sequence_parallel``): the attention block and the MLP block, one lane per
+    tensor-parallel rank, with the two collectives of each block."""
+    panel = 0.8 * tp + 0.05 - _layer_block_bottom(tp)       # drawing units; ~0.93 inch each
+    fig = _figure(12.5, 2 * (0.93 * panel + 0.4))
+    axes = fig.subplots(2, 1)
+    for ax, block in zip(axes, ("attention", "mlp")):
+        _layer_block(ax, tp, sequence_parallel, block)
+    if sequence_parallel:
+        titles = (f"Attention block, t = {tp}, sequence parallel: LayerNorm on the rank's s/t "
+                  f"tokens; all-gather before the QKV projection, reduce-scatter after W^O",
+                  "MLP block: all-gather before fc1, reduce-scatter after fc2 "
+                  "(4 collectives forward, 4 backward per layer)")
+    else:
+        titles = (f"Attention block, t = {tp}: each rank computes n_H/t whole heads; f before "
+                  f"the column-parallel QKV, g after the row-parallel W^O",
+                  "MLP block: f before fc1 (column), g after fc2 (row): "
+                  "2 all-reduces forward and 2 backward per layer")
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, loc="left", fontsize=9.5)
+    fig.tight_layout()
+    return fig
+
+
+_CATEGORY_COLORS = ("#c44e52", "#4c72b0", "#dd8452", "#8172b3", "#937860")
+
+
+@_styled
+def plot_activation_memory(rows: Sequence[dict], s: int, b: int, h: int) -> Figure:
+    """Activation bytes per layer on one rank, in units of ``s b h``: for each configuration
+    the paper's terms (16-bit, hatched) next to this package's (fp32, dropout 0), stacked by
+    kind, and a black bar at the measured total (:mod:`mpu_lab.models.memory`)."""
+    from mpu_lab.models import memory
+    sbh = s * b * h
+    fig = _figure(10.5, 4.2)
+    ax = fig.add_subplot()
+    width = 0.36
+    labelled = set()
+    for i, row in enumerate(rows):
+        for j, (key, hatch) in enumerate((("paper_terms", "//"), ("model_terms", None))):
+            x = i + (j - 0.5) * (width + 0.04)
+            bottom = 0.0
+            for c, color in zip(memory.CATEGORIES, _CATEGORY_COLORS):
+                height = sum(v for _, cat, v in row[key] if cat == c) / sbh
+                if height:
+                    ax.bar(x, height, width, bottom=bottom, color=color, hatch=hatch,
+                           edgecolor="white", linewidth=0.6,
+                           label=c if c not in labelled else None)
+                    labelled.add(c)
+                bottom += height
+            ax.text(x, bottom + 1, f"{bottom:.1f}", ha="center", va="bottom", fontsize=8)
+        measured = row["measured"] / sbh
+        x = i + 0.5 * (width + 0.04)
+        ax.plot([x - width / 2, x + width / 2], [measured, measured], color="black", linewidth=2.5,
+                label="measured (saved-tensor hooks)" if i == 0 else None)
+    names = [memory.config_name(r) for r in rows]
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{n}\npaper 16-bit | mpu_lab fp32" for n in names])
+    ax.set_ylabel("bytes per layer / (s b h)")
+    ax.set_ylim(0, max(max(memory.total(r["model_terms"]), r["paper"]) for r in rows) / sbh * 1.15)
+    ax.legend(fontsize=7.5, loc="upper right", frameon=False)
+    ax.set_title(f"Activation memory of one layer on one rank (s={s}, b={b}, h={h}); hatched: "
+                 f"Korthikanti et al. 2022, solid: this package", loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+# --------------------------------------------------------------------------- lab 07: losses
+_CURVE_STYLES = ({"linewidth": 4.0, "alpha": 0.45}, {"linewidth": 1.8, "linestyle": "--"},
+                 {"linewidth": 1.4, "linestyle": ":"}, {"linewidth": 1.2, "linestyle": "-."})
+
+
+@_styled
+def plot_loss_curves(curves: Dict[str, tuple], title: str = "", reference: Optional[str] = None,
+                     checkpoint_at: Optional[int] = None) -> Figure:
+    """Loss against iteration for each ``label: (iterations, losses)``, drawn so that curves
+    lying on top of each other stay visible (wide pale line first, then dashed and dotted).
+    ``reference``: add a lower panel with each other curve's relative difference from it.
+    ``checkpoint_at``: a vertical line at the iteration a checkpoint was saved and resumed."""
+    fig = _figure(10.5, 5.2 if reference else 3.6)
+    if reference:
+        ax, diff = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2.2, 1]})
+    else:
+        ax, diff = fig.add_subplot(), None
+    colors = group_colors(len(curves))
+    for k, (label, (its, losses)) in enumerate(curves.items()):
+        ax.plot(its, losses, color=colors[k], label=label, **_CURVE_STYLES[k % len(_CURVE_STYLES)])
+    if checkpoint_at is not None:
+        for a in (ax, diff) if diff is not None else (ax,):
+            a.axvline(checkpoint_at, color="#555555", linewidth=1, linestyle="--")
+        ax.text(checkpoint_at, ax.get_ylim()[1], f" checkpoint (iteration {checkpoint_at})",
+                va="top", fontsize=8, color="#555555")
+    ax.set_ylabel("lm loss")
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title(title, loc="left")
+    if diff is not None:
+        ref_its, ref = curves[reference]
+        ref_at = dict(zip(ref_its, ref))
+        for k, (label, (its, losses)) in enumerate(curves.items()):
+            if label == reference:
+                continue
+            rel = [max(abs(v - ref_at[i]) / abs(ref_at[i]), 1e-12) for i, v in zip(its, losses)
+                   if i in ref_at]
+            diff.plot([i for i in its if i in ref_at], rel, color=colors[k], marker=".",
+                      linewidth=0.8, label=f"|{label} - {reference}| / {reference}")
+        diff.axhline(1e-5, color="#c44e52", linewidth=1, linestyle="--", label="1e-5")
+        diff.set_yscale("log")
+        diff.set_ylim(1e-12, 1e-3)
+        diff.set_ylabel("relative difference\n(0 drawn at 1e-12)")
+        diff.legend(frameon=False, fontsize=7, ncol=3, loc="upper right")
+    (diff if diff is not None else ax).set_xlabel("iteration")
+    for a in (ax, diff) if diff is not None else (ax,):
+        for side in ("top", "right"):
+            a.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+class LiveLossPlot:
+    """A loss curve redrawn in place while a job runs (in a notebook: one output that is
+    updated through an IPython display handle; elsewhere nothing is shown).
+
+    ``update(iterations, losses)`` redraws at most every ``every_s`` seconds (``force=True``:
+    now); ``close()`` draws the final state."""
+
+    def __init__(self, title: str, total_iterations: int, every_s: float = 0.5):
+        import time
+        self._time = time.monotonic
+        self.every_s, self._last = every_s, -1e9
+        with matplotlib.rc_context(STYLE):
+            self.fig = _figure(8.0, 3.2)
+            self.ax = self.fig.add_subplot()
+            (self.line,) = self.ax.plot([], [], color=group_colors(1)[0], linewidth=1.6)
+            self.ax.set_xlim(0, total_iterations)
+            self.ax.set_xlabel("iteration")
+            self.ax.set_ylabel("lm loss")
+            self.ax.set_title(title, loc="left")
+            self.fig.tight_layout()
+        self.handle = None
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+            if get_ipython() is not None:
+                self.handle = display(self.fig, display_id=True)
+        except ImportError:
+            pass
+
+    def update(self, iterations: Sequence[int], losses: Sequence[float], force: bool = False):
+        if not force and self._time() - self._last < self.every_s:
+            return
+        self._last = self._time()
+        self.line.set_data(list(iterations), list(losses))
+        if len(losses):
+            low, high = min(losses), max(losses)
+            pad = 0.05 * (high - low or 1.0)
+            self.ax.set_ylim(low - pad, high + pad)
+        if self.handle is not None:
+            with matplotlib.rc_context(STYLE):
+                self.handle.update(self.fig)
+
+
 # --------------------------------------------------------------------------- figures/
 def figure_catalog() -> Dict[str, Callable[[], Figure]]:
     """The figures committed under ``figures/``, by file name (built on demand)."""
@@ -648,6 +874,8 @@ def figure_catalog() -> Dict[str, Callable[[], Figure]]:
         "column_split_stride3_tp2.png": lambda: plot_column_split(1024, 768, 2, stride=3),
         "row_split_tp2.png": lambda: plot_row_split(1024, 512, 2),
         "fg_mlp_tp2.png": lambda: plot_fg(2),
+        "transformer_layer_tp2.png": lambda: plot_transformer_layer(2),
+        "transformer_layer_tp2_sp.png": lambda: plot_transformer_layer(2, sequence_parallel=True),
     }
 
 
