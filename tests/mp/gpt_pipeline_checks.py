@@ -49,7 +49,7 @@ def same(a, b):
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def where(out, state):
+def where(state):
     return dict(pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
                 tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                 dp_rank=parallel_state.get_data_parallel_rank(),
@@ -92,7 +92,7 @@ def training_equality(out, metrics_file):
         metrics = training.train(state, log=lambda s: None)
         out["losses"][name] = [m["lm_loss"] for m in metrics]
         out["grad_norms"][name] = [m["grad_norm"] for m in metrics]
-        out["setup"][name] = dict(where(out, state), dp=args.data_parallel_size,
+        out["setup"][name] = dict(where(state), dp=args.data_parallel_size,
                                   m=args.num_micro_batches, schedule=args.pipeline_schedule,
                                   vpp=args.virtual_pipeline_model_parallel_size)
         out["timeline"][name] = training.schedule_timeline_report()
