@@ -7,6 +7,7 @@ lecture's ``GPT_ARGS`` launch line.
   process first (:func:`mpu_lab.training.validate_args`), optionally with a live loss plot
   (:class:`mpu_lab.viz.LiveLossPlot`, redrawn from the ``--metrics-file`` as rank 0 logs each
   iteration); returns a :class:`TrainRun` with the loss of every iteration;
+* :func:`from_job` — the same from a job started with ``launch.run("train_gpt.py", ...)``;
 * :func:`max_relative_difference`, :func:`print_agreement`, :func:`print_losses` — compare
   runs that should coincide (TP = 1, 2, 4; a run resumed from a resharded checkpoint);
 * :data:`LECTURE_GPT_ARGS`, :func:`gpt_args_from_script`, :func:`print_side_by_side`,
@@ -200,12 +201,18 @@ def train(flags: Sequence, nproc: int, label: Optional[str] = None, live: bool =
     finally:
         if metrics_file:
             os.unlink(metrics_file)
-    metrics = job.results[0]["metrics"]
-    run = TrainRun(label, [m["iteration"] for m in metrics], [m["lm_loss"] for m in metrics],
-                   job.results, job.elapsed_s, nproc)
+    run = from_job(job, label)
     if plot is not None:
         plot.update(*run.curve, force=True)
     return run
+
+
+def from_job(job: "launch.LaunchResult", label: str) -> TrainRun:
+    """A :class:`TrainRun` from a finished ``launch.run("train_gpt.py", ...)`` job, whose ranks
+    each reported ``{"metrics": [...], "iteration": n}``."""
+    metrics = job.results[0]["metrics"]
+    return TrainRun(label, [m["iteration"] for m in metrics], [m["lm_loss"] for m in metrics],
+                    job.results, job.elapsed_s, job.nproc)
 
 
 # --------------------------------------------------------------------------- comparing

@@ -24,10 +24,11 @@ def test_committed_notebooks_have_no_structural_problems():
     assert notebooks.structure_problems(REPO) == []
 
 
-def test_the_series_is_start_here_and_labs_01_to_04_at_least():
+def test_the_series_is_start_here_and_labs_01_to_05_and_07_at_least():
     names = [p.name for p in notebooks.notebook_paths(REPO)]
     assert names[0] == "Start_Here.ipynb"
-    for lab in ("01_rank_groups", "02_column_parallel", "03_row_parallel", "04_collectives"):
+    for lab in ("01_rank_groups", "02_column_parallel", "03_row_parallel", "04_collectives",
+                "05_parallel_transformer", "07_train_gpt"):
         assert f"{lab}.ipynb" in names
 
 
@@ -49,12 +50,17 @@ def test_lab_outputs_are_executed_in_order_without_widget_state(path):
     assert nb["metadata"]["kernelspec"]["name"] == "python3"
 
 
-def test_start_here_lists_coming_labs_without_links():
+def test_start_here_links_the_written_labs_and_lists_coming_ones_without_links():
     text = "\n".join(c.source for c in nbformat.read(REPO / "Start_Here.ipynb", 4).cells
                      if c.cell_type == "markdown")
-    for lab in ("05", "06", "07"):
-        row = [line for line in text.splitlines() if line.startswith(f"| {lab} ")]
-        assert row and "(coming)" in row[0] and "](" not in row[0]
+    for lab in ("01", "02", "03", "04", "05", "06", "07"):
+        written = list((REPO / "labs").glob(f"{lab}_*.ipynb"))
+        row = [line for line in text.splitlines() if line.startswith((f"| {lab} ", f"| [{lab} "))]
+        assert row, lab
+        if written:
+            assert f"](labs/{written[0].name})" in row[0] and "(coming)" not in row[0]
+        else:
+            assert "(coming)" in row[0] and "](" not in row[0]
 
 
 # --------------------------------------------------------------------------- the checker itself
@@ -123,6 +129,8 @@ def test_example_instructor_parameters_resolve_for_every_lab():
     assert got["Start_Here"] == {}
     assert got["01_rank_groups"] == {"world_size": 8, "backend": "nccl", "tp": 4, "pp": 2}
     assert got["02_column_parallel"]["tp"] == 8 and got["04_collectives"]["backend"] == "nccl"
+    assert got["05_parallel_transformer"] == {"world_size": 8, "backend": "nccl", "tp": 4}
+    assert got["07_train_gpt"]["tp_sizes"] == [1, 2, 4, 8] and got["07_train_gpt"]["heads"] == 8
 
 
 def test_parameter_typos_are_refused(tmp_path):
