@@ -17,6 +17,7 @@ lecture's ``GPT_ARGS`` launch line.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -169,6 +170,13 @@ def _read_metrics(path: str) -> List[dict]:
         return []
 
 
+def _redraw(plot, metrics_file: str, rank: Optional[int], text: str) -> None:
+    """``launch.run``'s ``on_line``: when rank 0 logs an iteration, redraw from the file."""
+    if rank == 0 and "lm loss" in text:
+        rows = _read_metrics(metrics_file)
+        plot.update([r["iteration"] for r in rows], [r["lm_loss"] for r in rows])
+
+
 def train(flags: Sequence, nproc: int, label: Optional[str] = None, live: bool = False,
           env: Optional[Dict[str, str]] = None, timeout_s: float = 600.0) -> TrainRun:
     """Run ``launch/train_gpt.py flags`` on ``nproc`` ranks and return its losses.
@@ -188,11 +196,7 @@ def train(flags: Sequence, nproc: int, label: Optional[str] = None, live: bool =
         flags += ["--metrics-file", metrics_file]
         plot = viz.LiveLossPlot(f"{label}: lm loss while training ({nproc} ranks)",
                                 args.train_iters)
-
-        def on_line(rank, text):
-            if rank == 0 and "lm loss" in text:
-                rows = _read_metrics(metrics_file)
-                plot.update([r["iteration"] for r in rows], [r["lm_loss"] for r in rows])
+        on_line = functools.partial(_redraw, plot, metrics_file)
     else:
         flags.append("--quiet")
     try:

@@ -49,7 +49,8 @@ def test_layer_diagram_has_the_attention_and_the_mlp_panel(tp, sp):
 
 
 def test_memory_picture_stacks_both_accountings_and_marks_the_measurement():
-    rows = [memory.compare(128, 2, 64, 8, t, sp, memory.total(memory.mpu_lab_terms(128, 2, 64, 8, t, sp)))
+    rows = [memory.compare(128, 2, 64, 8, t, sp,
+                           memory.total(memory.mpu_lab_terms(128, 2, 64, 8, t, sp)))
             for t, sp in ((1, False), (2, False), (2, True))]
     fig = viz.plot_activation_memory(rows, 128, 2, 64)
     labels = fig.axes[0].get_legend_handles_labels()[1]
