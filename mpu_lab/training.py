@@ -563,6 +563,30 @@ def _autocast(args, device):
     return contextlib.nullcontext()
 
 
+def _optimizer_step(args, state, params):
+    """Unscale (fp16), clip over the model-parallel group, step, advance the schedule.
+
+    Returns ``(lr, grad_norm, skipped)``; ``grad_norm`` is NaN when fp16 overflow skipped
+    the step.
+    """
+    from mpu_lab import parallel_state
+    mp_group = parallel_state.get_model_parallel_group()
+    skipped = False
+    if state.scaler:
+        skipped = state.scaler.unscale_and_check(params, mp_group)
+        state.scaler.update(skipped)
+    lr = state.scheduler.lr_for_next_step()
+    grad_norm = float("nan")
+    if not skipped:
+        grad_norm = clip_grad_norm(params, args.clip_grad, mp_group)
+        state.optimizer.step()
+    else:
+        state.skipped_iterations += 1
+    state.scheduler.step()
+    state.iteration += 1
+    return lr, grad_norm, skipped
+
+
 def train_step(state: TrainState) -> Dict[str, float]:
     """One iteration (``state.iteration`` is 0-based on entry, incremented on exit)."""
     if state.args.pipeline_model_parallel_size > 1:
@@ -591,20 +615,7 @@ def train_step(state: TrainState) -> Dict[str, float]:
         loss_sum += loss.detach()
     finalize_model_grads(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    mp_group = parallel_state.get_model_parallel_group()
-    skipped = False
-    if state.scaler:
-        skipped = state.scaler.unscale_and_check(params, mp_group)
-        state.scaler.update(skipped)
-    lr = state.scheduler.lr_for_next_step()
-    grad_norm = float("nan")
-    if not skipped:
-        grad_norm = clip_grad_norm(params, args.clip_grad, mp_group)
-        state.optimizer.step()
-    else:
-        state.skipped_iterations += 1
-    state.scheduler.step()
-    state.iteration += 1
+    lr, grad_norm, skipped = _optimizer_step(args, state, params)
     # Loss of the global batch: mean over micro-batches, then over the data-parallel group.
     loss = loss_sum / M
     dp_group = parallel_state.get_data_parallel_group()
@@ -707,20 +718,7 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
     finalize_model_grads(chunks)
     with comm.comm_tag("grads.embedding"):
         allreduce_embedding_grads(chunks)
-    mp_group = parallel_state.get_model_parallel_group()
-    skipped = False
-    if state.scaler:
-        skipped = state.scaler.unscale_and_check(params, mp_group)
-        state.scaler.update(skipped)
-    lr = state.scheduler.lr_for_next_step()
-    grad_norm = float("nan")
-    if not skipped:
-        grad_norm = clip_grad_norm(params, args.clip_grad, mp_group)
-        state.optimizer.step()
-    else:
-        state.skipped_iterations += 1
-    state.scheduler.step()
-    state.iteration += 1
+    lr, grad_norm, skipped = _optimizer_step(args, state, params)
     # The loss of the global batch: on the last stage the mean over micro-batches, averaged
     # over the data-parallel group; then sent from the last stage to the whole pipeline.
     loss = torch.zeros((), dtype=torch.float32, device=device)
