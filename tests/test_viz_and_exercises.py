@@ -216,6 +216,11 @@ def test_unknown_figure_name_is_refused(tmp_path):
     (lambda a: exercises.check_all_reduce_of_ranks(a, 5, 8, 2, 4), 9, 22),
     (lambda a: exercises.check_gather_split(a, 3, 8, 4, 2), [float(v) for v in range(4) for _ in range(8)],
      [3.0] * 32),
+    (lambda a: exercises.check_bubble_share(a, 4, 8), 3 / 11, 3 / 8),
+    (lambda a: exercises.check_bubble_share(a, 4, 8, v=2), 3 / 19, 3 / 11),
+    (lambda a: exercises.check_peak_in_flight(a, "1f1b", 4, 8), 4, 8),
+    (lambda a: exercises.check_peak_in_flight(a, "gpipe", 4, 8), 8, 4),
+    (lambda a: exercises.check_peak_in_flight(a, "1f1b", 4, 8, stage=3), 1, 4),
 ])
 def test_each_check_says_right_wrong_or_not_yet(capsys, check, right, wrong):
     assert check(right) and capsys.readouterr().out.startswith("Right:")
