@@ -3,7 +3,6 @@ and what autograd really keeps for one ParallelTransformerLayer (mpu_lab.models.
 import pytest
 import torch
 
-from mpu_lab import training
 from mpu_lab.launch import run
 from mpu_lab.models import memory
 from mpu_lab.perf import activation_memory_per_layer
@@ -13,18 +12,6 @@ GPT3 = dict(s=2048, b=1, h=12288, a=96)
 SMALL = dict(s=128, b=2, h=64, a=8)        # lab 05's layer: 5as/h = 80, like GPT-3
 
 
-@pytest.fixture(scope="module")
-def world():
-    import os
-
-    from mpu_lab import distributed
-    before = dict(os.environ)
-    training.init_single_process(backend="gloo")
-    yield
-    distributed.shutdown()
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if key not in before:
-            os.environ.pop(key, None)
 
 
 # --------------------------------------------------------------------------- the formulas

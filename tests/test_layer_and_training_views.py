@@ -7,18 +7,6 @@ from mpu_lab import exercises, launch, train_runs, viz
 from mpu_lab.models import memory
 
 
-@pytest.fixture(scope="module")
-def world():
-    import os
-
-    from mpu_lab import distributed, training
-    before = dict(os.environ)
-    training.init_single_process(backend="gloo")
-    yield
-    distributed.shutdown()
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if key not in before:
-            os.environ.pop(key, None)
 
 
 # --------------------------------------------------------------------------- lab 05

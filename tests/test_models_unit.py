@@ -13,18 +13,7 @@ from mpu_lab.models.attention import explicit_causal_attention
 from mpu_lab.models.gpt import _PlainLayer
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    import os
-
-    from mpu_lab import distributed
-    before = dict(os.environ)
-    training.init_single_process(backend="gloo")
-    yield
-    distributed.shutdown()   # leave no world (nor its environment variables) to later tests
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if key not in before:
-            os.environ.pop(key, None)
+pytestmark = pytest.mark.usefixtures("world")   # a one-rank world (tests/conftest.py)
 
 
 def small_config(**kw):
