@@ -32,6 +32,12 @@ reports its last iteration's forward/backward records under ``"timeline"``::
     plot_gantt(tl["records"], time_unit="ms")
     measured_bubble(tl["records"], tl["num_microbatches"], tl["num_model_chunks"])
 
+With ``--breakdown`` each rank reports where its steps' time went (compute vs each kind of
+collective) under ``"breakdown"``; ``mpu_lab.perf.measure.format_breakdown`` tabulates it::
+
+    from mpu_lab.perf import measure
+    print(measure.format_breakdown(measure.breakdowns(job.results)))
+
 The flags are checked before anything starts (``mpu_lab.training.validate_args``);
 ``launch/train_gpt.sh`` shows the lecture's ``GPT_ARGS``. ``--pipeline-schedule`` is this
 project's flag (Megatron picks 1F1B, or interleaved when
@@ -54,6 +60,8 @@ def main(argv=None):
     result = {"metrics": metrics, "iteration": state.iteration}
     if args.record_timeline:
         result["timeline"] = training.schedule_timeline_report()
+    if args.breakdown or args.breakdown_barrier:
+        result["breakdown"] = state.step_timer.report()
     launch.report(result)
     distributed.shutdown()
 

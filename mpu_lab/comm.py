@@ -8,6 +8,8 @@ Why one place:
   through gloo the tensor is staged through host memory here.
 * **Counting.** Every call is reported to the active :class:`CommCounter`s, which is how the
   labs measure "2 all-reduces forward and 2 backward per layer".
+* **Timing.** While a :class:`CommTimer` is active every call is timed (the step-time
+  breakdown of :mod:`mpu_lab.perf.measure`).
 
 All functions take ``group`` and return a *new* tensor (inputs are never modified).
 """
@@ -15,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import List, Optional
+import time
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -153,6 +156,73 @@ def _record(kind, group, tensor):
         counter.events.append(event)
 
 
+# --------------------------------------------------------------------------- timing
+_TIMERS: List["CommTimer"] = []
+
+
+class CommTimer:
+    """Wall-clock seconds spent inside the calls of :mod:`mpu_lab.comm` (and the pipeline's p2p
+    messages) while it is active, per ``(kind, group ranks, tag)``.
+
+    A blocking collective returns when the *last* rank of the group has arrived, so its time is
+    the transfer plus the wait for the slowest peer. With ``barrier=True`` a barrier on the group
+    runs first and is booked apart as ``wait``: what remains is closer to the transfer itself
+    (Megatron's timers offer the same switch, ``--barrier-with-L1-time``); p2p messages get no
+    barrier. On CUDA each timed call is bracketed by ``torch.cuda.synchronize()``, so queued
+    kernels are not billed to the collective (that removes any overlap: the run gets slower).
+    """
+
+    def __init__(self, barrier: bool = False):
+        self.barrier = barrier
+        # (kind, group ranks, tag) -> [calls, seconds in the call, seconds in the barrier, bytes]
+        self.totals: Dict[tuple, List[float]] = {}
+
+    def __enter__(self):
+        _TIMERS.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _TIMERS.remove(self)
+        return False
+
+    def add(self, key: tuple, seconds: float, wait_s: float, nbytes: int) -> None:
+        entry = self.totals.setdefault(key, [0, 0.0, 0.0, 0])
+        entry[0] += 1
+        entry[1] += seconds
+        entry[2] += wait_s
+        entry[3] += nbytes
+
+    def seconds(self) -> float:
+        """Everything booked so far, barriers included."""
+        return sum(e[1] + e[2] for e in self.totals.values())
+
+
+def _timed(kind: str, group, tensor: torch.Tensor, call: Callable[[], Any]) -> Any:
+    """Run ``call()`` (the ``torch.distributed`` call of a collective); time it for the active
+    :class:`CommTimer`s."""
+    if not _TIMERS:
+        return call()
+    sync = tensor.is_cuda
+    wait_s = 0.0
+    if sync:
+        torch.cuda.synchronize(tensor.device)
+    if kind != "p2p" and any(t.barrier for t in _TIMERS):
+        start = time.perf_counter()
+        dist.barrier(group=group)
+        wait_s = time.perf_counter() - start
+    start = time.perf_counter()
+    out = call()
+    if sync:
+        torch.cuda.synchronize(tensor.device)
+    seconds = time.perf_counter() - start
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None \
+        else tuple(range(dist.get_world_size()))
+    key = (kind, ranks, current_tag())
+    for timer in _TIMERS:
+        timer.add(key, seconds, wait_s, tensor.numel() * tensor.element_size())
+    return out
+
+
 def group_size(group) -> int:
     return dist.get_world_size(group=group)
 
@@ -176,7 +246,7 @@ def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.
     """Sum (or ``op``) of ``tensor`` over ``group``; every rank gets the result."""
     _record("all_reduce", group, tensor)
     work, device = _to_backend(tensor.detach().clone().contiguous(), group)
-    dist.all_reduce(work, op=op, group=group)
+    _timed("all_reduce", group, work, lambda: dist.all_reduce(work, op=op, group=group))
     return _from_backend(work, device)
 
 
@@ -185,7 +255,7 @@ def all_gather(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
     _record("all_gather", group, tensor)
     src, device = _to_backend(tensor.detach().contiguous(), group)
     parts = [torch.empty_like(src) for _ in range(group_size(group))]
-    dist.all_gather(parts, src, group=group)
+    _timed("all_gather", group, src, lambda: dist.all_gather(parts, src, group=group))
     return _from_backend(torch.cat(parts, dim=dim), device)
 
 
@@ -202,12 +272,13 @@ def reduce_scatter(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tens
         # CPU cores (measured: 25 ms vs 7 ms for 4 ranks on 2 cores), so on gloo the same
         # result is computed as an all-reduce followed by keeping this rank's chunk.
         full = src.contiguous().clone()
-        dist.all_reduce(full, group=group)
+        _timed("reduce_scatter", group, full, lambda: dist.all_reduce(full, group=group))
         out = torch.chunk(full, n, dim=dim)[dist.get_rank(group=group)].contiguous()
     else:
         chunks = [c.contiguous() for c in torch.chunk(src, n, dim=dim)]
         out = torch.empty_like(chunks[0])
-        dist.reduce_scatter(out, chunks, group=group)
+        _timed("reduce_scatter", group, src,
+               lambda: dist.reduce_scatter(out, chunks, group=group))
     return _from_backend(out, device)
 
 
@@ -215,5 +286,5 @@ def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
     """``tensor`` of global rank ``src``, on every rank of ``group`` (a new tensor)."""
     _record("broadcast", group, tensor)
     work, device = _to_backend(tensor.detach().clone().contiguous(), group)
-    dist.broadcast(work, src=src, group=group)
+    _timed("broadcast", group, work, lambda: dist.broadcast(work, src=src, group=group))
     return _from_backend(work, device)

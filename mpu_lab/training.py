@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--record-timeline", action="store_true",
                    help="PP > 1: every rank reports the forward/backward start and end times of "
                         "its last iteration (launch.report), for a Gantt chart of the real run")
+    g.add_argument("--breakdown", action="store_true",
+                   help="every rank times its steps and the collectives in them and reports "
+                        "the per-step breakdown (compute vs each kind of collective; "
+                        "mpu_lab.perf.measure) under \"breakdown\"; the first step is not timed")
+    g.add_argument("--breakdown-barrier", action="store_true",
+                   help="--breakdown with a barrier before each collective, booked as "
+                        "'wait': separates waiting for peers from the transfer itself")
     g.add_argument("--save", default=None, help="folder for iter_XXXXXXX checkpoints")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", default=None,
@@ -773,11 +780,16 @@ def train(state: TrainState, train_iters: Optional[int] = None,
     tokens_per_iteration = args.global_batch_size * args.seq_length
     logged: List[Dict[str, Any]] = []
     window_losses, window_start = [], None
+    timer = None
+    if getattr(args, "breakdown", False) or getattr(args, "breakdown_barrier", False):
+        from mpu_lab.perf.measure import StepTimer
+        # train_gpt.py --breakdown: time each step and its collectives (mpu_lab.perf.measure)
+        timer = state.step_timer = StepTimer(device, barrier=args.breakdown_barrier)
     try:
         _sync(device)
         window_start = time.perf_counter()
         while state.iteration < end:
-            step = train_step(state)
+            step = timer.time_step(train_step, state) if timer else train_step(state)
             window_losses.append(step["lm_loss"])
             it = state.iteration
             if it % args.log_interval == 0 or it == end:

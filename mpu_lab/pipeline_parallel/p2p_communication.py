@@ -90,12 +90,18 @@ def communicate(*, tensor_send_next: Optional[torch.Tensor] = None,
         ops.append(dist.P2POp(dist.irecv, recv_next_buf, next_rank, group, GRADIENT_TAG))
     if not ops:
         return None, None
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    if device.type == "cuda" and not host:
-        # Megatron does the same: the received buffers must be complete before the next
-        # kernel reads them on another stream.
-        torch.cuda.synchronize()
+
+    def post_and_wait():
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if device.type == "cuda" and not host:
+            # Megatron does the same: the received buffers must be complete before the next
+            # kernel reads them on another stream.
+            torch.cuda.synchronize()
+
+    # Timed as one "p2p" call when a comm.CommTimer is active: the time includes waiting for
+    # the peer to reach the matching call (the pipeline bubble), not only the transfer.
+    comm._timed("p2p", group, ops[0].tensor, post_and_wait)
     if host:
         recv_prev_buf = recv_prev_buf.to(device) if recv_prev_buf is not None else None
         recv_next_buf = recv_next_buf.to(device) if recv_next_buf is not None else None

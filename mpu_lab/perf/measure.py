@@ -1,0 +1,467 @@
+"""Measure a run: collective bandwidth, where a training step's time goes, how busy each rank is.
+
+Three tools, one per question of "why is my utilisation low":
+
+* **Bandwidth** of the collectives, as nccl-tests reports it: ``algbw`` and ``busbw``
+  (:func:`algbw`, :func:`busbw`; ``launch/bench_bandwidth.py`` runs them over message sizes).
+* **Step-time breakdown** (``launch/train_gpt.py --breakdown``): per rank, the seconds of an
+  iteration spent in each kind of collective — tensor-parallel all-reduce / all-gather /
+  reduce-scatter / broadcast, data-parallel all-reduce, pipeline p2p — and the rest, which is
+  computation (:class:`StepTimer`, on top of :class:`mpu_lab.comm.CommTimer`).
+* **Utilisation over time** (:class:`UtilisationSampler`): the CPU use of every ``torchrun``
+  worker (psutil, from the launcher's process tree), and GPU utilisation through NVML where
+  there is a GPU; :func:`mpu_lab.viz.plot_utilisation` draws it as one row per rank.
+
+What "waiting" means here: every collective and p2p call is synchronous, so the time a rank
+spends inside one is the transfer *plus* the time it waits for the slowest member of its group
+(or, for p2p, for the neighbouring stage to produce the activation: the pipeline bubble). The
+breakdown books both under the collective; ``--breakdown-barrier`` puts a barrier before each
+collective and books it as ``wait``, which separates the two (at the price of an extra
+synchronisation).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+# --------------------------------------------------------------------------- bandwidth
+# NVIDIA nccl-tests, doc/PERFORMANCE.md ("Performance reported by NCCL tests"): the bus
+# bandwidth is the algorithm bandwidth S/t times a factor that makes it comparable with the
+# hardware's link bandwidth whatever the number of ranks n. A ring all-reduce moves every
+# byte 2(n-1)/n times over each rank's link, all-gather and reduce-scatter (n-1)/n times
+# (S being the *whole* gathered / scattered array), broadcast once (all data leave the root).
+_BUS_FACTORS: Dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+COLLECTIVES: Tuple[str, ...] = tuple(_BUS_FACTORS)
+GLOO_REDUCE_SCATTER_NOTE = (
+    "on gloo, mpu_lab.comm computes reduce_scatter as an all-reduce followed by keeping this "
+    "rank's chunk (gloo's own reduce_scatter is slower on shared cores), so its row times an "
+    "all-reduce of the whole array; its busbw still uses the reduce-scatter factor (n-1)/n")
+
+
+def _check_op(op: str) -> None:
+    if op not in _BUS_FACTORS:
+        raise ValueError(f"unknown collective {op!r}; valid: {', '.join(COLLECTIVES)}")
+
+
+def bus_factor(op: str, n: int) -> float:
+    """busbw / algbw for collective ``op`` over ``n`` ranks (nccl-tests, doc/PERFORMANCE.md)."""
+    _check_op(op)
+    if isinstance(n, bool) or int(n) != n or n < 1:
+        raise ValueError(f"the number of ranks must be an integer >= 1, got {n!r}")
+    return _BUS_FACTORS[op](int(n))
+
+
+def algbw(size_bytes: float, seconds: float) -> float:
+    """Algorithm bandwidth ``S / t`` in bytes per second (``S``: the whole array)."""
+    if size_bytes < 0:
+        raise ValueError(f"size must be >= 0 bytes, got {size_bytes}")
+    if not seconds > 0:
+        raise ValueError(f"time must be > 0 seconds, got {seconds}")
+    return size_bytes / seconds
+
+
+def busbw(op: str, size_bytes: float, seconds: float, n: int) -> float:
+    """Bus bandwidth in bytes per second: ``algbw x`` :func:`bus_factor`."""
+    return algbw(size_bytes, seconds) * bus_factor(op, n)
+
+
+_UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024 ** 2, "MB": 1024 ** 2,
+          "MIB": 1024 ** 2, "G": 1024 ** 3, "GB": 1024 ** 3, "GIB": 1024 ** 3}
+
+
+def parse_size(text) -> int:
+    """``"64K"`` -> 65536 (binary units, as nccl-tests' ``-b``/``-e``); ints pass through."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        s = str(text).strip().upper()
+        digits = s.rstrip("KMGIB")
+        unit = s[len(digits):]
+        if not digits.isdigit() or unit not in _UNITS:
+            raise ValueError(f"size {text!r} is not a byte count such as 1024, 64K, 16M or 1G")
+        value = int(digits) * _UNITS[unit]
+    if value < 1:
+        raise ValueError(f"size must be >= 1 byte, got {text!r}")
+    return value
+
+
+def message_sizes(min_bytes, max_bytes, factor: int = 2) -> List[int]:
+    """``min, min*factor, ...`` up to ``max`` (both in bytes or as ``"64K"``-style strings)."""
+    lo, hi = parse_size(min_bytes), parse_size(max_bytes)
+    if lo > hi:
+        raise ValueError(f"minimum size {lo} bytes is larger than the maximum {hi} bytes")
+    if factor < 2:
+        raise ValueError(f"the size factor must be >= 2, got {factor}")
+    sizes = [lo]
+    while sizes[-1] * factor <= hi:
+        sizes.append(sizes[-1] * factor)
+    return sizes
+
+
+def collective_numel(op: str, size_bytes: int, n: int, element_size: int) -> Tuple[int, int]:
+    """``(numel of each rank's input tensor, whole-array bytes S actually moved)`` for a
+    benchmark of ``op`` at nominal size ``size_bytes``: all-reduce and broadcast take the whole
+    array, all-gather an ``S/n`` piece per rank, reduce-scatter the whole array (its output is
+    ``S/n``). ``S`` is rounded down to a multiple of ``n`` elements (at least ``n``)."""
+    _check_op(op)
+    total = max(size_bytes // element_size, 1)
+    if op in ("all_gather", "reduce_scatter"):
+        total = max(total - total % n, n)
+    per_rank = total // n if op == "all_gather" else total
+    return per_rank, total * element_size
+
+
+def _human_bytes(n: int) -> str:
+    for unit, scale in (("G", 1024 ** 3), ("M", 1024 ** 2), ("K", 1024)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def format_bandwidth(rows: Sequence[Dict[str, Any]]) -> str:
+    """The benchmark's rows as a table (time in microseconds, bandwidths in GB/s = 1e9 B/s)."""
+    lines = [f"{'op':>15} {'size':>6} {'ranks':>5} {'time (us)':>11} {'algbw GB/s':>11} "
+             f"{'busbw GB/s':>11}"]
+    for r in rows:
+        lines.append(f"{r['op']:>15} {_human_bytes(r['size_bytes']):>6} {r['ranks']:>5} "
+                     f"{r['time_s'] * 1e6:11.1f} {r['algbw'] / 1e9:11.3f} {r['busbw'] / 1e9:11.3f}")
+    return "\n".join(lines)
+
+
+def best_busbw(rows: Sequence[Dict[str, Any]]) -> Dict[str, float]:
+    """Per collective, the highest busbw over the message sizes (bytes/s)."""
+    out: Dict[str, float] = {}
+    for r in rows:
+        out[r["op"]] = max(out.get(r["op"], 0.0), r["busbw"])
+    return out
+
+
+# --------------------------------------------------------------------------- step breakdown
+COMPUTE = "compute"
+WAIT = "wait (barrier)"
+OTHER = "other"
+# Bookkeeping collectives that are not the model's: the gradient norm over the model-parallel
+# group, the fp16 overflow vote, the tied-embedding sum, the loss for the log line.
+_OTHER_TAGS = ("logging", "grads.norm", "grads.overflow", "grads.embedding")
+# Drawing order (and the order of the printed columns); absent categories are left out.
+CATEGORY_ORDER = (COMPUTE, "tp all_reduce", "tp all_gather", "tp reduce_scatter", "tp broadcast",
+                  "dp all_reduce", "pp p2p", OTHER, WAIT)
+
+
+def categorize(kind: str, ranks: Sequence[int], tag: Optional[str],
+               families: Dict[str, Optional[Sequence[int]]]) -> str:
+    """The breakdown category of one timed call: ``"pp p2p"`` for pipeline messages,
+    ``"other"`` for bookkeeping (tags in ``_OTHER_TAGS``) and groups of no family, else
+    ``"<family> <kind>"`` with the family (``tp``, ``dp``, ``pp``; in that order, since
+    groups with the same ranks are one group) whose ranks equal the call's group."""
+    if kind == "p2p":
+        return "pp p2p"
+    if tag in _OTHER_TAGS:
+        return OTHER
+    ranks = tuple(ranks)
+    for family in ("tp", "dp", "pp"):
+        members = families.get(family)
+        if members is not None and len(members) > 1 and tuple(members) == ranks:
+            return f"{family} {kind}"
+    return OTHER
+
+
+class StepTimer:
+    """Times whole training steps and the collectives inside them, on one rank.
+
+    ``time_step(fn, *args)`` runs one step under a :class:`mpu_lab.comm.CommTimer`; the first
+    ``skip`` steps run untimed (first-call allocations and warm-up). On CUDA the device is
+    synchronised before and after each step. :meth:`report` gives the per-step means, JSON-able.
+    """
+
+    def __init__(self, device=None, barrier: bool = False, skip: int = 1):
+        from mpu_lab import comm
+        if skip < 0:
+            raise ValueError(f"skip must be >= 0 steps, got {skip}")
+        self.device = device
+        self.barrier = barrier
+        self.skip = skip
+        self.comm_timer = comm.CommTimer(barrier=barrier)
+        self.step_seconds: List[float] = []
+        self.window: List[Optional[float]] = [None, None]   # time.time() of first start, last end
+        self._seen = 0
+
+    def _sync(self):
+        if self.device is not None and getattr(self.device, "type", "cpu") == "cuda":
+            import torch
+            torch.cuda.synchronize(self.device)
+
+    def time_step(self, fn: Callable, *args, **kwargs):
+        self._seen += 1
+        if self._seen <= self.skip:
+            return fn(*args, **kwargs)
+        self._sync()
+        wall, start = time.time(), time.perf_counter()
+        with self.comm_timer:
+            out = fn(*args, **kwargs)
+        self._sync()
+        self.step_seconds.append(time.perf_counter() - start)
+        if self.window[0] is None:
+            self.window[0] = wall
+        self.window[1] = time.time()
+        return out
+
+    def report(self) -> Dict[str, Any]:
+        """This rank's breakdown: ``parts`` (seconds per step by category, ``compute`` being
+        the step minus all communication), ``calls`` and ``bytes`` per step, ``step_s`` (mean
+        step), ``steps`` (how many were timed), its coordinates and the timed ``window``."""
+        import torch.distributed as dist
+
+        from mpu_lab import parallel_state as ps
+        n = len(self.step_seconds)
+        families = {f: ps.get_group_ranks(f) for f in ("tp", "dp", "pp")}
+        seconds: Dict[str, float] = {}
+        calls: Dict[str, float] = {}
+        nbytes: Dict[str, float] = {}
+        wait = 0.0
+        for (kind, ranks, tag), (count, sec, wait_s, b) in self.comm_timer.totals.items():
+            cat = categorize(kind, ranks, tag, families)
+            seconds[cat] = seconds.get(cat, 0.0) + sec
+            calls[cat] = calls.get(cat, 0) + count
+            nbytes[cat] = nbytes.get(cat, 0) + b
+            wait += wait_s
+        total = sum(self.step_seconds)
+        parts = {COMPUTE: total - sum(seconds.values()) - wait, **seconds}
+        if self.barrier:
+            parts[WAIT] = wait
+        per_step = (lambda d: {k: v / n for k, v in d.items()}) if n else (lambda d: {})
+        return dict(
+            rank=dist.get_rank(), steps=n, step_s=total / n if n else float("nan"),
+            step_seconds=list(self.step_seconds), parts=per_step(parts), calls=per_step(calls),
+            bytes=per_step(nbytes), barrier=self.barrier, window=list(self.window),
+            tp=ps.get_tensor_model_parallel_world_size(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
+            dp=ps.get_data_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank())
+
+
+def breakdowns(results: Sequence[Optional[dict]]) -> List[dict]:
+    """The ``"breakdown"`` of every rank's ``train_gpt.py --breakdown`` report, rank order."""
+    out = []
+    for rank, result in enumerate(results):
+        if not result or "breakdown" not in result:
+            raise ValueError(f"rank {rank} reported no breakdown: run train_gpt.py with --breakdown")
+        out.append(result["breakdown"])
+    return out
+
+
+def categories(reports: Sequence[dict]) -> List[str]:
+    """The categories present in any rank's breakdown, in :data:`CATEGORY_ORDER`."""
+    present = {k for r in reports for k in r["parts"]}
+    return [c for c in CATEGORY_ORDER if c in present] + sorted(present - set(CATEGORY_ORDER))
+
+
+def format_breakdown(reports: Sequence[dict], unit: str = "ms") -> str:
+    """One line per rank: mean step time and each category's share of it (ms and %)."""
+    scale = {"ms": 1e3, "s": 1.0, "us": 1e6}[unit]
+    cats = categories(reports)
+    head = f"{'rank':>4} {'(tp,pp,dp)':>10} {'step ' + unit:>9} " + " ".join(f"{c:>17}" for c in cats)
+    lines = [head]
+    for r in reports:
+        coord = f"({r['tp_rank']},{r['pp_rank']},{r['dp_rank']})"
+        cells = []
+        for c in cats:
+            v = r["parts"].get(c, 0.0)
+            cells.append(f"{v * scale:8.1f} ({100 * v / r['step_s']:3.0f}%)" if r["step_s"] > 0
+                         else f"{'-':>17}")
+        lines.append(f"{r['rank']:>4} {coord:>10} {r['step_s'] * scale:9.1f} "
+                     + " ".join(f"{c:>17}" for c in cells))
+    return "\n".join(lines)
+
+
+def training_window(reports: Sequence[dict]) -> Tuple[float, float]:
+    """``(earliest start, latest end)`` of the timed steps over all ranks (``time.time()``)."""
+    starts = [r["window"][0] for r in reports if r["window"][0] is not None]
+    ends = [r["window"][1] for r in reports if r["window"][1] is not None]
+    if not starts:
+        raise ValueError("no rank timed a step: train more iterations than the skipped ones")
+    return min(starts), max(ends)
+
+
+# --------------------------------------------------------------------------- utilisation
+@dataclasses.dataclass
+class Utilisation:
+    """Samples of how busy each rank was: ``values[rank][i]`` at ``times[i]`` (``time.time()``),
+    NaN where the rank's process did not exist (yet). ``kind`` is ``"cpu"`` (percent of one
+    core, psutil; above 100 when a rank runs several threads) or ``"gpu"`` (NVML's percent of
+    time a kernel ran on the rank's GPU)."""
+    kind: str
+    interval_s: float
+    times: List[float]
+    values: Dict[int, List[float]]
+    cores: int
+
+    def crop(self, start: float, end: float) -> "Utilisation":
+        """The samples between ``start`` and ``end`` (e.g. :func:`training_window`)."""
+        keep = [i for i, t in enumerate(self.times) if start <= t <= end]
+        return Utilisation(self.kind, self.interval_s, [self.times[i] for i in keep],
+                           {r: [v[i] for i in keep] for r, v in self.values.items()}, self.cores)
+
+    def mean(self) -> Dict[int, float]:
+        """Per rank, the mean over its valid samples."""
+        out = {}
+        for r, v in sorted(self.values.items()):
+            good = [x for x in v if not math.isnan(x)]
+            out[r] = sum(good) / len(good) if good else float("nan")
+        return out
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _worker_rank(proc) -> Optional[int]:
+    """The global rank of a torchrun worker (from the variables torchrun sets for workers
+    only: ``ROLE_RANK`` is not inherited from a notebook), None for anything else."""
+    try:
+        env = proc.environ()
+    except Exception:   # gone, or not ours
+        return None
+    if "ROLE_RANK" not in env or "RANK" not in env:
+        return None
+    return int(env["RANK"])
+
+
+class UtilisationSampler:
+    """Sample, on a background thread of *this* process, how busy the ranks of the
+    ``torchrun`` jobs started from it are:
+
+        with UtilisationSampler(interval_s=0.05) as sampler:
+            job = launch.run("train_gpt.py", flags, nproc=4)
+        util = sampler.result()
+
+    CPU: every ``interval_s`` the worker processes are found among this process's descendants
+    (:func:`mpu_lab.launch.descendants`; a worker is a process with torchrun's ``ROLE_RANK``)
+    and their CPU use since the last sample is read with psutil. GPU (``gpu=True``, or
+    ``"auto"``: where NVML finds one): NVML's utilisation of each rank's GPU, ``LOCAL_RANK``
+    modulo the GPU count as :func:`mpu_lab.distributed.choose_device` assigns them (NVML
+    numbers GPUs by PCI bus; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA agrees).
+    """
+
+    def __init__(self, interval_s: float = 0.05, gpu="auto", root_pid: Optional[int] = None):
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        if gpu not in ("auto", True, False):
+            raise ValueError(f"gpu must be 'auto', True or False, got {gpu!r}")
+        self.interval_s = interval_s
+        self.root_pid = os.getpid() if root_pid is None else root_pid
+        self._gpu_handles = self._open_nvml() if gpu else []
+        if gpu is True and not self._gpu_handles:
+            raise ValueError("gpu=True but NVML finds no GPU here; use gpu='auto' or False")
+        self.kind = "gpu" if self._gpu_handles else "cpu"
+        self.times: List[float] = []
+        self.values: Dict[int, List[float]] = {}
+        self._procs: Dict[int, Any] = {}         # pid -> psutil.Process of a worker
+        self._rank_of: Dict[int, int] = {}       # pid -> rank
+        self._local_rank: Dict[int, int] = {}    # rank -> local rank
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @staticmethod
+    def _open_nvml() -> list:
+        try:
+            import pynvml   # nvidia-ml-py
+            pynvml.nvmlInit()
+            return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:   # no library, no driver or no GPU: CPU sampling
+            return []
+
+    def _refresh(self):
+        import psutil
+
+        from mpu_lab.launch import descendants
+        for pid in descendants(self.root_pid):
+            if pid in self._rank_of or pid in self._procs:
+                continue
+            try:
+                proc = psutil.Process(pid)
+            except psutil.Error:
+                continue
+            rank = _worker_rank(proc)
+            if rank is None:
+                self._rank_of[pid] = -1          # not a worker: never look again
+                continue
+            try:
+                parent = proc.ppid()
+            except psutil.Error:
+                continue
+            if self._rank_of.get(parent, -1) == rank:   # a child of the worker (same RANK)
+                self._rank_of[pid] = -1
+                continue
+            self._rank_of[pid] = rank
+            self._procs[pid] = proc
+            try:
+                self._local_rank[rank] = int(proc.environ().get("LOCAL_RANK", rank))
+                proc.cpu_percent(None)           # the first call only starts the clock
+            except psutil.Error:
+                pass
+
+    def _sample(self):
+        import psutil
+        now = time.time()
+        row: Dict[int, float] = {}
+        if self._gpu_handles:
+            import pynvml
+            util = [pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._gpu_handles]
+            for rank, local in self._local_rank.items():
+                row[rank] = float(util[local % len(util)])
+        else:
+            for pid, proc in list(self._procs.items()):
+                try:
+                    row[self._rank_of[pid]] = proc.cpu_percent(None)
+                except psutil.Error:
+                    del self._procs[pid]
+        self.times.append(now)
+        for rank in set(row) | set(self.values):
+            column = self.values.setdefault(rank, [math.nan] * (len(self.times) - 1))
+            column.append(row.get(rank, math.nan))
+
+    def _loop(self):
+        tick = 0
+        while not self._stop.is_set():
+            if tick % 10 == 0 or not self._procs:
+                self._refresh()
+            self._sample()
+            tick += 1
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="utilisation")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return False
+
+    def result(self) -> Utilisation:
+        return Utilisation(self.kind, self.interval_s, list(self.times),
+                           {r: list(v) for r, v in sorted(self.values.items())},
+                           os.cpu_count() or 1)
+
+
+def run_with_utilisation(script, args: Sequence = (), nproc: int = 2, interval_s: float = 0.05,
+                         gpu="auto", **run_kwargs):
+    """:func:`mpu_lab.launch.run` with a :class:`UtilisationSampler` around it; returns
+    ``(job, utilisation)``."""
+    from mpu_lab import launch
+    with UtilisationSampler(interval_s=interval_s, gpu=gpu) as sampler:
+        job = launch.run(script, args, nproc=nproc, **run_kwargs)
+    return job, sampler.result()
