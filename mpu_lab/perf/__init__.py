@@ -5,3 +5,4 @@
 - :mod:`mpu_lab.perf.measure` — step-time breakdown, collective bandwidth, utilisation sampling.
 """
 from mpu_lab.perf.model import *  # noqa: F401,F403
+from mpu_lab.perf.explorer import Exploration, diagnose, explore  # noqa: F401
