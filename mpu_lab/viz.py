@@ -898,3 +898,111 @@ def save_figures(directory, names: Optional[Iterable[str]] = None) -> List[pathl
     if unknown:
         raise ValueError(f"unknown figure(s) {unknown}; known: {sorted(catalog)}")
     return [save_figure(catalog[name](), directory / name) for name in wanted]
+
+
+# --------------------------------------------------------------------------- lab 08: performance
+# One colour per step-time category (mpu_lab.perf.measure.CATEGORY_ORDER): computation green,
+# tensor-parallel collectives blues, data-parallel orange, pipeline p2p red, the rest greys.
+BREAKDOWN_COLORS = {
+    "compute": "#55a868", "tp all_reduce": "#1f4e79", "tp all_gather": "#4c72b0",
+    "tp reduce_scatter": "#7fa7d6", "tp broadcast": "#b3cde3", "dp all_reduce": "#dd8452",
+    "pp p2p": "#c44e52", "other": "#999999", "wait (barrier)": "#dddddd",
+}
+
+
+@_styled
+def plot_utilisation(runs: Dict[str, object], title: str = "", vmax: float = 100.0) -> Figure:
+    """Utilisation over time, one heat row per rank, one panel per run side by side
+    (``label: mpu_lab.perf.measure.Utilisation``, e.g. cropped to the training window).
+    Time is counted from each run's first sample; white where a rank had not started. Under
+    CPU sampling a last row shows the whole machine (percent of all cores, every process)."""
+    fig = _figure(5.4 * len(runs) + 0.8, 0.42 * max(len(u.values) + 1 for u in runs.values()) + 1.5)
+    fig.set_layout_engine("constrained")
+    axes = fig.subplots(1, len(runs), squeeze=False)[0]
+    mesh = None
+    for ax, (label, util) in zip(axes, runs.items()):
+        ranks = sorted(util.values)
+        if not util.times or not ranks:
+            ax.set_title(f"{label}: no samples", loc="left")
+            continue
+        t = np.asarray(util.times) - util.times[0]
+        half = np.diff(t).mean() / 2 if len(t) > 1 else util.interval_s / 2
+        edges = np.concatenate([[t[0] - half], (t[:-1] + t[1:]) / 2, [t[-1] + half]])
+        rows = [util.values[r] for r in ranks]
+        means = util.mean()
+        labels = [f"rank {r} ({means[r]:.0f}%)" for r in ranks]
+        if util.kind == "cpu" and len(util.machine) == len(t):
+            rows.append(util.machine)
+            labels.append(f"machine ({np.mean(util.machine):.0f}% of {util.cores})")
+        data = np.ma.masked_invalid(np.asarray(rows, dtype=float))
+        mesh = ax.pcolormesh(edges, np.arange(len(rows) + 1), data, cmap="viridis", vmin=0,
+                             vmax=vmax, shading="flat")
+        ax.set_yticks(np.arange(len(rows)) + 0.5)
+        ax.set_yticklabels(labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds")
+        ax.set_title(label, loc="left")
+    if mesh is not None:
+        kind = next(iter(runs.values())).kind
+        fig.colorbar(mesh, ax=list(axes), fraction=0.03, pad=0.01,
+                     label="GPU utilisation %" if kind == "gpu" else "CPU %: ranks of one core")
+    if title:
+        fig.suptitle(title, x=0.01, ha="left")
+    return fig
+
+
+@_styled
+def plot_step_breakdown(runs: Dict[str, Sequence[dict]], title: str = "") -> Figure:
+    """Where each rank's step time goes: one stacked bar per rank (milliseconds per step by
+    category, from ``train_gpt.py --breakdown``), one panel per run (``label: reports``),
+    sharing the time axis."""
+    from mpu_lab.perf.measure import categories
+    rows = sum(len(r) for r in runs.values())
+    fig = _figure(9.5, 0.32 * rows + 1.0 * len(runs) + 0.8)
+    fig.set_layout_engine("constrained")
+    axes = fig.subplots(len(runs), 1, squeeze=False, sharex=True,
+                        gridspec_kw={"height_ratios": [len(r) for r in runs.values()]})[:, 0]
+    cats = categories([r for reports in runs.values() for r in reports])
+    for ax, (label, reports) in zip(axes, runs.items()):
+        left = np.zeros(len(reports))
+        for cat in cats:
+            ms = np.array([r["parts"].get(cat, 0.0) * 1e3 for r in reports])
+            ax.barh(np.arange(len(reports)), ms, left=left, color=BREAKDOWN_COLORS.get(cat, "#cccccc"),
+                    edgecolor="white", linewidth=0.5, label=cat)
+            left += ms
+        ax.set_yticks(np.arange(len(reports)))
+        ax.set_yticklabels([f"rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}, "
+                            f"dp {r['dp_rank']})" for r in reports], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(label, loc="left")
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[-1].set_xlabel("milliseconds per step")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, frameon=False, fontsize=7, ncol=min(len(cats), 5), loc="outside lower left")
+    if title:
+        fig.suptitle(title, x=0.01, ha="left")
+    return fig
+
+
+@_styled
+def plot_bandwidth(rows: Sequence[dict], title: str = "") -> Figure:
+    """Bus bandwidth (GB/s) against message size, one line per collective
+    (rows of ``launch/bench_bandwidth.py``)."""
+    fig = _figure(7.0, 3.4)
+    ax = fig.add_subplot()
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    for op, color in zip(ops, group_colors(len(ops))):
+        mine = [r for r in rows if r["op"] == op]
+        ax.plot([r["size_bytes"] for r in mine], [r["busbw"] / 1e9 for r in mine], marker="o",
+                color=color, label=op)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title(title, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig

@@ -6,3 +6,5 @@
 """
 from mpu_lab.perf.model import *  # noqa: F401,F403
 from mpu_lab.perf.explorer import Exploration, diagnose, explore  # noqa: F401
+from mpu_lab.perf.measure import (  # noqa: F401
+    StepTimer, Utilisation, UtilisationSampler, algbw, bus_factor, busbw)

@@ -300,18 +300,21 @@ class Utilisation:
     """Samples of how busy each rank was: ``values[rank][i]`` at ``times[i]`` (``time.time()``),
     NaN where the rank's process did not exist (yet). ``kind`` is ``"cpu"`` (percent of one
     core, psutil; above 100 when a rank runs several threads) or ``"gpu"`` (NVML's percent of
-    time a kernel ran on the rank's GPU)."""
+    time a kernel ran on the rank's GPU). ``machine[i]``: the whole machine's CPU use, percent
+    of all its ``cores`` (every process, not only the job's: it shows contention)."""
     kind: str
     interval_s: float
     times: List[float]
     values: Dict[int, List[float]]
     cores: int
+    machine: List[float] = dataclasses.field(default_factory=list)
 
     def crop(self, start: float, end: float) -> "Utilisation":
         """The samples between ``start`` and ``end`` (e.g. :func:`training_window`)."""
         keep = [i for i, t in enumerate(self.times) if start <= t <= end]
         return Utilisation(self.kind, self.interval_s, [self.times[i] for i in keep],
-                           {r: [v[i] for i in keep] for r, v in self.values.items()}, self.cores)
+                           {r: [v[i] for i in keep] for r, v in self.values.items()}, self.cores,
+                           [self.machine[i] for i in keep] if self.machine else [])
 
     def mean(self) -> Dict[int, float]:
         """Per rank, the mean over its valid samples."""
@@ -366,6 +369,7 @@ class UtilisationSampler:
         self.kind = "gpu" if self._gpu_handles else "cpu"
         self.times: List[float] = []
         self.values: Dict[int, List[float]] = {}
+        self.machine: List[float] = []
         self._procs: Dict[int, Any] = {}         # pid -> psutil.Process of a worker
         self._rank_of: Dict[int, int] = {}       # pid -> rank
         self._local_rank: Dict[int, int] = {}    # rank -> local rank
@@ -427,6 +431,7 @@ class UtilisationSampler:
                 except psutil.Error:
                     del self._procs[pid]
         self.times.append(now)
+        self.machine.append(psutil.cpu_percent(None))
         for rank in set(row) | set(self.values):
             column = self.values.setdefault(rank, [math.nan] * (len(self.times) - 1))
             column.append(row.get(rank, math.nan))
@@ -441,6 +446,8 @@ class UtilisationSampler:
             self._stop.wait(self.interval_s)
 
     def __enter__(self):
+        import psutil
+        psutil.cpu_percent(None)                 # start the machine-wide clock
         self._thread = threading.Thread(target=self._loop, daemon=True, name="utilisation")
         self._thread.start()
         return self
@@ -454,7 +461,7 @@ class UtilisationSampler:
     def result(self) -> Utilisation:
         return Utilisation(self.kind, self.interval_s, list(self.times),
                            {r: list(v) for r, v in sorted(self.values.items())},
-                           os.cpu_count() or 1)
+                           os.cpu_count() or 1, list(self.machine))
 
 
 def run_with_utilisation(script, args: Sequence = (), nproc: int = 2, interval_s: float = 0.05,

@@ -1,0 +1,158 @@
+"""Measurement tools (mpu_lab.perf.measure): the nccl-tests bandwidth formulas, the step-time
+breakdown of real train_gpt runs, the utilisation sampler and the bandwidth benchmark."""
+import math
+import pathlib
+
+import pytest
+
+from mpu_lab.launch import run
+from mpu_lab.perf import measure
+
+HERE = pathlib.Path(__file__).parent
+
+
+# --------------------------------------------------------------------------- formulas
+def test_busbw_factors_are_the_nccl_tests_ones_by_hand():
+    # nccl-tests doc/PERFORMANCE.md: all-reduce 2(n-1)/n, all-gather and reduce-scatter
+    # (n-1)/n, broadcast 1. By hand for n = 8: 14/8, 7/8, 7/8, 1.
+    assert measure.bus_factor("all_reduce", 8) == 1.75
+    assert measure.bus_factor("all_gather", 8) == 0.875
+    assert measure.bus_factor("reduce_scatter", 8) == 0.875
+    assert measure.bus_factor("broadcast", 8) == 1.0
+    assert measure.bus_factor("all_reduce", 1) == 0.0      # nothing crosses a link
+    # 1 GB all-reduced over 4 ranks in 10 ms: algbw 100 GB/s, busbw 150 GB/s.
+    assert measure.algbw(1e9, 0.01) == pytest.approx(100e9)
+    assert measure.busbw("all_reduce", 1e9, 0.01, 4) == pytest.approx(150e9)
+    assert measure.busbw("all_gather", 2 ** 20, 2 ** -10, 2) == pytest.approx(2 ** 29)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: measure.bus_factor("alltoall", 4), "unknown collective 'alltoall'"),
+    (lambda: measure.bus_factor("all_reduce", 0), "integer >= 1"),
+    (lambda: measure.algbw(1024, 0.0), "time must be > 0"),
+    (lambda: measure.parse_size("12Q"), "not a byte count"),
+    (lambda: measure.message_sizes("1M", "1K"), "larger than the maximum"),
+])
+def test_bad_bandwidth_inputs_are_named(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_sizes_and_tensor_shapes_of_the_benchmark():
+    assert measure.parse_size("64K") == 65536 and measure.parse_size("1m") == 2 ** 20
+    assert measure.message_sizes("1K", "16K", 4) == [1024, 4096, 16384]
+    assert measure.message_sizes(1000, 3000) == [1000, 2000]
+    # S = 1000 bytes of fp32 = 250 elements; over 3 ranks all-gather sends 83 each (S = 249).
+    assert measure.collective_numel("all_gather", 1000, 3, 4) == (83, 996)
+    assert measure.collective_numel("reduce_scatter", 1000, 3, 4) == (249, 996)
+    assert measure.collective_numel("all_reduce", 1000, 3, 4) == (250, 1000)
+    assert measure.collective_numel("broadcast", 2, 3, 4) == (1, 4)
+
+
+def test_categories_follow_the_group_and_tag():
+    families = {"tp": [0, 1], "dp": [0, 2], "pp": [0, 4]}
+    assert measure.categorize("all_reduce", (0, 1), "layer0.forward", families) == "tp all_reduce"
+    assert measure.categorize("all_reduce", (0, 2), "grads.data_parallel", families) == "dp all_reduce"
+    assert measure.categorize("p2p", (0, 4), None, families) == "pp p2p"
+    assert measure.categorize("all_reduce", (0, 1), "grads.norm", families) == "other"
+    assert measure.categorize("broadcast", (0, 4), "logging", families) == "other"
+    assert measure.categorize("all_reduce", (0, 1, 2, 3), None, families) == "other"
+    # tp and mp groups with the same ranks are one group: tp wins
+    assert measure.categorize("all_gather", (0, 1), None, {"tp": [0, 1], "dp": [0]}) == "tp all_gather"
+
+
+# --------------------------------------------------------------------------- one 4-rank job
+@pytest.fixture(scope="module")
+def job():
+    with measure.UtilisationSampler(interval_s=0.05) as sampler:
+        result = run(HERE / "mp" / "perf_checks.py", nproc=4, show="none", timeout_s=300)
+    return result.results, sampler.result()
+
+
+CONFIGS = {
+    # name: (categories that must appear, categories that must not)
+    "tp2_pp2": ({"compute", "tp all_reduce", "tp broadcast", "pp p2p"},
+                {"dp all_reduce", "tp all_gather", "tp reduce_scatter", "wait (barrier)"}),
+    "dp4_barrier": ({"compute", "dp all_reduce", "wait (barrier)"},
+                    {"tp all_reduce", "tp broadcast", "pp p2p"}),
+    "tp4_sp": ({"compute", "tp all_gather", "tp reduce_scatter", "tp broadcast"},
+               {"dp all_reduce", "pp p2p", "wait (barrier)"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_breakdown_has_the_collectives_of_its_layout(job, name):
+    must, must_not = CONFIGS[name]
+    for rank, report in enumerate(job[0]):
+        parts = report[name]["breakdown"]["parts"]
+        assert must <= set(parts), (rank, sorted(parts))
+        assert not must_not & set(parts), (rank, sorted(parts))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_breakdown_parts_are_non_negative_and_match_the_trainers_own_step_time(job, name):
+    for rank, report in enumerate(job[0]):
+        b, metrics = report[name]["breakdown"], report[name]["metrics"]
+        assert b["steps"] == len(metrics) - 1 == 4          # the first step is not timed
+        assert all(v >= 0 for v in b["parts"].values()), b["parts"]
+        assert sum(b["parts"].values()) == pytest.approx(b["step_s"], rel=1e-9)
+        # train() clocks each logged iteration itself (log interval 1): same steps, other clock
+        trainer = sum(m["iteration_time_s"] for m in metrics[1:]) / (len(metrics) - 1)
+        assert b["step_s"] == pytest.approx(trainer, rel=0.2, abs=0.003), (b["step_s"], trainer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_counted_collective_is_timed(job, name):
+    for report in job[0]:
+        calls = report[name]["breakdown"]["calls"]
+        timed = sum(v for k, v in calls.items() if k != "pp p2p")
+        assert timed == pytest.approx(report[name]["counted_collectives_per_step"])
+
+
+@pytest.mark.slow
+def test_breakdown_coordinates_follow_the_layout(job):
+    coords = [(r["tp2_pp2"]["breakdown"]["tp_rank"], r["tp2_pp2"]["breakdown"]["pp_rank"])
+              for r in job[0]]
+    assert coords == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [r["dp4_barrier"]["breakdown"]["dp_rank"] for r in job[0]] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_sampler_saw_every_rank_busy(job):
+    util = job[1]
+    assert util.kind == "cpu" and sorted(util.values) == [0, 1, 2, 3]
+    assert len(util.machine) == len(util.times) > 20
+    for rank, values in util.values.items():
+        assert len(values) == len(util.times)
+        seen = [v for v in values if not math.isnan(v)]
+        assert len(seen) > 10 and min(seen) >= 0 and max(seen) > 20, (rank, seen[:10])
+    window = util.crop(util.times[5], util.times[10])
+    assert len(window.times) == 6 and all(len(v) == 6 for v in window.values.values())
+
+
+@pytest.mark.slow
+def test_bandwidth_benchmark_rows(job):
+    rows = job[0][0]["bandwidth"]
+    assert [(r["op"], r["size_bytes"]) for r in rows] == [
+        (op, size) for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+        for size in (1024, 4096)]
+    factor = {"all_reduce": 1.5, "all_gather": 0.75, "reduce_scatter": 0.75, "broadcast": 1.0}
+    for r in rows:
+        assert r["wrong"] == 0 and r["ranks"] == 4 and r["time_s"] > 0
+        assert r["algbw"] == pytest.approx(r["size_bytes"] / r["time_s"])
+        assert r["busbw"] == pytest.approx(r["algbw"] * factor[r["op"]])
+    # every rank agrees on the averaged times
+    assert all(rep["bandwidth"] == rows for rep in job[0])
+    assert "busbw GB/s" in measure.format_bandwidth(rows).splitlines()[0]
+
+
+def test_sampler_refuses_a_gpu_it_cannot_find():
+    if measure.UtilisationSampler._open_nvml():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(ValueError, match="NVML finds no GPU"):
+        measure.UtilisationSampler(gpu=True)
+    with pytest.raises(ValueError, match="interval_s must be > 0"):
+        measure.UtilisationSampler(interval_s=0)
