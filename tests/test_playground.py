@@ -1,0 +1,180 @@
+"""The live playground: a 4-rank world of ipyparallel engines, reused by every test here.
+
+The world is t = 2, p = 2, so Megatron's default order puts ranks {0, 1} and {2, 3} in the
+tensor-parallel groups. Expected values are written out from that layout by hand (the groups
+of consecutive ranks, tp at a time), not taken from the code under test.
+"""
+import os
+
+import ipyparallel
+import psutil
+import pytest
+
+from mpu_lab import playground
+
+pytestmark = pytest.mark.slow
+
+WORLD, TP, PP = 4, 2, 2
+TIMEOUT_S = 4.0
+
+
+def tp_group(rank):
+    """Megatron's default order (tp fastest): tensor-parallel groups are blocks of TP ranks."""
+    start = rank // TP * TP
+    return list(range(start, start + TP))
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = playground.start_world(WORLD, tensor_model_parallel_size=TP,
+                               pipeline_model_parallel_size=PP, timeout_s=TIMEOUT_S)
+    yield w
+    w.stop()
+
+
+def test_bad_arguments_raise_before_anything_starts(monkeypatch):
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a cluster was started for bad arguments")
+    monkeypatch.setattr(ipyparallel, "Cluster", no_cluster)
+    with pytest.raises(ValueError, match="world_size 6 is not divisible.*= 4"):
+        playground.start_world(6, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    monkeypatch.setenv("MPU_LAB_MAX_RANKS", "2")
+    with pytest.raises(ValueError, match="world_size 4 is more ranks than this machine starts .2"):
+        playground.start_world(4)
+    monkeypatch.delenv("MPU_LAB_MAX_RANKS")
+    with pytest.raises(ValueError, match="backend must be 'auto', 'gloo' or 'nccl', got 'mpi'"):
+        playground.start_world(2, backend="mpi")
+    with pytest.raises(ValueError, match="timeout_s must be .* > 0, got 0"):
+        playground.start_world(2, timeout_s=0)
+
+
+def test_each_engine_is_one_rank_with_torchrun_variables_and_megatron_groups(world):
+    got = world.run("import os\n(rank, dist.get_world_size(), int(os.environ['LOCAL_RANK']),"
+                    " parallel_state.get_tensor_model_parallel_rank(),"
+                    " parallel_state.get_pipeline_model_parallel_rank())")
+    # rank r: tp rank r % 2, pipeline stage r // 2 (tp x dp = 2 ranks per stage)
+    assert got == [(r, WORLD, r, r % TP, r // (WORLD // PP)) for r in range(WORLD)]
+    assert world.backend == "gloo" and len(set(world.pids)) == WORLD
+    assert world.groups("tp") == [tp_group(0), tp_group(2)]
+
+
+def test_copy_to_is_identity_forward_and_all_reduce_backward_megatron_numbers(world):
+    # Megatron's copy-to test: backward of f on each rank's own number sums its TP group
+    # (6 / 22 on 8 ranks at t = 4; on this 4-rank world at t = 2: 0+1 = 1 and 2+3 = 5).
+    world.run("x = torch.full((3,), float(rank), requires_grad=True)\n"
+              "y = copy_to_tensor_model_parallel_region(x)\n"
+              "y.backward(torch.full((3,), float(rank)))")
+    forward = world.values("y")
+    grads = world.values("x.grad")
+    assert forward == [[float(r)] * 3 for r in range(WORLD)]
+    assert grads == [[float(sum(tp_group(r)))] * 3 for r in range(WORLD)]
+    assert [g[0] for g in grads] == [1.0, 1.0, 5.0, 5.0]
+
+
+def test_reduce_from_is_all_reduce_forward_and_identity_backward(world):
+    world.run("x = (torch.arange(4.) * (rank + 1)).requires_grad_()\n"
+              "y = reduce_from_tensor_model_parallel_region(x)\n"
+              "y.backward(torch.ones(4) * (rank + 1))")
+    for r, (y, grad) in enumerate(zip(world.values("y"), world.values("x.grad"))):
+        factor = sum(q + 1 for q in tp_group(r))
+        assert y == [i * factor for i in range(4)]
+        assert grad == [float(r + 1)] * 4
+
+
+def test_scatter_gather_and_the_sequence_parallel_trio_match_the_dense_tensor(world):
+    world.run("full = torch.arange(24.).reshape(4, 6) + 100 * (rank // 2)\n"   # same within a group
+              "cols = scatter_to_tensor_model_parallel_region(full)\n"
+              "back = gather_from_tensor_model_parallel_region(cols)\n"
+              "rows = scatter_to_sequence_parallel_region(full)\n"
+              "seq = gather_from_sequence_parallel_region(rows)\n"
+              "rs = reduce_scatter_to_sequence_parallel_region(torch.arange(8.).reshape(4, 2) * (rank + 1))")
+    values = {name: world.values(name) for name in ("full", "cols", "back", "rows", "seq", "rs")}
+    for r in range(WORLD):
+        full, pos = values["full"][r], r % TP
+        assert values["cols"][r] == [row[3 * pos:3 * pos + 3] for row in full]
+        assert values["back"][r] == full
+        assert values["rows"][r] == full[2 * pos:2 * pos + 2]
+        assert values["seq"][r] == full
+        factor = sum(q + 1 for q in tp_group(r))
+        dense = [[float(2 * i + j) * factor for j in range(2)] for i in range(4)]
+        assert values["rs"][r] == dense[2 * pos:2 * pos + 2]
+
+
+@ipyparallel.interactive
+def _tp_sum_of(value):
+    """Pickled by value (interactive): runs in the engine's namespace."""
+    t = torch.tensor([float(value)])  # noqa: F821 -- the engine namespace has torch, dist
+    dist.all_reduce(t, group=parallel_state.get_tensor_model_parallel_group())  # noqa: F821
+    print(f"rank {rank} sends {value}")  # noqa: F821
+    return t.item()
+
+
+def test_a_function_runs_on_every_rank_with_its_arguments(world):
+    assert world.run(_tp_sum_of, 10) == [20.0, 20.0, 20.0, 20.0]
+    outputs = world.execute(_tp_sum_of, 1, ranks=None)
+    assert [o.stdout for o in outputs] == [f"rank {r} sends 1\n" for r in range(WORLD)]
+
+
+def test_ranks_magic_prints_each_rank_under_its_heading_in_rank_order(world, capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "mpu_lab.playground")
+    # rank 3 prints first, rank 0 last: the output must still be in rank order
+    cell = "import time\ntime.sleep(0.2 * (3 - rank))\nprint('I am', rank)\nrank * 10"
+    shell.run_cell_magic("ranks", "", cell)
+    expected = "".join(f"--- rank {r} ---\nI am {r}\n{10 * r}\n" for r in range(WORLD))
+    assert capsys.readouterr().out == expected
+    shell.run_cell_magic("ranks", "1, 3", "print(rank)")
+    assert capsys.readouterr().out == "--- rank 1 ---\n1\n--- rank 3 ---\n3\n"
+
+
+def test_a_rank_that_raises_shows_its_traceback_and_the_world_stays_usable(world, capsys):
+    with pytest.raises(playground.RankError) as info:
+        world.run("print('before', rank)\nz = 1 / (rank - 1)\nrank")
+    err = info.value
+    assert sorted(err.failures) == [1] and not isinstance(err, playground.CollectiveTimeout)
+    assert "--- rank 1 ---" in str(err) and "ZeroDivisionError" in str(err)
+    assert 'File "<rank 1 cell>", line 2' in err.failures[1].traceback
+    assert [(o.rank, o.value, o.stdout) for o in err.outputs if not o.error] == [
+        (r, r, f"before {r}\n") for r in (0, 2, 3)]
+    world.show("print('before', rank)\nz = 1 / (rank - 1)")
+    out = capsys.readouterr().out
+    assert out.index("--- rank 0 ---") < out.index("--- rank 1 --- raised ZeroDivisionError") \
+        < out.index("--- rank 2 ---") < out.index("ranks [1] raised")
+    assert world.run("x = torch.tensor([1.]); dist.all_reduce(x); x.item()") == [4.0] * WORLD
+
+
+def test_a_partial_collective_times_out_naming_the_missing_ranks_and_restart_recovers(world):
+    world.run("kept = 7 * rank")
+    with pytest.raises(playground.CollectiveTimeout) as info:
+        world.run("x = torch.ones(1); dist.all_reduce(x)", ranks=[0, 1])
+    assert info.value.waiting == [0, 1] and info.value.missing == [2, 3]
+    assert "ranks [2, 3] did not arrive" in str(info.value)
+    assert "ranks [2, 3] were not asked to run this cell" in str(info.value)
+    with pytest.raises(playground.PlaygroundError, match="restart"):
+        world.run("rank")
+    pids = list(world.pids)
+    world.restart()                  # the same engines (their state kept), a new group
+    assert world.pids == pids and world.run("kept") == [0, 7, 14, 21]
+    # ranks 2 and 3 finish the cell without entering the collective
+    with pytest.raises(playground.CollectiveTimeout) as info:
+        world.run("if rank < 2:\n    dist.all_reduce(torch.ones(1))")
+    assert info.value.missing == [2, 3]
+    assert "ranks [2, 3] finished it without entering the collective" in str(info.value)
+    world.restart()
+    assert world.run("x = torch.tensor([float(rank)]); dist.all_reduce(x); x.item()") == [6.0] * 4
+
+
+def test_stop_ends_every_engine_and_the_controller(world):
+    pids = world.pids + [world.controller_pid]
+    assert all(psutil.pid_exists(p) for p in pids)
+    world.stop()
+    gone = []
+    for pid in pids:
+        try:
+            gone.append(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+        except psutil.NoSuchProcess:
+            gone.append(True)
+    assert gone == [True] * len(pids), pids
+    with pytest.raises(playground.PlaygroundError, match="stopped"):
+        world.run("rank")
