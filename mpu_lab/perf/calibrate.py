@@ -9,8 +9,8 @@ Published runs (``published_runs.yaml``)::
 
 This machine::
 
-    cluster = cpu_cluster(nproc=2)               # measures matmul FLOP/s and all-reduce bandwidth
-    predict_iteration(model, cfg, cluster)
+    cluster = cpu_cluster(nproc=2)        # a 2-rank torchrun job times matmuls and an all-reduce
+    predict_iteration(model, cfg, cluster, dtype_bytes=4, grad_bytes=4)
 
 ``launch/bench_cost_model.py`` runs small ``train_gpt.py`` configurations and prints measured vs
 predicted step times with :func:`measure_vs_predict`.
@@ -143,82 +143,126 @@ def format_published_comparison(rows: Sequence[dict]) -> str:
 
 
 # --------------------------------------------------------------------------- this machine
-def calibrate_matmul(size: Tuple[int, int, int] = (512, 256, 1024), threads: Optional[int] = None,
-                     repeats: int = 20, dtype: str = "float32") -> float:
-    """Measured FLOP/s of one ``(m, k) @ (k, n)`` matmul with ``threads`` torch threads (default:
-    the thread count each of ``nproc`` ranks gets, as mpu_lab.launch sets OMP_NUM_THREADS).
-    The median of ``repeats`` timings, after two warm-up calls."""
+def _best_time(fn, repeats: int) -> float:
+    """Fastest of ``repeats`` calls after two warm-up calls. The minimum, not the median: on a
+    shared machine the slower calls measure the other processes (timeit's reasoning)."""
+    fn()
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _with_threads(threads: Optional[int], fn):
     import torch
-    m, k, n = size
     old = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        dt = getattr(torch, dtype)
-        a, b = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
-        for _ in range(2):
-            a @ b
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        return 2.0 * m * k * n / times[len(times) // 2]
+        return fn()
     finally:
         torch.set_num_threads(old)
+
+
+def layer_matmul_shapes(model: ModelShape, cfg: ParallelConfig) -> List[Tuple[int, int, int, int]]:
+    """The forward GEMMs of one layer on one tensor-parallel rank, as (batch, m, k, n):
+    QKV (b·s × h → 3h/t), attention scores and weighted sum per head (b·a/t batches of
+    s × h/a × s and s × s × h/a), output projection (h/t → h), MLP (h → ffn/t → h)."""
+    t, bs, h = cfg.tp, cfg.b * model.s, model.h
+    heads, hd = model.a // t, model.h // model.a
+    return [(1, bs, h, 3 * h // t), (cfg.b * heads, model.s, hd, model.s),
+            (cfg.b * heads, model.s, model.s, hd), (1, bs, h // t, h),
+            (1, bs, h, model.ffn // t), (1, bs, model.ffn // t, h)]
+
+
+def calibrate_matmul(shapes: Sequence[Tuple[int, int, int, int]] = ((1, 1024, 256, 1024),),
+                     threads: Optional[int] = None, repeats: int = 10,
+                     dtype: str = "float32") -> float:
+    """Measured FLOP/s of a set of (batched) matmuls ``(batch, m, k, n)`` — e.g.
+    :func:`layer_matmul_shapes` of the model being predicted — with ``threads`` torch threads
+    (pass the count each rank gets: mpu_lab.launch sets OMP_NUM_THREADS = cores / ranks).
+    Total FLOPs over the sum of the best times of each shape."""
+    import torch
+    dt = getattr(torch, dtype)
+
+    def measure():
+        flops = seconds = 0.0
+        for batch, m, k, n in shapes:
+            a, b = torch.randn(batch, m, k, dtype=dt), torch.randn(batch, k, n, dtype=dt)
+            seconds += _best_time(lambda: torch.bmm(a, b), repeats)
+            flops += 2.0 * batch * m * k * n
+        return flops / seconds
+    return _with_threads(threads, measure)
 
 
 def calibrate_memory_bandwidth(numel: int = 1 << 22, threads: Optional[int] = None,
-                               repeats: int = 20) -> float:
+                               repeats: int = 10) -> float:
     """Measured bytes/s of an elementwise add over ``numel`` fp32 values (reads 2, writes 1)."""
     import torch
-    old = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+
+    def measure():
         x, y, out = torch.randn(numel), torch.randn(numel), torch.empty(numel)
-        torch.add(x, y, out=out)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.add(x, y, out=out)
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        return 3 * 4 * numel / times[len(times) // 2]
-    finally:
-        torch.set_num_threads(old)
+        return 3 * 4 * numel / _best_time(lambda: torch.add(x, y, out=out), repeats)
+    return _with_threads(threads, measure)
 
 
-def calibrate_allreduce(nproc: int = 2, nbytes: int = 1 << 22, timeout_s: float = 120
-                        ) -> Dict[str, float]:
-    """Bus bandwidth (bytes/s) and latency (s) of a gloo all-reduce among ``nproc`` local ranks.
+def calibrate_allreduce(nproc: int = 2, min_bytes: str = "4K", max_bytes: str = "4M",
+                        timeout_s: float = 120) -> Dict[str, float]:
+    """Latency (s) and bus bandwidth (bytes/s) of an all-reduce among ``nproc`` local ranks,
+    measured by the real collective benchmark (``launch/bench_bandwidth.py`` under torchrun).
 
-    Runs ``launch/bench_cost_model.py --worker allreduce`` under torchrun (mpu_lab.launch.run)
-    and fits ``time = latency + 2(n-1)/n · bytes / busbw`` to a small and a large message."""
+    The smallest message's time is taken as the latency; the bandwidth comes from the largest:
+    ``busbw = 2(n-1)/n · S / (t - latency)`` — the ring model :func:`predict_iteration` uses."""
     from mpu_lab import launch
-    job = launch.run("bench_cost_model.py", ["--worker", "allreduce", "--nbytes", str(nbytes)],
+    from mpu_lab.perf.model import ring_all_reduce_factor
+    job = launch.run("bench_bandwidth.py", ["--ops", "all_reduce", "--min-bytes", min_bytes,
+                                            "--max-bytes", max_bytes, "--factor", "4"],
                      nproc=nproc, show="none", timeout_s=timeout_s)
-    return job.results[0]
+    rows = sorted(job.results[0]["rows"], key=lambda r: r["size_bytes"])
+    latency = min(r["time_s"] for r in rows[:2])
+    big = rows[-1]
+    busbw = ring_all_reduce_factor(nproc) * big["size_bytes"] / max(big["time_s"] - latency,
+                                                                   1e-9)
+    return dict(latency_s=latency, busbw=busbw, nproc=nproc,
+                rows=[(r["size_bytes"], r["time_s"]) for r in rows])
 
 
-def cpu_cluster(nproc: int = 2, matmul_size: Tuple[int, int, int] = (512, 256, 1024),
-                allreduce: Optional[Dict[str, float]] = None,
-                matmul_flops: Optional[float] = None) -> Cluster:
-    """A :class:`Cluster` for this machine, from measurements: one "node" of ``nproc`` ranks
-    sharing the CPU cores, peak = measured matmul FLOP/s at each rank's thread count (so
-    ``matmul_efficiency`` is 1), memory bandwidth measured the same way, all-reduce bus
-    bandwidth and latency from a real gloo job (:func:`calibrate_allreduce`)."""
+def calibrate_ranks(nproc: int = 2, shapes: Optional[Sequence[Tuple[int, int, int, int]]] = None,
+                    timeout_s: float = 120) -> Dict[str, float]:
+    """Calibrate this machine the way a job of ``nproc`` ranks sees it: one short torchrun job
+    (``launch/bench_cost_model.py --worker``) in which every rank at once times the matmuls
+    ``shapes`` (default: one 1024×256×1024 GEMM) and an elementwise add with the threads it
+    really gets, then a gloo all-reduce of 4 KiB (the latency) and 4 MiB (the bandwidth).
+    Returns the ranks' mean ``matmul_flops`` and ``memory_bandwidth``, ``latency_s`` and
+    ``busbw`` (ring model: ``2(n-1)/n · S / (t - latency)``)."""
+    from mpu_lab import launch
+    args = ["--worker"]
+    if shapes:
+        args += ["--shapes", json.dumps([list(x) for x in shapes])]
+    job = launch.run("bench_cost_model.py", args, nproc=nproc, show="none", timeout_s=timeout_s)
+    res = job.results
+    return dict(nproc=nproc,
+                matmul_flops=sum(r["matmul_flops"] for r in res) / nproc,
+                memory_bandwidth=sum(r["memory_bandwidth"] for r in res) / nproc,
+                latency_s=res[0].get("latency_s", 0.0), busbw=res[0].get("busbw", 1e12))
+
+
+def cpu_cluster(nproc: int = 2, calibration: Optional[Dict[str, float]] = None) -> Cluster:
+    """A :class:`Cluster` for this machine with ``nproc`` ranks on one "node", from
+    :func:`calibrate_ranks` (run now unless ``calibration`` is given): peak = the measured
+    matmul FLOP/s per rank (so ``matmul_efficiency`` is 1), memory bandwidth, and the gloo
+    all-reduce's latency and bus bandwidth for every link."""
     import psutil
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    flops = matmul_flops or calibrate_matmul(matmul_size, threads=threads)
-    mem_bw = calibrate_memory_bandwidth(threads=threads)
-    ar = allreduce or calibrate_allreduce(nproc)
+    cal = calibration or calibrate_ranks(nproc)
     return Cluster(name=f"this CPU ({os.cpu_count()} cores, {nproc} ranks)", gpus_per_node=nproc,
-                   peak_flops=flops, intra_node_bandwidth=ar["busbw"],
-                   inter_node_bandwidth=ar["busbw"], hbm_bandwidth=mem_bw,
+                   peak_flops=cal["matmul_flops"], intra_node_bandwidth=cal["busbw"],
+                   inter_node_bandwidth=cal["busbw"], hbm_bandwidth=cal["memory_bandwidth"],
                    memory_bytes=float(psutil.virtual_memory().total) / nproc,
-                   matmul_efficiency=1.0, bandwidth_efficiency=1.0, latency_s=ar["latency_s"])
+                   matmul_efficiency=1.0, bandwidth_efficiency=1.0,
+                   latency_s=cal["latency_s"])
 
 
 @dataclasses.dataclass
@@ -269,9 +313,11 @@ class TrainConfig:
         return [str(a) for a in args]
 
 
-def measure_step_time(tc: TrainConfig, skip: int = 4, timeout_s: float = 180) -> float:
-    """Median ``iteration_time_s`` of a real ``train_gpt.py`` run (the first ``skip`` logged
-    iterations are warm-up and left out)."""
+def measure_step_time(tc: TrainConfig, skip: int = 4, timeout_s: float = 180
+                      ) -> Dict[str, float]:
+    """Step time of a real ``train_gpt.py`` run from its ``iteration_time_s`` lines (the first
+    ``skip`` logged iterations are warm-up): ``best`` (the fastest iteration — what the machine
+    does when nothing else runs) and ``median``."""
     from mpu_lab import launch
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "metrics.jsonl")
@@ -280,32 +326,40 @@ def measure_step_time(tc: TrainConfig, skip: int = 4, timeout_s: float = 180) ->
         with open(path) as f:
             times = [json.loads(line)["iteration_time_s"] for line in f if line.strip()]
     times = sorted(times[skip:] or times)
-    return times[len(times) // 2]
+    return dict(best=times[0], median=times[len(times) // 2])
 
 
-def measure_vs_predict(configs: Sequence[TrainConfig], cluster: Optional[Cluster] = None,
-                       nproc_for_calibration: int = 2) -> List[dict]:
-    """For each config: measured step time (real torchrun job) and the model's prediction on
-    ``cluster`` (default: :func:`cpu_cluster` measured now). Returns rows with both and their
-    ratio; fp32 on CPU, so 4-byte activations and gradients."""
-    cluster = cluster or cpu_cluster(nproc_for_calibration)
+def measure_vs_predict(configs: Sequence[TrainConfig]) -> List[dict]:
+    """For each config: calibrate this machine for it (:func:`calibrate_ranks` with that
+    model's own layer GEMMs on that many ranks), predict its step time, then measure it (a
+    real ``train_gpt.py`` job). fp32 on CPU: 4-byte activations and gradients. Rows: config,
+    ranks, measured and predicted seconds, measured / predicted, the predicted breakdown and
+    the calibration figures. ``measured_s`` is the fastest iteration (as the calibration takes
+    the fastest call), ``measured_median_s`` the median."""
     rows = []
     for tc in configs:
         model, cfg = tc.shapes()
+        cluster = cpu_cluster(tc.nproc, calibrate_ranks(tc.nproc, layer_matmul_shapes(model, cfg)))
         pred = predict_iteration(model, cfg, cluster, dtype_bytes=4, grad_bytes=4)
         measured = measure_step_time(tc)
-        rows.append(dict(config=tc.label(), nproc=tc.nproc, measured_s=round(measured, 4),
+        rows.append(dict(config=tc.label(), nproc=tc.nproc, measured_s=round(measured["best"], 4),
+                         measured_median_s=round(measured["median"], 4),
                          predicted_s=round(pred.total_s, 4),
-                         ratio=round(measured / pred.total_s, 2),
-                         breakdown={k: round(v, 4) for k, v in pred.breakdown().items()}))
+                         ratio=round(measured["best"] / pred.total_s, 2),
+                         breakdown={k: round(v, 4) for k, v in pred.breakdown().items()},
+                         matmul_gflops=round(cluster.peak_flops / 1e9, 1),
+                         memory_gbs=round(cluster.hbm_bandwidth / 1e9, 1),
+                         allreduce_latency_ms=round(cluster.latency_s * 1e3, 3),
+                         allreduce_busbw_gbs=round(cluster.intra_node_bandwidth / 1e9, 3)))
     return rows
 
 
 def format_measure_vs_predict(rows: Sequence[dict]) -> str:
     """Fixed-width text table of :func:`measure_vs_predict` rows."""
-    head = f"{'config':<34}{'ranks':>6}{'measured s':>12}{'predicted s':>13}{'ratio':>7}"
+    head = (f"{'config':<26}{'ranks':>6}{'measured s':>12}{'(median)':>10}{'predicted s':>13}"
+            f"{'ratio':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['config']:<34}{r['nproc']:>6}{r['measured_s']:>12.4f}"
-                     f"{r['predicted_s']:>13.4f}{r['ratio']:>7.2f}")
+        lines.append(f"{r['config']:<26}{r['nproc']:>6}{r['measured_s']:>12.4f}"
+                     f"{r['measured_median_s']:>10.4f}{r['predicted_s']:>13.4f}{r['ratio']:>7.2f}")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ interleaved schedule also needs m to be a multiple of p (Megatron's rule).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from mpu_lab.perf.model import (Cluster, IterationPrediction, ModelShape, ParallelConfig,
                                 RECOMPUTE_MODES, bubble_fraction, group_crosses_nodes,

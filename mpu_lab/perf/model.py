@@ -60,7 +60,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe")
 ELEMENTWISE_PASSES = 4           # forward write, backward read, gradient write + read
 ADAM_STEP_BYTES_PER_PARAM = 28   # reads fp32 param, m, v + 16-bit grad (14 B), writes them back
-BYTES_PER_PARAM_ADAM = 16        # ZeRO §3.1: 2 (fp16 weight) + 2 (fp16 grad) + 12 (fp32 copy, m, v)
+BYTES_PER_PARAM_ADAM = 16        # ZeRO §3.1: fp16 weight 2 + fp16 grad 2 + fp32 copy, m, v 12
 
 
 def activation_memory_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
@@ -443,7 +443,8 @@ def memory_per_gpu(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2
     Weights, gradients and optimizer states of mixed-precision Adam: 16 bytes per parameter
     (ZeRO, Rajbhandari et al. 2020 §3.1: fp16 weight 2 + fp16 gradient 2 + fp32 weight,
     momentum and variance 12); the distributed optimizer divides the 12 by d. Activations:
-    Korthikanti et al. 2022 Table 2 per layer × L/p layers × the schedule's in-flight
+    Korthikanti et al. 2022 Table 2 (16-bit; scaled by dtype_bytes/2) per layer × L/p layers ×
+    the schedule's in-flight
     micro-batches (1F1B keeps up to p on stage 0, §4.2.3); with full recomputation one layer's
     full activations are live again during its backward, counted once.
     """
@@ -453,10 +454,11 @@ def memory_per_gpu(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2
     if cfg.distributed_optimizer:
         optimizer /= cfg.dp
     layers_per_stage = model.L / cfg.pp
+    scale = dtype_bytes / 2             # Table 2 counts 16-bit activations
     activations = (_layer_activation_bytes(model, cfg, stored=True) * layers_per_stage
-                   * in_flight_microbatches(cfg))
+                   * in_flight_microbatches(cfg)) * scale
     if cfg.recompute == "full":
-        activations += _layer_activation_bytes(model, cfg, stored=False)
+        activations += _layer_activation_bytes(model, cfg, stored=False) * scale
     return dict(weights=weights, gradients=grads, optimizer=optimizer, activations=activations,
                 total=weights + grads + optimizer + activations)
 
@@ -619,7 +621,7 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     traffic = _layer_activation_bytes(model, cfg, stored=False) * passes * layers
     if cfg.recompute == "selective" and not cfg.flash_attention:
         traffic += _score_bytes(model, cfg) * layers        # the softmax written again
-    elementwise_mb = traffic / cluster.hbm_bandwidth
+    elementwise_mb = traffic * dtype_bytes / 2 / cluster.hbm_bandwidth
     tp = tp_comm_per_layer(model, cfg, dtype_bytes)
     tp_mb = layers * _collective_time(cluster, tp["bytes"], group_crosses_nodes(
         "tp", cfg, cluster.gpus_per_node), tp["count"])
