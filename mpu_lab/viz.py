@@ -1006,3 +1006,37 @@ def plot_bandwidth(rows: Sequence[dict], title: str = "") -> Figure:
         ax.spines[side].set_visible(False)
     fig.tight_layout()
     return fig
+
+
+@_styled
+def plot_published_runs(rows: Sequence[dict], band: float = 0.15, title: str = "") -> Figure:
+    """Published runs, predicted vs reported (rows of
+    :func:`mpu_lab.perf.calibrate.published_runs_comparison`): left, both TFLOP/s per GPU per
+    run; right, the relative error against a ``±band`` corridor. Calibration runs are hatched."""
+    fig = _figure(10.5, 0.32 * len(rows) + 1.4)
+    fig.set_layout_engine("constrained")
+    left, right = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [1.6, 1]})
+    y = np.arange(len(rows))
+    colors = dict(zip(dict.fromkeys(r["gpu"] for r in rows), group_colors(4)))
+    left.barh(y - 0.2, [r["reported_tflops"] for r in rows], height=0.4, color="#bbbbbb",
+              label="reported")
+    left.barh(y + 0.2, [r["predicted_tflops"] for r in rows], height=0.4,
+              color=[colors[r["gpu"]] for r in rows], label="predicted",
+              hatch=[("//" if r["calibration"] else "") for r in rows])
+    left.set_yticks(y)
+    left.set_yticklabels([f"{r['name']} ({r['gpus']} {r['gpu'].upper()})" for r in rows], fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("TFLOP/s per GPU")
+    left.legend(frameon=False, fontsize=8, loc="lower right")
+    right.axvspan(-100 * band, 100 * band, color="#dddddd", label=f"±{band:.0%}")
+    right.axvline(0, color="#333333", linewidth=1)
+    right.barh(y, [100 * r["error"] for r in rows], color=[colors[r["gpu"]] for r in rows],
+               hatch=[("//" if r["calibration"] else "") for r in rows])
+    right.set_xlabel("predicted / reported - 1 (%)")
+    right.legend(frameon=False, fontsize=8, loc="lower right")
+    for ax in (left, right):
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    if title:
+        fig.suptitle(title, x=0.01, ha="left")
+    return fig
