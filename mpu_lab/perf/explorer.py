@@ -205,6 +205,32 @@ class Exploration:
                          f"{r['mfu']:>6.2f}{r['memory_gb']:>8.1f}  {r['flags']}")
         return "\n".join(lines)
 
+    def plot(self, top: int = 12, ax=None, only_fitting: bool = False):
+        """Stacked horizontal bars: seconds per iteration by cause for the ``top`` candidates in
+        rank order (configurations that do not fit are hatched). Returns the matplotlib axes."""
+        import matplotlib.pyplot as plt
+        rows = (self.fitting() if only_fitting else self.candidates)[:top]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
+        colors = dict(compute="#4c72b0", tp_comm="#dd8452", pp_p2p="#937860", bubble="#c44e52",
+                      dp_comm="#55a868", optimizer="#8c8c8c")
+        labels = [f"t={c.config.tp} p={c.config.pp} d={c.config.dp} b={c.config.b}"
+                  + (f" v={c.config.v}" if c.config.v > 1 else "") for c in rows]
+        for i, c in enumerate(rows):
+            left = 0.0
+            for key, secs in c.prediction.breakdown().items():
+                ax.barh(i, secs, left=left, color=colors[key], hatch=None if c.fits else "//",
+                        edgecolor="white", label=key if i == 0 else None)
+                left += secs
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels(labels)
+        ax.invert_yaxis()
+        ax.set_xlabel("predicted seconds per iteration (hatched: does not fit in memory)")
+        ax.set_title(f"{self.model.name or 'model'}: {self.num_gpus} GPUs, "
+                     f"batch {self.global_batch_size}, {self.cluster.name}")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+        return ax
+
     def explain(self, candidate: Candidate) -> str:
         """Why this candidate is where it is: its breakdown and its flags in words."""
         c, pr = candidate.config, candidate.prediction

@@ -528,6 +528,21 @@ class IterationPrediction:
     def shares(self) -> Dict[str, float]:
         return {k: v / self.total_s for k, v in self.breakdown().items()}
 
+    def summary(self) -> str:
+        """A few rounded lines: time by cause, throughput, memory (deterministic)."""
+        c = self.config
+        lines = [f"{self.model.name or 'model'} on {c.num_gpus} GPUs ({self.cluster.name}): "
+                 f"t={c.tp} p={c.pp} d={c.dp} v={c.v} b={c.b} m={c.m}, recompute {c.recompute}"
+                 + (", SP" if c.sequence_parallel else "")]
+        for key, secs in self.breakdown().items():
+            lines.append(f"  {key:<10}{secs:>10.4f} s  {secs / self.total_s:>6.1%}")
+        lines.append(f"  {'total':<10}{self.total_s:>10.4f} s")
+        lines.append(f"  {self.hardware_tflops_per_gpu:.1f} TFLOP/s per GPU with recomputation, "
+                     f"MFU {self.mfu:.1%}; {self.memory_gb:.1f} GB per GPU "
+                     f"({'fits' if self.fits else 'does NOT fit'} in "
+                     f"{self.cluster.memory_bytes / 1e9:.0f} GB)")
+        return "\n".join(lines)
+
     def as_dict(self, digits: int = 4) -> Dict[str, float]:
         """Rounded, JSON-able summary (deterministic for notebooks)."""
         out = {k + "_s": round(v, digits) for k, v in self.breakdown().items()}
