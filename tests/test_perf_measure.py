@@ -156,3 +156,25 @@ def test_sampler_refuses_a_gpu_it_cannot_find():
         measure.UtilisationSampler(gpu=True)
     with pytest.raises(ValueError, match="interval_s must be > 0"):
         measure.UtilisationSampler(interval_s=0)
+
+
+def _script(name):
+    import importlib.util
+
+    from mpu_lab.launch import LAUNCH_DIR
+    spec = importlib.util.spec_from_file_location(name, LAUNCH_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name,argv,message", [
+    ("bench_bandwidth", ["--ops", "alltoall"], "unknown collective 'alltoall'"),
+    ("bench_bandwidth", ["--min-bytes", "1M", "--max-bytes", "1K"], "larger than the maximum"),
+    ("bench_bandwidth", ["--iters", "0"], "--iters"),
+    ("utilisation", ["--nproc", "3"], "must divide --layers 8"),
+])
+def test_benchmark_scripts_refuse_bad_flags_before_starting(name, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _script(name).parse_args(argv)
+    assert message in capsys.readouterr().err
