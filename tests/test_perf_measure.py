@@ -178,3 +178,67 @@ def test_benchmark_scripts_refuse_bad_flags_before_starting(name, argv, message,
     with pytest.raises(SystemExit):
         _script(name).parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- lab helpers
+def _report(rank, parts, calls=None, window=(10.0, 11.0)):
+    step = sum(parts.values())
+    return dict(rank=rank, steps=2, step_s=step, step_seconds=[step, step], parts=parts,
+                calls=calls or {}, bytes={}, barrier=False, window=list(window), device="cpu",
+                tp=1, pp=2, dp=1, tp_rank=0, pp_rank=rank, dp_rank=0)
+
+
+def test_allreduce_fit_by_hand():
+    # 4 ranks: 4 KiB in 1 ms, 16 KiB in 1.2 ms, 1 MiB in 11 ms -> latency 1 ms,
+    # busbw = 2(4-1)/4 x 2^20 B / 10 ms = 1.5 x 104857600 B/s
+    rows = [dict(op="all_reduce", size_bytes=s, ranks=4, time_s=t)
+            for s, t in ((4096, 1e-3), (16384, 1.2e-3), (2 ** 20, 11e-3))]
+    rows.append(dict(op="broadcast", size_bytes=4096, ranks=4, time_s=1e-6))   # ignored
+    fit = measure.allreduce_fit(rows)
+    assert fit["latency_s"] == 1e-3 and fit["nproc"] == 4
+    assert fit["busbw"] == pytest.approx(1.5 * 2 ** 20 / 0.01)
+    with pytest.raises(ValueError, match="at least two sizes"):
+        measure.allreduce_fit(rows[:1])
+
+
+def test_breakdown_table_window_and_model_comparison():
+    reports = [_report(0, {"compute": 0.1, "pp p2p": 0.3}, {"pp p2p": 1}, (10.0, 12.0)),
+               _report(1, {"compute": 0.3, "pp p2p": 0.05, "other": 0.05}, {"pp p2p": 1}, (10.5, 12.5))]
+    assert measure.categories(reports) == ["compute", "pp p2p", "other"]
+    table = measure.format_breakdown(reports).splitlines()
+    assert len(table) == 3 and "75%" in table[1] and "pp p2p" in table[0]
+    assert measure.training_window(reports) == (10.0, 12.5)
+    with pytest.raises(ValueError, match="rank 1 reported no breakdown"):
+        measure.breakdowns([{"breakdown": reports[0]}, {"metrics": []}])
+
+    class Prediction:   # the fields of perf.model.IterationPrediction that are compared
+        total_s = 0.5
+
+        def breakdown(self):
+            return {"compute": 0.1, "tp_comm": 0.0, "pp_p2p": 0.02, "bubble": 0.3,
+                    "dp_comm": 0.0, "optimizer": 0.01}
+
+    util = measure.Utilisation("cpu", 0.1, [], {}, 2)
+    run = measure.ProfiledRun("bad", 2, reports, util, [], 1.0)
+    row = measure.measured_vs_predicted(run, Prediction())
+    assert row["measured_s"] == pytest.approx(0.4) and row["ratio"] == pytest.approx(0.8)
+    assert row["causes"]["pp_p2p+bubble"] == pytest.approx(dict(predicted_s=0.32, measured_s=0.3))
+    assert row["causes"]["compute"] == pytest.approx(dict(predicted_s=0.11, measured_s=0.1))
+    assert "bad" in measure.format_measured_vs_predicted([row])
+
+
+def test_utilisation_mean_ignores_missing_samples_and_crop_keeps_the_window():
+    nan = float("nan")
+    util = measure.Utilisation("cpu", 0.1, [0.0, 0.1, 0.2, 0.3], {0: [nan, 50.0, 70.0, 30.0],
+                                                                    1: [nan, nan, 20.0, 40.0]},
+                               2, machine=[10.0, 60.0, 60.0, 40.0])
+    assert util.mean() == {0: 50.0, 1: 30.0}
+    part = util.crop(0.1, 0.25)
+    assert part.times == [0.1, 0.2] and part.values[1][1] == 20.0 and part.machine == [60.0, 60.0]
+
+
+def test_training_flags_of_a_train_config_leave_out_the_metrics_file():
+    from mpu_lab.perf import calibrate
+    flags = measure.training_flags(calibrate.TrainConfig(pp=2, num_layers=4))
+    assert "--metrics-file" not in flags
+    assert flags[flags.index("--pipeline-model-parallel-size") + 1] == "2"
