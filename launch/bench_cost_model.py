@@ -54,8 +54,8 @@ def parse_args(argv):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--worker", action="store_true",
                    help="run as the torchrun calibration job (mpu_lab.perf.calibrate_ranks)")
-    p.add_argument("--shapes", default=None,
-                   help="--worker: JSON list of [batch, m, k, n] matmuls to time")
+    p.add_argument("--shape-sets", default=None,
+                   help="--worker: JSON list of sets of [batch, m, k, n] matmuls to time")
     p.add_argument("--configs", nargs="+", default=["tp2", "pp2", "dp2"],
                    help=f"which configurations, of {', '.join(CONFIGS)}")
     p.add_argument("--num-layers", type=int, default=2)
@@ -108,11 +108,10 @@ def worker(args):
     from mpu_lab import comm, distributed
     from mpu_lab.perf.model import ring_all_reduce_factor
     info = distributed.init(backend="gloo", device="cpu")
-    shapes = [tuple(x) for x in json.loads(args.shapes)] if args.shapes else \
-        [(1, 1024, 256, 1024)]
+    sets = json.loads(args.shape_sets) if args.shape_sets else [[[1, 1024, 256, 1024]]]
     dist.barrier()
-    out = dict(rank=info.rank, threads=torch.get_num_threads(),
-               matmul_flops=calibrate.calibrate_matmul(shapes),
+    rates = [calibrate.calibrate_matmul([tuple(x) for x in shapes]) for shapes in sets]
+    out = dict(rank=info.rank, threads=torch.get_num_threads(), matmul_flops_sets=rates,
                memory_bandwidth=calibrate.calibrate_memory_bandwidth())
     if info.world_size > 1:
         times = {}
@@ -131,7 +130,10 @@ def main(argv=None):
     if args.worker:
         return worker(args)
     t0 = time.perf_counter()
-    print(f"machine: {os.cpu_count()} CPU cores; timings are noisy if other jobs run")
+    import psutil
+    load = ", ".join(f"{x:.1f}" for x in psutil.getloadavg())
+    print(f"machine: {os.cpu_count()} CPU cores, load average {load} (1, 5, 15 min) before; "
+          f"timings are noisy when it exceeds the core count")
     rows = calibrate.measure_vs_predict(build_configs(args))
     print(calibrate.format_measure_vs_predict(rows))
     for r in rows:
@@ -140,8 +142,9 @@ def main(argv=None):
               f"{r['memory_gbs']} GB/s, all-reduce {r['allreduce_latency_ms']} ms + "
               f"{r['allreduce_busbw_gbs']} GB/s; predicted {parts}")
     worst = max(abs(r["ratio"] - 1) for r in rows)
+    load = ", ".join(f"{x:.1f}" for x in psutil.getloadavg())
     print(f"worst |measured/predicted - 1| = {worst:.0%} (target <= 30 %); "
-          f"{time.perf_counter() - t0:.0f} s in all")
+          f"{time.perf_counter() - t0:.0f} s in all; load average after: {load}")
     if args.published:
         print()
         print(calibrate.format_published_comparison(calibrate.published_runs_comparison()))

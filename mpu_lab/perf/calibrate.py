@@ -257,22 +257,25 @@ def calibrate_allreduce(nproc: int = 2, min_bytes: str = "4K", max_bytes: str = 
                 rows=[(r["size_bytes"], r["time_s"]) for r in rows])
 
 
-def calibrate_ranks(nproc: int = 2, shapes: Optional[Sequence[Tuple[int, int, int, int]]] = None,
+def calibrate_ranks(nproc: int = 2,
+                    shape_sets: Optional[Sequence[Sequence[Tuple[int, int, int, int]]]] = None,
                     timeout_s: float = 120) -> Dict[str, float]:
     """Calibrate this machine the way a job of ``nproc`` ranks sees it: one short torchrun job
-    (``launch/bench_cost_model.py --worker``) in which every rank at once times the matmuls
-    ``shapes`` (default: one 1024×256×1024 GEMM) and an elementwise add with the threads it
-    really gets, then a gloo all-reduce of 4 KiB (the latency) and 4 MiB (the bandwidth).
-    Returns the ranks' mean ``matmul_flops`` and ``memory_bandwidth``, ``latency_s`` and
-    ``busbw`` (ring model: ``2(n-1)/n · S / (t - latency)``)."""
+    (``launch/bench_cost_model.py --worker``) in which every rank at once times each set of
+    matmuls in ``shape_sets`` (default: one 1024×256×1024 GEMM) and an elementwise add with the
+    threads it really gets, then a gloo all-reduce of 4 KiB (the latency) and 4 MiB (the
+    bandwidth). Returns the ranks' mean ``matmul_flops`` (first set), ``matmul_flops_sets``
+    (one per set) and ``memory_bandwidth``, and ``latency_s`` and ``busbw`` (ring model:
+    ``2(n-1)/n · S / (t - latency)``)."""
     from mpu_lab import launch
     args = ["--worker"]
-    if shapes:
-        args += ["--shapes", json.dumps([list(x) for x in shapes])]
+    if shape_sets:
+        args += ["--shape-sets", json.dumps([[list(x) for x in shapes] for shapes in shape_sets])]
     job = launch.run("bench_cost_model.py", args, nproc=nproc, show="none", timeout_s=timeout_s)
     res = job.results
-    return dict(nproc=nproc,
-                matmul_flops=sum(r["matmul_flops"] for r in res) / nproc,
+    sets = [sum(r["matmul_flops_sets"][i] for r in res) / nproc
+            for i in range(len(res[0]["matmul_flops_sets"]))]
+    return dict(nproc=nproc, matmul_flops=sets[0], matmul_flops_sets=sets,
                 memory_bandwidth=sum(r["memory_bandwidth"] for r in res) / nproc,
                 latency_s=res[0].get("latency_s", 0.0), busbw=res[0].get("busbw", 1e12))
 
@@ -357,16 +360,23 @@ def measure_step_time(tc: TrainConfig, skip: int = 4, timeout_s: float = 180
 
 
 def measure_vs_predict(configs: Sequence[TrainConfig]) -> List[dict]:
-    """For each config: calibrate this machine for it (:func:`calibrate_ranks` with that
-    model's own layer GEMMs on that many ranks), predict its step time, then measure it (a
+    """For each config: calibrate this machine for it (:func:`calibrate_ranks`, one job per rank
+    count, timing each config's own layer GEMMs), predict its step time, then measure it (a
     real ``train_gpt.py`` job). fp32 on CPU: 4-byte activations and gradients. Rows: config,
     ranks, measured and predicted seconds, measured / predicted, the predicted breakdown and
     the calibration figures. ``measured_s`` is the fastest iteration (as the calibration takes
     the fastest call), ``measured_median_s`` the median."""
+    shapes = [tc.shapes() for tc in configs]
+    calibration = {}
+    for n in sorted({tc.nproc for tc in configs}):
+        idx = [i for i, tc in enumerate(configs) if tc.nproc == n]
+        cal = calibrate_ranks(n, [layer_matmul_shapes(*shapes[i]) for i in idx])
+        for j, i in enumerate(idx):
+            calibration[i] = dict(cal, matmul_flops=cal["matmul_flops_sets"][j])
     rows = []
-    for tc in configs:
-        model, cfg = tc.shapes()
-        cluster = cpu_cluster(tc.nproc, calibrate_ranks(tc.nproc, layer_matmul_shapes(model, cfg)))
+    for i, tc in enumerate(configs):
+        model, cfg = shapes[i]
+        cluster = cpu_cluster(tc.nproc, calibration[i])
         pred = predict_iteration(model, cfg, cluster, dtype_bytes=4, grad_bytes=4)
         measured = measure_step_time(tc)
         rows.append(dict(config=tc.label(), nproc=tc.nproc, measured_s=round(measured["best"], 4),
