@@ -44,6 +44,12 @@ def test_one_efficiency_per_gpu_generation_predicts_every_published_run_within_1
     assert not bad, f"outside ±15 %: {bad}"
 
 
+def test_cluster_presets_carry_the_fitted_efficiencies():
+    rows = {r["gpu"]: r["efficiency"] for r in calibrate.published_runs_comparison()}
+    assert DGX_A100_80GB.matmul_efficiency == pytest.approx(rows["a100"], abs=0.005)
+    assert DGX_H100.matmul_efficiency == pytest.approx(rows["h100"], abs=0.005)
+
+
 def test_any_table1_row_as_the_calibration_keeps_the_others_within_15_percent():
     # The fit does not hinge on the choice of the 1T run.
     for run in TABLE1:

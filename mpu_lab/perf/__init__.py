@@ -2,6 +2,7 @@
 
 - :mod:`mpu_lab.perf.model` — FLOPs, communication volume, pipeline bubble, memory per GPU.
 - :mod:`mpu_lab.perf.explorer` — enumerate and rank (t, p, d, m) for a model on a cluster.
+- :mod:`mpu_lab.perf.calibrate` — fit on published runs; calibrate and check on this machine.
 - :mod:`mpu_lab.perf.measure` — step-time breakdown, collective bandwidth, utilisation sampling.
 """
 from mpu_lab.perf.model import *  # noqa: F401,F403

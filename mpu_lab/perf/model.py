@@ -49,6 +49,7 @@ from typing import Dict, Optional
 __all__ = [
     "activation_memory_per_layer", "ModelShape", "ParallelConfig", "Cluster",
     "DGX_A100_80GB", "DGX_H100", "CLUSTERS", "RECOMPUTE_MODES", "SCHEDULES",
+    "GPT2_SMALL", "GPT3_175B", "MODELS", "group_crosses_nodes",
     "parameter_count", "parameters_per_gpu", "model_flops_per_iteration",
     "hardware_flops_per_iteration", "flops_per_token", "bubble_fraction",
     "ring_all_reduce_factor", "tp_comm_per_layer", "pipeline_p2p_bytes",
@@ -268,22 +269,35 @@ class Cluster:
         return None if self.num_nodes is None else self.num_nodes * self.gpus_per_node
 
 
-# Datasheet figures. NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): BF16/FP16 dense
+# Datasheet figures; matmul_efficiency is the one constant fitted per GPU generation on one
+# published run (mpu_lab.perf.calibrate: A100 on the 1T run of Narayanan et al. 2021, H100 on
+# Megatron-core's 175B run on 96 GPUs), rounded; tests/test_perf_model.py keeps them in step.
+# NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): BF16/FP16 dense
 # 312 TFLOP/s, HBM2e 2,039 GB/s, NVLink 600 GB/s (both directions, so 300 GB/s each way).
 # DGX A100 datasheet: 8 GPUs, 8 single-port 200 Gb/s HDR InfiniBand (25 GB/s per GPU) — the
 # Selene nodes of Narayanan et al. 2021 §5.
 DGX_A100_80GB = Cluster(
     name="DGX A100 80GB", gpus_per_node=8, peak_flops=312e12,
     intra_node_bandwidth=300e9, inter_node_bandwidth=25e9, hbm_bandwidth=2.039e12,
-    memory_bytes=80e9, matmul_efficiency=0.7)
+    memory_bytes=80e9, matmul_efficiency=0.69)
 # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 dense 989 TFLOP/s (1,979 with sparsity),
 # HBM3 3.35 TB/s, NVLink 900 GB/s (450 GB/s each way). DGX H100 datasheet: 8 GPUs,
 # 8 ConnectX-7 400 Gb/s ports for compute traffic (50 GB/s per GPU).
 DGX_H100 = Cluster(
     name="DGX H100", gpus_per_node=8, peak_flops=989e12,
     intra_node_bandwidth=450e9, inter_node_bandwidth=50e9, hbm_bandwidth=3.35e12,
-    memory_bytes=80e9, matmul_efficiency=0.7)
+    memory_bytes=80e9, matmul_efficiency=0.51)
 CLUSTERS = {"dgx-a100-80gb": DGX_A100_80GB, "dgx-h100": DGX_H100}
+
+
+# Model shapes from the papers: GPT-2 small (Radford et al. 2019, Table 2: 12 layers, d_model
+# 768, 1024 context, vocabulary 50,257; 12 heads in the released code) and GPT-3 175B (Brown
+# et al. 2020, Table 2.1: 96 layers, d_model 12288, 96 heads, context 2048; GPT-2's vocabulary).
+GPT2_SMALL = ModelShape(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024,
+                        vocab_size=50257, name="GPT-2 small")
+GPT3_175B = ModelShape(num_layers=96, hidden_size=12288, num_attention_heads=96,
+                       seq_length=2048, vocab_size=50257, name="GPT-3 175B")
+MODELS = {"gpt2-small": GPT2_SMALL, "gpt3-175b": GPT3_175B}
 
 
 # --------------------------------------------------------------------------- counts
@@ -444,9 +458,9 @@ def memory_per_gpu(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2
     (ZeRO, Rajbhandari et al. 2020 §3.1: fp16 weight 2 + fp16 gradient 2 + fp32 weight,
     momentum and variance 12); the distributed optimizer divides the 12 by d. Activations:
     Korthikanti et al. 2022 Table 2 (16-bit; scaled by dtype_bytes/2) per layer × L/p layers ×
-    the schedule's in-flight
-    micro-batches (1F1B keeps up to p on stage 0, §4.2.3); with full recomputation one layer's
-    full activations are live again during its backward, counted once.
+    the schedule's in-flight micro-batches (1F1B keeps up to p on stage 0, §4.2.3); with full
+    recomputation one layer's full activations are live again during its backward, counted
+    once. Not counted: the embedding and logits activations, temporary buffers, fragmentation.
     """
     n = parameters_per_gpu(model, cfg, "first")
     weights, grads = dtype_bytes * n, dtype_bytes * n
@@ -621,8 +635,6 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     part) and the Adam step. Raises ValueError for an invalid configuration.
     """
     cfg.check(model)
-    if not model.L % cfg.pp == 0:
-        raise ValueError(f"pp {cfg.pp} does not divide num_layers {model.L}")
     t, p, v, m, b = cfg.tp, cfg.pp, cfg.v, cfg.m, cfg.b
     f = flops_per_token(model)
     tokens_mb = b * model.s
