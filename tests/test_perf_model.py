@@ -58,6 +58,18 @@ def test_any_table1_row_as_the_calibration_keeps_the_others_within_15_percent():
         assert worst <= 0.15, (run["name"], worst)
 
 
+def test_the_fit_needs_memory_bound_ops_and_unoverlapped_communication():
+    # Refit without each effect: Table 1 runs differ in h (elementwise work ∝ 1/h relative to
+    # the matmuls), t (TP all-reduces, not overlapped in 2021) and d·params (the DP all-reduce
+    # after the flush); leaving any of these out pushes some row past ±15 %.
+    worst = {r["left_out"]: r["worst_a100"] for r in calibrate.effect_ablation()}
+    assert abs(worst["nothing"]) <= 0.15
+    for effect in ("elementwise", "tp_comm", "dp_comm"):
+        assert abs(worst[effect]) > 0.15, effect
+    with pytest.raises(ValueError, match="unknown effects"):
+        predict_iteration(GPT3, ParallelConfig(), DGX_A100_80GB, ignore=("magic",))
+
+
 def test_strong_scaling_loses_utilisation_for_the_reasons_the_readme_gives():
     # 96 -> 4608 H100s at a fixed batch of 1152: m falls from 384 to 8 micro-batches per
     # pipeline, so the bubble and the exposed data-parallel traffic grow.

@@ -80,8 +80,8 @@ def predicted_tflops(prediction: IterationPrediction, metric: str) -> float:
     return prediction.hardware_tflops_per_gpu
 
 
-def fit_matmul_efficiency(run: dict, lo: float = 0.05, hi: float = 1.0, iters: int = 50
-                          ) -> float:
+def fit_matmul_efficiency(run: dict, lo: float = 0.05, hi: float = 1.0, iters: int = 50,
+                          ignore: Sequence[str] = ()) -> float:
     """The ``matmul_efficiency`` at which the model reproduces ``run``'s reported throughput
     (bisection; predicted throughput grows with the efficiency)."""
     model, cfg, cluster = run_inputs(run)
@@ -90,18 +90,19 @@ def fit_matmul_efficiency(run: dict, lo: float = 0.05, hi: float = 1.0, iters: i
     for _ in range(iters):
         mid = (lo + hi) / 2
         got = predicted_tflops(predict_iteration(model, cfg, cluster.replace(
-            matmul_efficiency=mid)), metric)
+            matmul_efficiency=mid), ignore=ignore), metric)
         lo, hi = (mid, hi) if got < target else (lo, mid)
     return round((lo + hi) / 2, 4)
 
 
 def published_runs_comparison(calibrate_on: Optional[Dict[str, str]] = None,
-                              data: Optional[dict] = None) -> List[dict]:
+                              data: Optional[dict] = None, ignore: Sequence[str] = ()
+                              ) -> List[dict]:
     """Fit one matmul efficiency per GPU generation on one run each (``calibrate_on``: gpu →
     run name), hold it fixed, and predict every run. One dict per run: name, gpu, t, p, d, m,
     v, reported and predicted TFLOP/s per GPU (the run's convention), the relative error,
     the fitted efficiency, whether the row was the calibration run, and the predicted
-    breakdown shares."""
+    breakdown shares. ``ignore``: effects left out of the model (fit and predictions alike)."""
     data = data or load_published_runs()
     calibrate_on = calibrate_on or DEFAULT_CALIBRATION_RUNS
     by_name = {r["name"]: r for r in data["runs"]}
@@ -109,13 +110,15 @@ def published_runs_comparison(calibrate_on: Optional[Dict[str, str]] = None,
         if name not in by_name:
             raise ValueError(f"calibration run {name!r} for {gpu} is not in the data; "
                              f"runs: {sorted(by_name)}")
-    eff = {gpu: fit_matmul_efficiency(by_name[name]) for gpu, name in calibrate_on.items()}
+    eff = {gpu: fit_matmul_efficiency(by_name[name], ignore=ignore)
+           for gpu, name in calibrate_on.items()}
     rows = []
     for run in data["runs"]:
         if run["gpu"] not in eff:
             continue
         model, cfg, cluster = run_inputs(run)
-        pred = predict_iteration(model, cfg, cluster.replace(matmul_efficiency=eff[run["gpu"]]))
+        pred = predict_iteration(model, cfg, cluster.replace(matmul_efficiency=eff[run["gpu"]]),
+                                 ignore=ignore)
         reported = reported_tflops(run, cluster)
         predicted = predicted_tflops(pred, run["reported"]["metric"])
         rows.append(dict(
@@ -127,6 +130,21 @@ def published_runs_comparison(calibrate_on: Optional[Dict[str, str]] = None,
             shares={k: round(v, 3) for k, v in pred.shares().items()},
             memory_gb=round(pred.memory_gb, 1), fits=pred.fits))
     return rows
+
+
+def effect_ablation(calibrate_on: Optional[Dict[str, str]] = None) -> List[dict]:
+    """Which modelled effects the published-runs fit needs: refit without each one (and with
+    all of them) and report the worst error over the predicted runs, per GPU generation."""
+    from mpu_lab.perf.model import EFFECTS
+    out = []
+    for ignore in [()] + [(e,) for e in EFFECTS]:
+        rows = published_runs_comparison(calibrate_on, ignore=ignore)
+        entry = dict(left_out=ignore[0] if ignore else "nothing")
+        for gpu in sorted({r["gpu"] for r in rows}):
+            errs = [r["error"] for r in rows if r["gpu"] == gpu and not r["calibration"]]
+            entry[f"worst_{gpu}"] = round(max(errs, key=abs), 3)
+        out.append(entry)
+    return out
 
 
 def format_published_comparison(rows: Sequence[dict]) -> str:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 __all__ = [
     "activation_memory_per_layer", "ModelShape", "ParallelConfig", "Cluster",
@@ -54,7 +54,7 @@ __all__ = [
     "hardware_flops_per_iteration", "flops_per_token", "bubble_fraction",
     "ring_all_reduce_factor", "tp_comm_per_layer", "pipeline_p2p_bytes",
     "dp_allreduce_bytes", "in_flight_microbatches", "memory_per_gpu",
-    "IterationPrediction", "predict_iteration",
+    "IterationPrediction", "predict_iteration", "EFFECTS",
 ]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -621,8 +621,12 @@ def _dp_exposed_time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     return exposed
 
 
+EFFECTS = ("elementwise", "tp_comm", "pp_p2p", "bubble", "dp_comm", "optimizer")
+
+
 def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
-                      dtype_bytes: int = 2, grad_bytes: int = 2) -> IterationPrediction:
+                      dtype_bytes: int = 2, grad_bytes: int = 2,
+                      ignore: Sequence[str] = ()) -> IterationPrediction:
     """Predict one training iteration of ``model`` split by ``cfg`` on ``cluster``.
 
     Per micro-batch on the slowest stage (the last, which also computes the logits):
@@ -632,9 +636,14 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     link; p2p = one activation out and one gradient back per model chunk. The pipeline takes
     (m + (p-1)/v) such micro-batch times (Narayanan et al. 2021 §2.2), i.e. the bubble is
     ``bubble_fraction(p, m, v)`` of the busy time. Then the DP gradient all-reduce (exposed
-    part) and the Adam step. Raises ValueError for an invalid configuration.
+    part) and the Adam step. ``ignore``: effects of :data:`EFFECTS` to leave out (what-if
+    studies: which effect matters). Raises ValueError for an invalid configuration.
     """
     cfg.check(model)
+    unknown = set(ignore) - set(EFFECTS)
+    if unknown:
+        raise ValueError(f"ignore: unknown effects {sorted(unknown)}; valid: {EFFECTS}")
+    keep = {e: 0.0 if e in ignore else 1.0 for e in EFFECTS}
     t, p, v, m, b = cfg.tp, cfg.pp, cfg.v, cfg.m, cfg.b
     f = flops_per_token(model)
     tokens_mb = b * model.s
@@ -648,25 +657,25 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     traffic = _layer_activation_bytes(model, cfg, stored=False) * passes * layers
     if cfg.recompute == "selective" and not cfg.flash_attention:
         traffic += _score_bytes(model, cfg) * layers        # the softmax written again
-    elementwise_mb = traffic * dtype_bytes / 2 / cluster.hbm_bandwidth
+    elementwise_mb = keep["elementwise"] * traffic * dtype_bytes / 2 / cluster.hbm_bandwidth
     tp = tp_comm_per_layer(model, cfg, dtype_bytes)
-    tp_mb = layers * _collective_time(cluster, tp["bytes"], group_crosses_nodes(
+    tp_mb = keep["tp_comm"] * layers * _collective_time(cluster, tp["bytes"], group_crosses_nodes(
         "tp", cfg, cluster.gpus_per_node), tp["count"])
     if cfg.overlap_tp_comm:
         tp_mb = max(0.0, tp_mb - matmul_mb)
-    p2p_mb = 2 * v * _collective_time(cluster, pipeline_p2p_bytes(model, cfg, dtype_bytes),
+    p2p_mb = keep["pp_p2p"] * 2 * v * _collective_time(cluster, pipeline_p2p_bytes(model, cfg, dtype_bytes),
                                       group_crosses_nodes("pp", cfg, cluster.gpus_per_node),
                                       1 if p > 1 else 0)
     if cfg.overlap_p2p_comm:
         p2p_mb = max(0.0, p2p_mb - matmul_mb)
     per_mb = matmul_mb + elementwise_mb + tp_mb + p2p_mb
-    bubble = (p - 1) / v * per_mb
-    dp_time = _dp_exposed_time(model, cfg, cluster, grad_bytes,
+    bubble = keep["bubble"] * (p - 1) / v * per_mb
+    dp_time = keep["dp_comm"] * _dp_exposed_time(model, cfg, cluster, grad_bytes,
                                backward_mb=(2 / 3) * (matmul_mb + elementwise_mb))
     n_gpu = parameters_per_gpu(model, cfg, "first")
     if cfg.distributed_optimizer:
         n_gpu /= cfg.dp
-    optimizer = n_gpu * ADAM_STEP_BYTES_PER_PARAM / cluster.hbm_bandwidth
+    optimizer = keep["optimizer"] * n_gpu * ADAM_STEP_BYTES_PER_PARAM / cluster.hbm_bandwidth
     total = m * per_mb + bubble + dp_time + optimizer
     return IterationPrediction(
         model=model, config=cfg, cluster=cluster,
