@@ -17,8 +17,14 @@ once.
 A checkpoint folder ``iter_0000100/`` holds DCP's data files and ``.metadata`` (written by
 DCP only after every rank has written its data), then ``mpu_lab_checkpoint.json`` (written
 by rank 0 after DCP returned: the "complete" marker, with the iteration, parallel sizes and
-model shape). A folder without both is partial — an interrupted save — and is never loaded.
-The parent folder gets Megatron's ``latest_checkpointed_iteration.txt``.
+model shape, and the size and SHA-256 of every file DCP wrote). A folder without both is
+incomplete — an interrupted save — and is never loaded; a file whose size or checksum differs
+from the marker's is reported by name before anything is read (DCP itself keeps no
+checksums: a flipped byte in a tensor would load silently). The parent folder gets Megatron's
+``latest_checkpointed_iteration.txt``.
+
+Test hook: ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION`` makes that rank exit (``os._exit``) inside
+DCP's save of that iteration, right after writing its data file — a rank killed mid-save.
 
 What is saved: ``model.<name>`` (parameters), ``optimizer.<name>.{exp_avg,exp_avg_sq,step}``
 (AdamW state, sharded like the parameter), ``scheduler``, ``iteration``, ``args``, and the RNG
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -66,12 +73,27 @@ def incomplete_reason(directory) -> Optional[str]:
     """Why ``directory`` is not a complete checkpoint, or None if it is one."""
     d = pathlib.Path(directory)
     if not (d / ".metadata").is_file():
-        return (f"{d} is partial: it has no .metadata, which DCP writes last, so the save was "
-                f"interrupted")
+        return (f"incomplete checkpoint: {d} is partial: it has no .metadata, which DCP writes "
+                f"last, so the save was interrupted")
     if not (d / MARKER).is_file():
-        return (f"{d} is partial: DCP's .metadata is there but not {MARKER}, so the save was "
-                f"interrupted before it was confirmed")
+        return (f"incomplete checkpoint: {d} is partial: DCP's .metadata is there but not "
+                f"{MARKER}, so the save was interrupted before it was confirmed")
     return None
+
+
+def _complete_siblings(d: pathlib.Path) -> List[str]:
+    parent = d.parent
+    return sorted(x.name for x in parent.iterdir()
+                  if x != d and x.is_dir() and _ITER_DIR.match(x.name) and incomplete_reason(x) is None)
+
+
+def _hint(d: pathlib.Path) -> str:
+    """Where to go instead of ``d``: the parent folder picks the latest complete checkpoint."""
+    others = _complete_siblings(d) if d.parent.is_dir() else []
+    if not others:
+        return ""
+    return (f"; complete checkpoints beside it: {others} (--load {d.parent} picks the latest "
+            f"complete one)")
 
 
 def find_checkpoint(path) -> pathlib.Path:
@@ -85,7 +107,7 @@ def find_checkpoint(path) -> pathlib.Path:
     if (p / ".metadata").exists() or (p / MARKER).exists() or _ITER_DIR.match(p.name):
         reason = incomplete_reason(p)
         if reason:
-            raise CheckpointError(reason)
+            raise CheckpointError(reason + _hint(p))
         return p
     iters = sorted(d for d in p.iterdir() if d.is_dir() and _ITER_DIR.match(d.name))
     if not iters:
@@ -96,6 +118,43 @@ def find_checkpoint(path) -> pathlib.Path:
             return d
     raise CheckpointError(f"no complete checkpoint in {p}: "
                           + "; ".join(incomplete_reason(d) for d in iters))
+
+
+def _file_digest(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_records(directory) -> Dict[str, Dict[str, Any]]:
+    """``{name: {"bytes", "sha256"}}`` for the files DCP wrote in ``directory`` (the data
+    files and ``.metadata``; not the marker)."""
+    d = pathlib.Path(directory)
+    return {f.name: {"bytes": f.stat().st_size, "sha256": _file_digest(f)}
+            for f in sorted(d.iterdir()) if f.is_file() and not f.name.startswith(MARKER)}
+
+
+def verify_checkpoint(path) -> pathlib.Path:
+    """:func:`find_checkpoint`, then check every file against the sizes and SHA-256 sums the
+    marker recorded at save. Raises :class:`CheckpointError` naming the first damaged or
+    missing file. A checkpoint from before the sums were recorded is only found."""
+    d = find_checkpoint(path)
+    info = read_checkpoint_info(d)
+    for name, rec in sorted(info.get("files", {}).items()):
+        f = d / name
+        if not f.is_file():
+            raise CheckpointError(f"corrupted checkpoint {d}: file {name} is missing (the save "
+                                  f"wrote {rec['bytes']} bytes){_hint(d)}")
+        size = f.stat().st_size
+        if size != rec["bytes"]:
+            raise CheckpointError(f"corrupted checkpoint {d}: file {name} has {size} bytes, the "
+                                  f"save wrote {rec['bytes']} (truncated or overwritten){_hint(d)}")
+        if _file_digest(f) != rec["sha256"]:
+            raise CheckpointError(f"corrupted checkpoint {d}: file {name} does not match the "
+                                  f"SHA-256 recorded at save (same size, changed bytes){_hint(d)}")
+    return d
 
 
 def read_checkpoint_info(path) -> Dict[str, Any]:
@@ -250,6 +309,26 @@ def _jsonable_args(args) -> Dict[str, Any]:
     return out
 
 
+def _fault_writer(d: pathlib.Path, rank: int, iteration: int):
+    """DCP's default writer, or — when ``MPU_LAB_FAULT_IN_SAVE`` is ``"<rank>:<iteration>"``
+    for this rank and iteration — one that exits the process right after writing this rank's
+    data file, before DCP's metadata: a rank killed mid-save (the reliability tests)."""
+    fault = os.environ.get("MPU_LAB_FAULT_IN_SAVE", "")
+    if fault != f"{rank}:{iteration}":
+        return None
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class DyingWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            future.wait()
+            print(f"rank {rank}: exiting in the middle of saving {d.name} "
+                  f"(MPU_LAB_FAULT_IN_SAVE={fault})", flush=True)
+            os._exit(3)
+
+    return DyingWriter(str(d))
+
+
 def save_checkpoint(save_dir, state) -> pathlib.Path:
     """Save ``state`` (a :class:`mpu_lab.training.TrainState`) as
     ``save_dir/iter_XXXXXXX``. Collective: every rank calls it. Returns the folder."""
@@ -285,7 +364,7 @@ def save_checkpoint(save_dir, state) -> pathlib.Path:
     sd["scheduler"] = json.dumps(state.scheduler.state_dict())
     sd["iteration"] = it
     sd["args"] = json.dumps(_jsonable_args(state.args))
-    dcp.save(sd, checkpoint_id=str(d))
+    dcp.save(sd, checkpoint_id=str(d), storage_writer=_fault_writer(d, rank, it))
     dist.barrier()
 
     if rank == 0:
@@ -300,7 +379,8 @@ def save_checkpoint(save_dir, state) -> pathlib.Path:
                     has_optimizer=has_optimizer, model=model_fields(args),
                     vocab_size=args.vocab_size, seq_length=args.seq_length,
                     torch_version=torch.__version__,
-                    saved_at=datetime.datetime.now().isoformat(timespec="seconds"))
+                    saved_at=datetime.datetime.now().isoformat(timespec="seconds"),
+                    files=file_records(d))
         tmp = d / (MARKER + ".tmp")
         tmp.write_text(json.dumps(info, indent=1))
         tmp.replace(d / MARKER)
@@ -325,7 +405,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
 
     from mpu_lab import distributed, parallel_state
     from mpu_lab.tensor_parallel import get_rng_tracker
-    d = find_checkpoint(path)
+    d = verify_checkpoint(path)
     info = read_checkpoint_info(d)
     info["path"] = str(d)
     if args is not None:
@@ -462,7 +542,7 @@ def consolidate(path, out_file=None, include_optimizer: bool = False) -> Dict[st
     ``torch.save`` to ``out_file`` if given. Needs no ``torch.distributed``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
-    d = find_checkpoint(path)
+    d = verify_checkpoint(path)
     saved = FileSystemReader(str(d)).read_metadata().state_dict_metadata
     prefixes = ("model.", "optimizer.") if include_optimizer else ("model.",)
     sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)

@@ -45,12 +45,14 @@ class LaunchError(RuntimeError):
     """A torchrun job failed. ``rank`` is the root-cause rank (None if unknown)."""
 
     def __init__(self, message: str, rank: Optional[int] = None, traceback: str = "",
-                 returncode: Optional[int] = None, output: Sequence[Tuple[Optional[int], str]] = ()):
+                 returncode: Optional[int] = None, output: Sequence[Tuple[Optional[int], str]] = (),
+                 states: Optional[Dict[int, str]] = None):
         super().__init__(message)
         self.rank = rank
         self.traceback = traceback
         self.returncode = returncode
         self.output = list(output)
+        self.states = dict(states or {})   # rank -> what it was doing when the job ended
 
 
 class LaunchTimeout(LaunchError):
@@ -117,10 +119,28 @@ def gather_lines(text: str):
     return [bytes(row.tolist()).rstrip(b"\0").decode() for row in rows.cpu()]
 
 
+def _dump_stack_on_sigterm(directory: str, rank: int) -> None:
+    """When torchrun (or :func:`kill_tree`) stops this rank with SIGTERM, write where its main
+    thread was to ``stack_rank<r>.txt`` first (``faulthandler``: works even inside a blocked
+    C++ collective), then terminate as SIGTERM would. That is how a failure report can say
+    where a rank that never joined a collective was stuck."""
+    import faulthandler
+    try:
+        f = open(pathlib.Path(directory) / f"stack_rank{rank}.txt", "w")
+        faulthandler.register(signal.SIGTERM, file=f, all_threads=False, chain=True)
+    except (OSError, AttributeError, ValueError, RuntimeError):
+        pass   # no faulthandler.register (Windows) or no result folder: report less
+
+
 def entrypoint(fn):
     """Decorate a ``launch/`` script's ``main``: torch elastic's ``@record`` (the traceback goes
     to torchrun's error file) plus a precise failure time, so :func:`run` can tell the rank
-    that failed first from the ranks that failed because a peer died."""
+    that failed first from the ranks that failed because a peer died; a record of ranks that
+    returned, and a stack dump of ranks stopped by SIGTERM (where a hung rank was).
+
+    Under torchrun a rank that raised exits at once (``os._exit(1)``, after the error file and
+    the traceback are written): interpreter teardown with a live process group can take a
+    second or block on dead peers, and the job's other ranks wait for it."""
     import functools
     import traceback
 
@@ -128,19 +148,41 @@ def entrypoint(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        directory = os.environ.get(RESULT_DIR_ENV)
+        rank = int(os.environ.get("RANK", "0"))
+        if directory:
+            _dump_stack_on_sigterm(directory, rank)
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         except BaseException as exc:
-            directory = os.environ.get(RESULT_DIR_ENV)
             if directory and not isinstance(exc, SystemExit):
-                rank = int(os.environ.get("RANK", "0"))
                 info = {"time": time.time(), "rank": rank,
                         "message": f"{type(exc).__name__}: {exc}",
                         "traceback": traceback.format_exc()}
                 (pathlib.Path(directory) / f"failed_rank{rank}.json").write_text(json.dumps(info))
             raise
+        if directory:
+            (pathlib.Path(directory) / f"finished_rank{rank}.json").write_text(
+                json.dumps({"time": time.time(), "rank": rank}))
+        return out
 
-    return record(wrapper)
+    recorded = record(wrapper)
+
+    @functools.wraps(fn)
+    def exit_promptly(*args, **kwargs):
+        try:
+            return recorded(*args, **kwargs)
+        except SystemExit:
+            raise
+        except BaseException:
+            if "TORCHELASTIC_RUN_ID" not in os.environ:   # called in-process (a test): raise
+                raise
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    return exit_promptly
 
 
 # Messages of ranks that fail only because another rank died first.
@@ -240,6 +282,57 @@ def resolve_script(script) -> pathlib.Path:
     raise FileNotFoundError(f"no launch script {str(script)!r}; the launch/ folder has {scripts}")
 
 
+def _load_script(path: pathlib.Path):
+    """Import a ``launch/`` script as a module (its ``if __name__ == "__main__"`` part does not
+    run), to reuse its argument parser."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"_mpu_lab_script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_rank_groups(argv: Sequence[str], nproc: int, cwd=None) -> None:
+    from mpu_lab import parallel_state
+    a = _load_script(LAUNCH_DIR / "rank_groups.py").parse_args(list(argv))
+    parallel_state.generate_rank_groups(nproc, a.tp, a.pp, a.cp, a.order)   # pure: sizes, order
+
+
+def _check_train_gpt(argv: Sequence[str], nproc: int, cwd=None) -> None:
+    from mpu_lab import training
+    training.check_launch_args(argv, nproc, cwd=cwd)
+
+
+# Scripts of launch/ whose flags are checked in this process before torchrun starts (pure:
+# no torch.distributed), so a configuration that cannot work fails in well under a second
+# with a ValueError naming the numbers, instead of after every rank has started.
+PRECHECKS: Dict[str, Callable[..., None]] = {
+    "train_gpt.py": _check_train_gpt,
+    "rank_groups.py": _check_rank_groups,
+}
+
+
+def precheck(path: pathlib.Path, args: Sequence[str], nproc: int, cwd=None) -> None:
+    """Run the pure flag check of ``path`` (a script of ``launch/`` listed in
+    :data:`PRECHECKS`) for ``nproc`` ranks. An argparse error becomes a ``ValueError`` with
+    argparse's message; ``--help`` is left to the job."""
+    import contextlib
+    import io
+    check = PRECHECKS.get(path.name) if path.parent == LAUNCH_DIR.resolve() else None
+    if check is None:
+        return
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            check([str(a) for a in args], nproc, cwd=cwd)
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            return
+        raise ValueError(f"{path.name}: bad arguments {list(map(str, args))}: "
+                         f"{err.getvalue().strip().splitlines()[-1] if err.getvalue() else exc}"
+                         ) from None
+
+
 def torchrun_command(script: pathlib.Path, args: Sequence[str], nproc: int, log_dir: str,
                      python: str = sys.executable) -> List[str]:
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -284,12 +377,122 @@ def _root_cause(log_dir: pathlib.Path, result_dir: pathlib.Path) -> Tuple[Option
     return best[1], best[2], best[3]
 
 
+_COLLECTIVE_TIMEOUT = re.compile(r"timed out|timeout|watchdog caught collective", re.I)
+# A traceback frame ("File "x.py", line 3, in f") or a faulthandler frame ("File "x.py", line 3 in f").
+_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
+_C10D_FILES = ("distributed_c10d.py",)
+
+
+def _own_frames(text: str) -> List[Tuple[str, int, str]]:
+    """``(file, line, function)`` of the frames of ``text`` (a traceback, outermost first,
+    or a faulthandler dump, innermost first) that are neither torch's nor this launcher's."""
+    out = []
+    for path, line, func in _FRAME.findall(text):
+        p = pathlib.Path(path)
+        if "torch" in p.parts or p.resolve() == pathlib.Path(__file__).resolve():
+            continue
+        out.append((path, int(line), func))
+    return out
+
+
+def _short(path: str) -> str:
+    try:
+        return str(pathlib.Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return pathlib.Path(path).name
+
+
+def _collective_in(traceback_text: str) -> Optional[str]:
+    """The ``torch.distributed`` call a traceback ended in (``all_reduce``, ``barrier``...)."""
+    ops = [func for path, _, func in _FRAME.findall(traceback_text)
+           if pathlib.Path(path).name in _C10D_FILES and func != "wrapper"]
+    return ops[-1] if ops else None
+
+
+def _where(text: str, innermost_last: bool = True) -> str:
+    frames = _own_frames(text)
+    if not frames:
+        return "an unknown place"
+    path, line, func = frames[-1] if innermost_last else frames[0]
+    return f"{_short(path)}:{line} in {func}"
+
+
+def _diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: str,
+              timeout_s: Optional[str], exit_codes: Optional[Dict[int, int]] = None
+              ) -> Tuple[str, Dict[int, str]]:
+    """Explain a job that died in a collective: which call, where, which ranks were in it and
+    where the others were. Returns ``(text, state per rank)``; text is empty when the root
+    cause was no collective problem."""
+    states: Dict[int, str] = {}
+    failed = {}
+    for path in result_dir.glob("failed_rank*.json"):
+        try:
+            d = json.loads(path.read_text())
+            failed[d["rank"]] = d
+        except (OSError, ValueError, KeyError):
+            continue
+    for r in range(nproc):
+        if r in failed:
+            msg = failed[r]["message"].splitlines()[0] if failed[r]["message"] else ""
+            states[r] = f"raised at {_where(failed[r]['traceback'])}: {msg[:160]}"
+        elif (result_dir / f"finished_rank{r}.json").exists():
+            states[r] = "had returned from main (finished)"
+        else:
+            stack = result_dir / f"stack_rank{r}.txt"
+            text = stack.read_text() if stack.exists() else ""
+            code = (exit_codes or {}).get(r)
+            if text.strip():
+                states[r] = f"was stopped at {_where(text, innermost_last=False)}"
+            elif code is not None and code > 0:
+                states[r] = (f"exited with code {code} without a Python exception (os._exit, "
+                             f"or killed)")
+            elif code is not None and code < 0:
+                states[r] = f"was killed by signal {-code}"
+            else:
+                states[r] = "was stopped (no record of where)"
+    op = _collective_in(root_tb)
+    timed_out = bool(_COLLECTIVE_TIMEOUT.search(root_message))
+    if op is None and not (timed_out or _SECONDARY.search(root_message)):
+        return "", states
+    in_op = sorted(r for r, d in failed.items() if _collective_in(d["traceback"]) == op
+                   and _where(d["traceback"]) == _where(root_tb))
+    absent = [r for r in range(nproc) if r not in in_op]
+    what = f"{op}" if op else "a collective"
+    if timed_out:
+        limit = f"{timeout_s} s" if timeout_s else "default 60 s"
+        head = f"A collective timed out (MPU_LAB_TIMEOUT_S: {limit}): {what} at {_where(root_tb)}"
+    else:
+        head = f"A collective failed because a peer went away: {what} at {_where(root_tb)}"
+    lines = [f"{head}, reached by rank(s) {in_op}; every rank must call it, in the same order."]
+    if absent:
+        lines.append(f"Not in it: " + "; ".join(f"rank {r} {states[r]}" for r in absent) + ".")
+    return "\n".join(lines), states
+
+
 def _traceback_from_lines(lines, rank) -> str:
     mine = [t for r, t in lines if r == rank]
     for i, text in enumerate(mine):
         if text.startswith("Traceback (most recent call last)"):
             return "\n".join(mine[i:])
     return "\n".join(mine[-30:])
+
+
+def _exit_codes(lines) -> Dict[int, int]:
+    """``{rank: exit code}`` from torchrun's failure summary (``rank : 1 (local_rank: 1)``
+    then ``exitcode : 3 (pid: ...)``); negative codes are signals (-15: SIGTERM)."""
+    codes, rank = {}, None
+    for r, text in lines:
+        if r is not None:
+            continue
+        m = re.search(r"\brank\s*:\s*(\d+)\s*\(local_rank", text)
+        if m:
+            rank = int(m.group(1))
+            continue
+        m = re.search(r"\bexitcode\s*:\s*(-?\d+)", text)
+        if m and rank is not None:
+            codes.setdefault(rank, int(m.group(1)))
+            rank = None
+    return codes
 
 
 def _first_failed_rank(lines) -> Optional[int]:
@@ -307,7 +510,8 @@ def _first_failed_rank(lines) -> Optional[int]:
 def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600.0,
         show: str = "live", env: Optional[Dict[str, str]] = None, cwd=None,
         python: str = sys.executable,
-        on_line: Optional[Callable[[Optional[int], str], None]] = None) -> LaunchResult:
+        on_line: Optional[Callable[[Optional[int], str], None]] = None,
+        check: bool = True) -> LaunchResult:
     """Run ``script`` with ``nproc`` ranks under torchrun; return the ranks' reports.
 
     ``show``: ``"live"`` prints each line as it arrives (``[rank3] ...``), ``"ranks"`` prints
@@ -315,6 +519,8 @@ def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600
     ``env`` adds environment variables (e.g. ``{"MPU_LAB_TIMEOUT_S": "20"}``).
     ``on_line(rank, text)`` is called, in this thread, for each line as it arrives (rank
     ``None`` for torchrun's own lines): e.g. to redraw a live view while the job runs.
+    ``check``: for the scripts in :data:`PRECHECKS` (``train_gpt.py``, ``rank_groups.py``),
+    check the flags for ``nproc`` ranks here first — a ``ValueError`` before any process starts.
     Raises :class:`LaunchError` (root-cause rank and traceback) or :class:`LaunchTimeout`.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
@@ -331,6 +537,8 @@ def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600
     if isinstance(args, str):
         args = args.split()
     path = resolve_script(script)
+    if check:
+        precheck(path, args, nproc, cwd=cwd)
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="mpu_lab_run_"))
     result_dir, log_dir = work / "results", work / "logs"
@@ -405,10 +613,12 @@ def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600
     try:
         if timed_out:
             tail = "\n".join(f"[rank{r}] {t}" if r is not None else t for r, t in lines[-20:])
+            _, states = _diagnose(result_dir, nproc, "", "", None)
+            where = "\n".join(f"  rank {r} {s}" for r, s in sorted(states.items()))
             raise LaunchTimeout(
                 f"{path.name}: the job ran past timeout_s={timeout_s:g} s and was killed "
-                f"(all {nproc} ranks). Last lines:\n{tail}",
-                returncode=proc.returncode, output=lines)
+                f"(all {nproc} ranks). Where the ranks were:\n{where}\nLast lines:\n{tail}",
+                returncode=proc.returncode, output=lines, states=states)
         if proc.returncode != 0:
             rank, message, tb = _root_cause(log_dir, result_dir)
             if rank is None:
@@ -417,9 +627,23 @@ def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600
                 tb = _traceback_from_lines(lines, rank)
             head = f"{path.name} failed: rank {rank} raised first" if rank is not None \
                 else f"{path.name} failed (exit code {proc.returncode})"
+            codes = _exit_codes(lines)
+            if message and _SECONDARY.search(message):
+                # Only echoes of a dead peer were raised: the root cause is a rank that died
+                # without an exception (os._exit, a signal, the OOM killer).
+                silent = [r for r, c in sorted(codes.items()) if c > 0 and not
+                          (result_dir / f"failed_rank{r}.json").exists()]
+                if silent:
+                    rank = silent[0]
+                    head = (f"{path.name} failed: rank {rank} exited with code {codes[rank]} "
+                            f"without a Python exception; the others lost their peer")
             detail = message if message else ""
-            raise LaunchError(f"{head}{': ' + detail if detail else ''}\n{tb}".rstrip(),
-                              rank=rank, traceback=tb, returncode=proc.returncode, output=lines)
+            diagnosis, states = _diagnose(result_dir, nproc, message, tb,
+                                          child_env.get("MPU_LAB_TIMEOUT_S"), codes)
+            raise LaunchError(f"{head}{': ' + detail if detail else ''}\n"
+                              f"{diagnosis + chr(10) if diagnosis else ''}{tb}".rstrip(),
+                              rank=rank, traceback=tb, returncode=proc.returncode, output=lines,
+                              states=states)
         results = []
         for r in range(nproc):
             f = result_dir / f"rank{r}.json"

@@ -135,6 +135,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return build_parser().parse_args(None if argv is None else list(map(str, argv)))
 
 
+def check_launch_args(argv: Sequence[str], world_size: int, cwd=None) -> argparse.Namespace:
+    """What ``launch.run("train_gpt.py", argv, nproc=world_size)`` checks before torchrun
+    starts: parse and :func:`validate_args` (a ``--load`` checkpoint included). Relative
+    paths are taken from ``cwd``, the job's working folder, when given."""
+    args = parse_args(argv)
+    if cwd is not None:
+        for name in ("data_path", "load"):
+            value = getattr(args, name)
+            if value and not os.path.isabs(value):
+                setattr(args, name, os.path.join(str(cwd), value))
+    return validate_args(args, world_size)
+
+
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -177,7 +190,9 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
         args.max_position_embeddings = args.seq_length
     if args.max_position_embeddings < args.seq_length:
         raise ValueError(f"--max-position-embeddings {args.max_position_embeddings} is smaller "
-                         f"than --seq-length {args.seq_length}")
+                         f"than --seq-length {args.seq_length}: the position table needs a row "
+                         f"per position; use >= {args.seq_length} (or leave it out: default "
+                         f"--seq-length)")
 
     mbs = args.micro_batch_size
     if args.global_batch_size is None:
@@ -224,15 +239,17 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
         check_text_file(args.data_path, args.seq_length)
         args.vocab_size = BYTE_VOCAB_SIZE
     if args.vocab_size < 2:
-        raise ValueError(f"--vocab-size must be >= 2, got {args.vocab_size}")
+        raise ValueError(f"--vocab-size must be >= 2, got {args.vocab_size} (the mock data "
+                         f"needs at least 2 tokens; {BYTE_VOCAB_SIZE} with --data-path)")
     if args.make_vocab_size_divisible_by < 1:
         raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got "
-                         f"{args.make_vocab_size_divisible_by}")
+                         f"{args.make_vocab_size_divisible_by}: the vocabulary is padded to a "
+                         f"multiple of it x TP ({tp}); use 1 for no padding, or Megatron's 128")
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
 
     if check_load and args.load:
         from mpu_lab import checkpointing
-        path = checkpointing.find_checkpoint(args.load)
+        path = checkpointing.verify_checkpoint(args.load)   # complete, files intact
         checkpointing.check_compatible(checkpointing.read_checkpoint_info(path), args)
     return args
 

@@ -1,13 +1,17 @@
-"""mpu_lab.launch: torchrun from Python with results, clear failures and no orphans."""
-import _thread
+"""mpu_lab.launch: torchrun from Python with results, clear failures and no orphans.
+
+The failure cases (a rank raising, hanging or skipping a collective, KeyboardInterrupt, many
+launches at once or in a row) are in tests/test_reliability.py, which watches the workers by
+PID and times each case.
+"""
 import pathlib
-import threading
+import re
 import time
 import uuid
 
 import pytest
 
-from mpu_lab.launch import LaunchError, LaunchTimeout, run
+from mpu_lab.launch import LaunchTimeout, run
 
 PROBE = pathlib.Path(__file__).parent / "mp" / "launch_probe.py"
 pytestmark = pytest.mark.slow
@@ -38,19 +42,6 @@ def test_results_come_back_in_rank_order_with_rank_prefixed_lines(capsys):
     assert job.output(2) == ["rank 2 of 4: all-reduce of ranks = 6"]
 
 
-def test_failing_rank_raises_naming_root_cause_with_traceback_and_no_orphans():
-    marker = f"--marker={uuid.uuid4().hex}"
-    start = time.monotonic()
-    with pytest.raises(LaunchError) as err:
-        run(PROBE, [marker], nproc=4, show="none", env={"FAIL_RANK": "2"}, timeout_s=120)
-    assert time.monotonic() - start < 15
-    assert err.value.rank == 2
-    assert "rank 2 raised first" in str(err.value)
-    assert "ValueError: rank 2 fails on purpose" in err.value.traceback
-    assert "launch_probe.py" in err.value.traceback
-    assert processes_with(marker) == []
-
-
 def test_job_past_its_time_limit_is_killed_with_every_worker():
     marker = f"--marker={uuid.uuid4().hex}"
     start = time.monotonic()
@@ -59,47 +50,10 @@ def test_job_past_its_time_limit_is_killed_with_every_worker():
     assert time.monotonic() - start < 8 + 10
     assert "timeout_s=8" in str(err.value)
     assert processes_with(marker) == []
-
-
-def test_rank_skipping_a_collective_fails_within_the_collective_timeout():
-    marker = f"--marker={uuid.uuid4().hex}"
-    start = time.monotonic()
-    with pytest.raises(LaunchError) as err:
-        run(PROBE, [marker], nproc=2, show="none", timeout_s=120,
-            env={"SKIP_COLLECTIVE_RANK": "1", "MPU_LAB_TIMEOUT_S": "4"})
-    assert time.monotonic() - start < 4 + 15
-    assert err.value.rank == 0          # rank 0 waited in all_reduce for rank 1
-    assert processes_with(marker) == []
-
-
-def test_keyboard_interrupt_stops_the_job_and_its_workers():
-    marker = f"--marker={uuid.uuid4().hex}"
-    timer = threading.Timer(5.0, _thread.interrupt_main)
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        run(PROBE, [marker], nproc=2, show="none", env={"HANG_RANK": "0"}, timeout_s=120)
-    stopped = time.monotonic()
-    while processes_with(marker) and time.monotonic() - stopped < 10:
-        time.sleep(0.2)
-    assert processes_with(marker) == []
-
-
-def test_two_launches_at_once_do_not_collide_on_ports():
-    results, errors = [], []
-
-    def one():
-        try:
-            results.append(run(PROBE, nproc=2, show="none", timeout_s=120).results)
-        except Exception as exc:   # collected and asserted below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    assert [[r["sum"] for r in res] for res in results] == [[2.0, 2.0], [2.0, 2.0]]
+    # where each rank was when it was stopped (faulthandler's dump on SIGTERM)
+    assert re.search(r"rank 0 was stopped at tests/mp/launch_probe\.py:\d+ in main", str(err.value))
+    assert re.search(r"rank 1 was stopped at tests/mp/launch_probe\.py:\d+ in main", str(err.value))
+    assert err.value.states[0] != err.value.states[1]   # all_reduce vs sleep
 
 
 @pytest.mark.parametrize("kwargs,error,needle", [

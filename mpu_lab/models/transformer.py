@@ -81,7 +81,10 @@ class TransformerConfig:
                 f"{_divisors(self.num_attention_heads)}")
         if self.ffn_hidden_size % t:
             raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by the "
-                             f"tensor-parallel size {t}")
+                             f"tensor-parallel size {t}: each rank holds ffn_hidden_size / t "
+                             f"columns of fc1; use a multiple of {t} (e.g. "
+                             f"{self.ffn_hidden_size + (-self.ffn_hidden_size) % t}) or a "
+                             f"tensor-parallel size in {_divisors(self.ffn_hidden_size)}")
         if self.sequence_parallel and seq_length is not None and seq_length % t:
             raise ValueError(
                 f"sequence parallelism splits the sequence over the tensor-parallel group: "

@@ -2,8 +2,10 @@
 
     FAIL_RANK=2 torchrun --standalone --nproc-per-node 4 tests/mp/launch_probe.py
 
-FAIL_RANK=r makes rank r raise; HANG_RANK=r makes rank r sleep instead of finishing;
-SKIP_COLLECTIVE_RANK=r makes rank r skip the second all-reduce (the others time out).
+FAIL_RANK=r makes rank r raise; HANG_RANK=r makes rank r sleep instead of the second
+all-reduce (the others time out after MPU_LAB_TIMEOUT_S, or the job's time limit comes first);
+SKIP_COLLECTIVE_RANK=r makes rank r skip the second all-reduce and finish (the others lose
+their peer). With either of the last two, each rank prints when it enters that all-reduce.
 """
 import os
 import time
@@ -22,9 +24,12 @@ def main():
     dist.all_reduce(t)
     print(f"rank {info.rank} of {info.world_size}: all-reduce of ranks = {t.item():.0f}")
     if os.environ.get("FAIL_RANK") == str(info.rank):
+        print(f"rank {info.rank} raises at {time.time():.3f}")
         raise ValueError(f"rank {info.rank} fails on purpose")
     if os.environ.get("HANG_RANK") == str(info.rank):
-        time.sleep(3600)
+        time.sleep(3600)     # skips the all-reduce below and never returns: the others time out
+    if "HANG_RANK" in os.environ or "SKIP_COLLECTIVE_RANK" in os.environ:
+        print(f"rank {info.rank} enters the second all-reduce at {time.time():.3f}")
     if os.environ.get("SKIP_COLLECTIVE_RANK") != str(info.rank):
         dist.all_reduce(t)
     launch.report({"rank": info.rank, "world_size": info.world_size, "sum": t.item(),

@@ -1,0 +1,460 @@
+"""Reliability (issue 7): a wrong configuration, a rank that raises or hangs, two launches at
+once, a checkpoint save cut short or a damaged shard, a rerun, a stopped cell — each ends in a
+clear message, on time, with no process left behind. docs/RELIABILITY.md lists the cases with
+their measured times.
+
+Processes are watched from outside the launcher: a thread records every descendant of this
+test process (psutil) every 20 ms — when it was first seen and when it was gone — so "no
+worker remains" is checked by PID, not by what the launcher says about itself.
+"""
+import _thread
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import threading
+import time
+
+import psutil
+import pytest
+
+from mpu_lab import checkpointing, launch, training   # noqa: F401  (imported before timing)
+from mpu_lab.checkpointing import CheckpointError
+from mpu_lab.launch import LaunchError, run
+
+MP = pathlib.Path(__file__).parent / "mp"
+PROBE = MP / "launch_probe.py"
+TINY = MP / "tiny_job.py"
+
+
+# --------------------------------------------------------------------------- process watch
+class ProcessWatch:
+    """Every descendant of this process while the ``with`` block runs: ``seen[pid] =
+    (create_time, cmdline)``, ``gone[pid] = time.time()`` when it ended (or became a zombie)."""
+
+    def __init__(self, interval_s: float = 0.02):
+        self.interval_s = interval_s
+        self.seen, self.gone = {}, {}
+        self._stop = threading.Event()
+        self._me = psutil.Process()
+
+    def _poll(self):
+        try:
+            children = self._me.children(recursive=True)
+        except psutil.Error:
+            children = []
+        for c in children:
+            try:   # re-read: a fresh child shows its parent's command line until it execs
+                cmd = " ".join(c.cmdline())
+                if cmd or c.pid not in self.seen:   # a zombie's command line is empty
+                    self.seen[c.pid] = (c.create_time(), cmd)
+            except psutil.Error:
+                continue
+        now = time.time()
+        for pid in self.seen:
+            if pid not in self.gone and not self.alive(pid):
+                self.gone[pid] = now
+
+    def alive(self, pid: int) -> bool:
+        try:
+            p = psutil.Process(pid)
+            return p.create_time() == self.seen[pid][0] and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self._poll()
+            time.sleep(self.interval_s)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+
+    def workers(self, script: pathlib.Path):
+        """PIDs of the workers running ``script`` (not torchrun itself)."""
+        return [pid for pid, (_, cmd) in self.seen.items()
+                if str(script) in cmd and "torch.distributed.run" not in cmd]
+
+    def torchruns(self):
+        return [pid for pid, (_, cmd) in self.seen.items() if "torch.distributed.run" in cmd]
+
+    def still_alive(self):
+        return [pid for pid in self.seen if self.alive(pid)]
+
+
+# --------------------------------------------------------------------------- 1. bad configurations
+T, P = "--tensor-model-parallel-size", "--pipeline-model-parallel-size"
+NLV = "--num-layers-per-virtual-pipeline-stage"
+BAD_CONFIGS = [
+    # (id, script, flags, nproc, substrings the message must hold: the numbers, what is valid)
+    ("world%tp", "train_gpt.py", [T, 3], 8,
+     ["world size 8 is not divisible by", "3 x 1 = 3", "valid tensor-parallel sizes are [1, 2, 4, 8]"]),
+    ("world%tp.pp", "train_gpt.py", [T, 2, P, 3], 8,
+     ["world size 8 is not divisible by", "2 x 3 = 6"]),
+    ("world%tp.pp.cp", "rank_groups.py", ["--tp", 2, "--pp", 2, "--cp", 2], 4,
+     ["world_size 4 is not divisible", "context_parallel_size 2 = 8", "[8, 16, 24, 32]"]),
+    ("tp>heads", "train_gpt.py", [T, 8], 8,
+     ["num_attention_heads 4", "tensor-parallel size 8", "d_tp <= n_H",
+      "valid tensor-parallel sizes: [1, 2, 4]"]),
+    ("heads%tp", "train_gpt.py", [T, 4, "--num-attention-heads", 6, "--hidden-size", 96], 4,
+     ["num_attention_heads 6 is not divisible by the tensor-parallel size 4",
+      "valid tensor-parallel sizes: [1, 2, 3, 6]"]),
+    ("hidden%heads", "train_gpt.py", ["--num-attention-heads", 5], 1,
+     ["hidden_size 64 is not divisible by num_attention_heads 5", "[1, 2, 4, 8, 16, 32, 64]"]),
+    ("ffn%tp", "train_gpt.py", [T, 8, "--num-attention-heads", 8, "--ffn-hidden-size", 100], 8,
+     ["ffn_hidden_size 100 is not divisible by the tensor-parallel size 8", "e.g. 104",
+      "[1, 2, 4, 5, 10, 20, 25, 50, 100]"]),
+    ("layers%stages", "train_gpt.py", [P, 4, "--num-layers", 6], 4,
+     ["num_layers 6 is not divisible by pipeline_model_parallel_size 4", "[4, 8, 12, 16]"]),
+    ("virtual-stages", "train_gpt.py", [P, 2, "--num-layers", 4, NLV, 3], 2,
+     ["num_layers_per_virtual_pipeline_stage 3 does not divide the 2 layers", "divisor of 2: [1, 2]"]),
+    ("interleaved-m%p", "train_gpt.py", [P, 2, "--num-layers", 4, NLV, 1], 2,
+     ["1 micro-batches for 2 stages", "[2, 4, 6, 8]"]),
+    ("gbs%(mbs.dp)", "train_gpt.py", ["--micro-batch-size", 3, "--global-batch-size", 16], 4,
+     ["--global-batch-size 16", "3 x 4 = 12", "e.g. 12, 24 or 48"]),
+    ("seq%tp-with-SP", "train_gpt.py", [T, 4, "--sequence-parallel", "--seq-length", 30], 4,
+     ["seq_length 30 is not divisible by the tensor-parallel size 4", "e.g. 32"]),
+    ("vocab-padding-0", "train_gpt.py", ["--make-vocab-size-divisible-by", 0], 1,
+     ["--make-vocab-size-divisible-by must be >= 1, got 0", "use 1 for no padding, or Megatron's 128"]),
+    ("vocab<2", "train_gpt.py", ["--vocab-size", 1], 1, ["--vocab-size must be >= 2, got 1"]),
+    ("unknown-schedule", "train_gpt.py", [P, 2, "--pipeline-schedule", "zigzag"], 2,
+     ["unknown pipeline schedule 'zigzag'", "['no-pipelining', 'gpipe', '1f1b', 'interleaved']"]),
+    ("schedule-at-PP1", "train_gpt.py", ["--pipeline-schedule", "gpipe"], 2,
+     ["--pipeline-schedule needs --pipeline-model-parallel-size > 1, got 1"]),
+    ("micro-batch=0", "train_gpt.py", ["--micro-batch-size", 0], 1, ["--micro-batch-size must be >= 1, got 0"]),
+    ("layers<0", "train_gpt.py", ["--num-layers", -2], 1, ["--num-layers must be >= 1, got -2"]),
+    ("tp=0", "train_gpt.py", [T, 0], 1, ["--tensor-model-parallel-size 0", "must be >= 1"]),
+    ("seq=0", "train_gpt.py", ["--seq-length", 0], 1, ["--seq-length must be >= 1, got 0"]),
+    ("positions<seq", "train_gpt.py", ["--max-position-embeddings", 32, "--seq-length", 64], 1,
+     ["--max-position-embeddings 32 is smaller than --seq-length 64", "use >= 64"]),
+    ("fp16+bf16", "train_gpt.py", ["--fp16", "--bf16"], 1, ["--fp16 and --bf16 exclude each other"]),
+    ("unknown-flag", "train_gpt.py", ["--tensor-parallel", 2], 1,
+     ["bad arguments", "unrecognized arguments: --tensor-parallel 2"]),
+    ("too-many-ranks", "train_gpt.py", [], 10_000, ["nproc=10000 ranks requested", "use nproc <= "]),
+    ("nproc=0", "train_gpt.py", [], 0, ["nproc must be a positive integer, got 0"]),
+]
+
+
+@pytest.mark.parametrize("script,flags,nproc,needles",
+                         [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
+def test_bad_configuration_is_refused_before_any_process_starts(script, flags, nproc, needles,
+                                                                 monkeypatch):
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args[0] if args else kwargs}")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", no_process)
+    if "nproc <= " in "".join(needles):
+        needles = needles + [f"at most {launch.max_ranks()}"]
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as err:
+        run(script, flags, nproc=nproc, show="none")
+    elapsed = time.perf_counter() - start
+    message = str(err.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    assert elapsed < 1.0, f"refused only after {elapsed:.2f} s"
+
+
+def test_the_bad_configuration_table_is_large_enough():
+    assert len(BAD_CONFIGS) >= 15
+
+
+def _printed_time(output, pattern) -> float:
+    """The time a rank printed (``time.time()``, same clock as this process) in a line
+    matching ``pattern``."""
+    for _, text in output:
+        m = re.search(pattern, text)
+        if m:
+            return float(m.group(1))
+    raise AssertionError(f"no line matches {pattern!r}")
+
+
+# --------------------------------------------------------------------------- 2. a rank raises
+@pytest.mark.slow
+def test_failing_rank_raises_naming_root_cause_with_traceback_and_no_worker_remains():
+    with ProcessWatch() as watch, pytest.raises(LaunchError) as err:
+        run(PROBE, nproc=4, show="none", env={"FAIL_RANK": "2"}, timeout_s=120)
+    raised_at = time.time()
+    failed_at = _printed_time(err.value.output, r"rank 2 raises at ([\d.]+)")
+    workers = watch.workers(PROBE)
+    assert len(workers) == 4 and len(watch.torchruns()) == 1
+    assert watch.still_alive() == []
+    assert raised_at - failed_at < 15
+    assert err.value.rank == 2
+    assert "rank 2 raised first" in str(err.value)
+    assert "ValueError: rank 2 fails on purpose" in err.value.traceback
+    assert re.search(r'launch_probe\.py", line \d+, in main', err.value.traceback)
+    print(f"\n[reliability] failing rank: LaunchError {raised_at - failed_at:.2f} s after the "
+          f"rank raised; every worker gone {max(watch.gone[p] for p in workers) - failed_at:.2f} s after")
+
+
+# --------------------------------------------------------------------------- 3. a rank hangs
+COLLECTIVE_TIMEOUT_S = 8.0
+
+
+@pytest.mark.slow
+def test_rank_that_hangs_makes_every_rank_fail_within_the_collective_timeout():
+    """Rank 1 sleeps instead of joining an all-reduce; ranks 0, 2, 3 wait in it. Each waiting
+    rank must raise and every worker be gone within MPU_LAB_TIMEOUT_S + 10 % of the moment
+    the waiting ranks entered the collective (their own clock, printed)."""
+    entered = {}
+    with ProcessWatch() as watch, pytest.raises(LaunchError) as err:
+        run(PROBE, nproc=4, show="none", timeout_s=120,
+            env={"HANG_RANK": "1", "MPU_LAB_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)})
+    raised_at = time.time()
+    for rank, text in err.value.output:
+        m = re.match(r"rank (\d+) enters the second all-reduce at ([\d.]+)", text)
+        if m:
+            entered[int(m.group(1))] = float(m.group(2))
+    assert sorted(entered) == [0, 2, 3]
+    t0 = max(entered.values())
+    workers = watch.workers(PROBE)
+    assert len(workers) == 4 and watch.still_alive() == []
+    last_gone = max(watch.gone[p] for p in workers) - t0
+    assert last_gone <= 1.1 * COLLECTIVE_TIMEOUT_S, f"last worker ended {last_gone:.2f} s after"
+    assert raised_at - t0 <= COLLECTIVE_TIMEOUT_S + 5.0   # + torchrun's own shutdown
+    message = str(err.value)
+    assert err.value.rank in (0, 2, 3)
+    assert "A collective timed out (MPU_LAB_TIMEOUT_S: 8.0 s): all_reduce at " \
+           "tests/mp/launch_probe.py:" in message
+    assert "reached by rank(s) [0, 2, 3]" in message
+    assert re.search(r"Not in it: rank 1 was stopped at tests/mp/launch_probe\.py:\d+ in main",
+                     message)
+    assert all("Timed out" in err.value.states[r] for r in (0, 2, 3))
+    print(f"\n[reliability] hung rank: workers gone {last_gone:.2f} s, LaunchError "
+          f"{raised_at - t0:.2f} s after entering the collective (timeout {COLLECTIVE_TIMEOUT_S} s)")
+
+
+@pytest.mark.slow
+def test_rank_that_skips_a_collective_and_finishes_is_named():
+    """Rank 1 skips the all-reduce and returns: the others lose their peer at once (no
+    timeout to wait for) and the message says rank 1 had finished without joining."""
+    with ProcessWatch() as watch, pytest.raises(LaunchError) as err:
+        run(PROBE, nproc=2, show="none", timeout_s=120,
+            env={"SKIP_COLLECTIVE_RANK": "1", "MPU_LAB_TIMEOUT_S": "30"})
+    elapsed = time.time() - _printed_time(err.value.output, r"rank 0 enters .* at ([\d.]+)")
+    assert watch.still_alive() == [] and len(watch.workers(PROBE)) == 2
+    assert err.value.rank == 0          # rank 0 waited in all_reduce for rank 1
+    message = str(err.value)
+    assert "A collective failed because a peer went away: all_reduce at tests/mp/launch_probe.py:" \
+           in message
+    assert "Not in it: rank 1 had returned from main (finished)" in message
+    assert elapsed < 15                 # well before the 30 s collective timeout
+    print(f"\n[reliability] rank skipping a collective: LaunchError {elapsed:.2f} s after rank 0 "
+          f"entered it")
+
+
+# --------------------------------------------------------------------------- 4. many launches
+@pytest.mark.slow
+def test_two_launches_at_once_do_not_collide_on_ports():
+    results, errors = [], []
+
+    def one():
+        try:
+            results.append(run(PROBE, nproc=2, show="none", timeout_s=120).results)
+        except Exception as exc:   # collected and asserted below
+            errors.append(exc)
+
+    with ProcessWatch() as watch:
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+    assert [[r["sum"] for r in res] for res in results] == [[2.0, 2.0], [2.0, 2.0]]
+    assert len(watch.torchruns()) == 2 and watch.still_alive() == []
+    # they really overlapped: the second torchrun started before the first was gone
+    first, second = sorted(watch.torchruns(), key=lambda p: watch.seen[p][0])
+    assert watch.seen[second][0] < watch.gone[first]
+
+
+@pytest.mark.slow
+def test_twenty_launches_back_to_back_all_succeed():
+    start = time.monotonic()
+    ports = []
+    with ProcessWatch() as watch:
+        for _ in range(20):
+            job = run(TINY, nproc=2, show="none", timeout_s=60)
+            assert [r["rank"] for r in job.results] == [0, 1]
+            assert job.results[0]["port"] == job.results[1]["port"]
+            assert job.results[0]["run_id"] == job.results[1]["run_id"]
+            ports.append(job.results[0]["port"])
+    elapsed = time.monotonic() - start
+    assert len(watch.torchruns()) == 20 and watch.still_alive() == []
+    print(f"\n[reliability] 20 launches back to back: {elapsed:.1f} s ({elapsed / 20:.2f} s each), "
+          f"{len(set(ports))} distinct rendezvous ports")
+
+
+# --------------------------------------------------------------------------- 5, 6. checkpoints, determinism
+GPT = [T, 2, "--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4,
+       "--seq-length", 32, "--micro-batch-size", 2, "--vocab-size", 128,
+       "--train-iters", 6, "--log-interval", 1, "--quiet"]
+SAVE = ["--save-interval", 2, "--save"]
+
+
+def _losses(job):
+    return {m["iteration"]: m["lm_loss"] for m in job.results[0]["metrics"]}
+
+
+def _metrics_file(path):
+    return [json.loads(line)["lm_loss"] for line in pathlib.Path(path).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(tmp_path_factory):
+    """train_gpt.py at TP=2 (2 ranks), 6 iterations, a checkpoint every 2:
+    ``full`` and ``again``: the same configuration twice (metrics files);
+    ``crash``: the same, with rank 1 exiting in the middle of the save of iteration 4;
+    ``resume``: ``--load`` of the crashed run's folder (the parent), on to iteration 6, saving
+    elsewhere (the crashed folder stays as the crash left it)."""
+    root = tmp_path_factory.mktemp("reliability_ckpt")
+    out = {"root": root, "times": {}}
+    for name in ("full", "again"):
+        t = time.monotonic()
+        out[name] = run("train_gpt.py", GPT + SAVE + [root / name, "--metrics-file",
+                                               root / f"{name}.jsonl"], nproc=2, show="none")
+        out["times"][name] = time.monotonic() - t
+    t = time.monotonic()
+    with ProcessWatch() as watch:
+        try:
+            run("train_gpt.py", GPT + SAVE + [root / "crash"], nproc=2, show="none",
+                env={"MPU_LAB_FAULT_IN_SAVE": "1:4"})
+            out["crash"] = None
+        except LaunchError as exc:
+            out["crash"] = exc
+    out["times"]["crash"] = time.monotonic() - t
+    out["crash_leftovers"] = watch.still_alive()
+    t = time.monotonic()
+    out["resume"] = run("train_gpt.py", GPT + ["--load", root / "crash"] + SAVE + [root / "resumed"],
+                        nproc=2, show="none")
+    out["times"]["resume"] = time.monotonic() - t
+    print(f"\n[reliability] train_gpt.py jobs (s): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in out["times"].items()))
+    return out
+
+
+@pytest.mark.slow
+def test_rank_killed_mid_save_leaves_an_incomplete_checkpoint_that_is_refused(gpt_runs):
+    err, crash = gpt_runs["crash"], gpt_runs["root"] / "crash"
+    assert isinstance(err, LaunchError)
+    assert err.rank == 1 and "rank 1 exited with code 3 without a Python exception" in str(err)
+    assert "in save_checkpoint" in str(err)
+    assert gpt_runs["crash_leftovers"] == []
+    cut = crash / "iter_0000004"
+    assert cut.is_dir() and not (cut / ".metadata").exists()
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError) as refused:
+        checkpointing.find_checkpoint(cut)
+    message = str(refused.value)
+    assert message.startswith(f"incomplete checkpoint: {cut} is partial: it has no .metadata")
+    assert "complete checkpoints beside it: ['iter_0000002']" in message
+    assert f"--load {crash} picks the latest complete one" in message
+    # the same through the launcher: refused before torchrun starts
+    with pytest.raises(CheckpointError, match="incomplete checkpoint"):
+        run("train_gpt.py", GPT + ["--load", cut], nproc=2, show="none")
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.slow
+def test_load_of_the_parent_folder_resumes_from_the_last_complete_checkpoint(gpt_runs):
+    resume, full = gpt_runs["resume"], gpt_runs["full"]
+    assert resume.results[0]["iteration"] == 6
+    assert sorted(_losses(resume)) == [3, 4, 5, 6]   # resumed after iteration 2
+    for it, loss in _losses(resume).items():
+        assert loss == _losses(full)[it]              # bit-identical to the uninterrupted run
+    assert checkpointing.find_checkpoint(gpt_runs["root"] / "crash").name == "iter_0000002"
+    assert checkpointing.find_checkpoint(gpt_runs["root"] / "resumed").name == "iter_0000006"
+
+
+@pytest.mark.slow
+def test_same_configuration_twice_gives_bit_identical_losses(gpt_runs):
+    root = gpt_runs["root"]
+    a, b = _metrics_file(root / "full.jsonl"), _metrics_file(root / "again.jsonl")
+    assert len(a) == 6 and a == b                     # exact float equality, every iteration
+    assert _losses(gpt_runs["full"]) == _losses(gpt_runs["again"])
+    assert a[-1] < a[0]                               # and it did train
+
+
+def _damaged_copy(gpt_runs, tmp_path, damage):
+    src = gpt_runs["root"] / "full" / "iter_0000006"
+    dst = tmp_path / "ckpt" / "iter_0000006"
+    shutil.copytree(src, dst)
+    shard = dst / "__1_0.distcp"
+    damage(shard)
+    return dst, shard
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage,needle", [
+    (_flip_byte, "does not match the SHA-256 recorded at save"),
+    (_truncate, "bytes, the save wrote"),
+])
+def test_corrupted_shard_is_named_at_load(gpt_runs, tmp_path, damage, needle):
+    d, shard = _damaged_copy(gpt_runs, tmp_path, damage)
+    info = json.loads((d / checkpointing.MARKER).read_text())
+    assert info["files"]["__1_0.distcp"]["sha256"] == hashlib.sha256(
+        (gpt_runs["root"] / "full" / "iter_0000006" / "__1_0.distcp").read_bytes()).hexdigest()
+    for load in (checkpointing.verify_checkpoint,
+                 lambda p: checkpointing.load_checkpoint(p, model=None),   # checked before reading
+                 lambda p: checkpointing.consolidate(p),
+                 lambda p: run("train_gpt.py", GPT + ["--load", p], nproc=2, show="none")):
+        with pytest.raises(CheckpointError) as err:
+            load(d)
+        assert f"corrupted checkpoint {d}: file __1_0.distcp" in str(err.value)
+        assert needle in str(err.value)
+    checkpointing.verify_checkpoint(gpt_runs["root"] / "full")   # the original is intact
+
+
+# --------------------------------------------------------------------------- 7. interrupt
+@pytest.mark.slow
+def test_keyboard_interrupt_stops_the_job_and_every_worker_within_10_s():
+    """What the notebook's stop button does: KeyboardInterrupt in the thread running
+    launch.run, here while every rank is busy (rank 0 sleeping, the others in all_reduce)."""
+    started = threading.Event()
+    interrupted = {}
+
+    def interrupt_when_running():
+        started.wait(60)
+        time.sleep(0.5)
+        interrupted["at"] = time.monotonic()
+        _thread.interrupt_main()
+
+    def on_line(rank, text):
+        if "enters the second all-reduce" in text:
+            started.set()
+
+    threading.Thread(target=interrupt_when_running, daemon=True).start()
+    with ProcessWatch() as watch:
+        with pytest.raises(KeyboardInterrupt):
+            run(PROBE, nproc=2, show="none", env={"HANG_RANK": "0"}, timeout_s=120,
+                on_line=on_line)
+        raised = time.monotonic()
+        while watch.still_alive() and time.monotonic() - raised < 10:
+            time.sleep(0.05)
+    stopped = time.monotonic() - interrupted["at"]
+    assert len(watch.workers(PROBE)) == 2
+    assert watch.still_alive() == []
+    assert stopped < 10
+    print(f"\n[reliability] KeyboardInterrupt: raised after {raised - interrupted['at']:.2f} s, "
+          f"no process left after {stopped:.2f} s")
