@@ -67,6 +67,9 @@ def parse_args(argv):
     p.add_argument("--published", action="store_true",
                    help="also print the published-runs comparison (no measurement)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="first wait up to this long for the CPU to be mostly idle (a shared "
+                        "machine); then run anyway")
     args = p.parse_args(argv)
     for name in args.configs:
         if name not in CONFIGS:
@@ -125,10 +128,23 @@ def worker(args):
     distributed.shutdown()
 
 
+def wait_quiet(limit_s, busy_below=25.0):
+    """Sample the CPU every 2 s until less than ``busy_below`` % of it is in use (or the time
+    is up); returns the last sample."""
+    import psutil
+    end = time.monotonic() + limit_s
+    busy = psutil.cpu_percent(interval=2)
+    while busy >= busy_below and time.monotonic() < end:
+        busy = psutil.cpu_percent(interval=2)
+    return busy
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.worker:
         return worker(args)
+    if args.wait_quiet > 0:
+        print(f"CPU {wait_quiet(args.wait_quiet):.0f} % busy when starting")
     t0 = time.perf_counter()
     import psutil
     load = ", ".join(f"{x:.1f}" for x in psutil.getloadavg())

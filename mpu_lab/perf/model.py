@@ -37,8 +37,8 @@ Modelling assumptions (plain):
   slowest stage sets the pace. 1F1B's bubble is (p-1) micro-batch times of that stage, the
   interleaved schedule's (p-1)/v.
 * Not modelled: kernel launch and Python overhead, data loading, imbalance other than the
-  logits, network contention between groups, stragglers, the embedding all-reduce of
-  vocabulary-parallel embeddings, the optimizer's gradient clipping reductions.
+  logits, network contention between groups, stragglers, the gradient-norm and logging
+  reductions, the data broadcast inside the TP group.
 """
 from __future__ import annotations
 
@@ -633,7 +633,7 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     matmul time = its hardware FLOPs / t / (peak · matmul_efficiency); memory-bound time =
     :data:`ELEMENTWISE_PASSES` (+1 when recomputing) × Korthikanti's activation bytes / HBM
     bandwidth; TP time = the layer's collectives (:func:`tp_comm_per_layer`) at the TP group's
-    link; p2p = one activation out and one gradient back per model chunk. The pipeline takes
+    link, plus the vocabulary-parallel cross entropy's (and embedding's) all-reduces; p2p = one activation out and one gradient back per model chunk. The pipeline takes
     (m + (p-1)/v) such micro-batch times (Narayanan et al. 2021 §2.2), i.e. the bubble is
     ``bubble_fraction(p, m, v)`` of the busy time. Then the DP gradient all-reduce (exposed
     part) and the Adam step. ``ignore``: effects of :data:`EFFECTS` to leave out (what-if
@@ -661,6 +661,16 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     tp = tp_comm_per_layer(model, cfg, dtype_bytes)
     tp_mb = keep["tp_comm"] * layers * _collective_time(cluster, tp["bytes"], group_crosses_nodes(
         "tp", cfg, cluster.gpus_per_node), tp["count"])
+    if t > 1:
+        # the vocabulary-parallel cross entropy's three all-reduces of b·s fp32 values (max,
+        # sum of exponentials, target logit) on the last stage; with p = 1 that stage also
+        # holds the embedding, whose forward output is all-reduced (b·s·h)
+        crosses = group_crosses_nodes("tp", cfg, cluster.gpus_per_node)
+        ring = ring_all_reduce_factor(t)
+        vocab = _collective_time(cluster, 3 * ring * tokens_mb * 4, crosses, 3)
+        if p == 1:
+            vocab += _collective_time(cluster, ring * tokens_mb * model.h * dtype_bytes, crosses)
+        tp_mb += keep["tp_comm"] * vocab
     if cfg.overlap_tp_comm:
         tp_mb = max(0.0, tp_mb - matmul_mb)
     p2p_mb = keep["pp_p2p"] * 2 * v * _collective_time(cluster, pipeline_p2p_bytes(model, cfg, dtype_bytes),
