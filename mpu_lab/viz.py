@@ -876,7 +876,17 @@ def figure_catalog() -> Dict[str, Callable[[], Figure]]:
         "fg_mlp_tp2.png": lambda: plot_fg(2),
         "transformer_layer_tp2.png": lambda: plot_transformer_layer(2),
         "transformer_layer_tp2_sp.png": lambda: plot_transformer_layer(2, sequence_parallel=True),
+        "utilisation_pipeline_m1_vs_m8.png": _schedule_utilisation_figure,
     }
+
+
+def _schedule_utilisation_figure() -> Figure:
+    """Lab 08: what a perfect machine would show for a 4-stage 1F1B pipeline fed 1 or 8
+    micro-batches per iteration (three iterations)."""
+    from mpu_lab.perf.measure import schedule_utilisation
+    return plot_utilisation({f"p = 4, m = {m}": schedule_utilisation("1f1b", 4, m) for m in (1, 8)},
+                            "Busy (100 %) or waiting, per pipeline stage: 1F1B, three iterations",
+                            xlabel="time (one forward pass = 1)")
 
 
 def save_figure(fig: Figure, path) -> pathlib.Path:
@@ -911,7 +921,8 @@ BREAKDOWN_COLORS = {
 
 
 @_styled
-def plot_utilisation(runs: Dict[str, object], title: str = "", vmax: float = 100.0) -> Figure:
+def plot_utilisation(runs: Dict[str, object], title: str = "", vmax: float = 100.0,
+                     xlabel: str = "seconds") -> Figure:
     """Utilisation over time, one heat row per rank, one panel per run side by side
     (``label: mpu_lab.perf.measure.Utilisation``, e.g. cropped to the training window).
     Time is counted from each run's first sample; white where a rank had not started. Under
@@ -940,12 +951,12 @@ def plot_utilisation(runs: Dict[str, object], title: str = "", vmax: float = 100
         ax.set_yticks(np.arange(len(rows)) + 0.5)
         ax.set_yticklabels(labels, fontsize=8)
         ax.invert_yaxis()
-        ax.set_xlabel("seconds")
+        ax.set_xlabel(xlabel)
         ax.set_title(label, loc="left")
     if mesh is not None:
         kind = next(iter(runs.values())).kind
-        fig.colorbar(mesh, ax=list(axes), fraction=0.03, pad=0.01,
-                     label="GPU utilisation %" if kind == "gpu" else "CPU %: ranks of one core")
+        label = {"gpu": "GPU utilisation %", "cpu": "CPU %: ranks of one core"}.get(kind, "busy %")
+        fig.colorbar(mesh, ax=list(axes), fraction=0.03, pad=0.01, label=label)
     if title:
         fig.suptitle(title, x=0.01, ha="left")
     return fig

@@ -242,3 +242,12 @@ def test_training_flags_of_a_train_config_leave_out_the_metrics_file():
     flags = measure.training_flags(calibrate.TrainConfig(pp=2, num_layers=4))
     assert "--metrics-file" not in flags
     assert flags[flags.index("--pipeline-model-parallel-size") + 1] == "2"
+
+
+@pytest.mark.parametrize("p,m", [(4, 1), (4, 8), (2, 3)])
+def test_schedule_utilisation_is_busy_m_over_m_plus_p_minus_1(p, m):
+    util = measure.schedule_utilisation("1f1b", p, m, iterations=2)
+    # a perfect machine: every stage works 2m slots (m forwards, m backwards) of 2(m + p - 1)
+    for rank, mean in util.mean().items():
+        assert mean == pytest.approx(100 * m / (m + p - 1)), rank
+    assert sorted(util.values) == list(range(p))

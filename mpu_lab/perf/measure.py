@@ -329,6 +329,25 @@ class Utilisation:
         return dataclasses.asdict(self)
 
 
+def schedule_utilisation(schedule: str, p: int, m: int, v: int = 1, iterations: int = 3,
+                         samples_per_slot: int = 4) -> Utilisation:
+    """The utilisation picture a perfect machine would show: each pipeline rank 100 % busy
+    inside its forward and backward passes and 0 % between them, for ``iterations``
+    back-to-back runs of the logical schedule of lab 06
+    (:func:`mpu_lab.pipeline_parallel.timeline.simulate`; a forward takes one time slot).
+    ``times`` are in slots, sampled ``samples_per_slot`` times per slot (mid-points)."""
+    from mpu_lab.pipeline_parallel.timeline import simulate
+    timeline = simulate(schedule, p, m, v)
+    length = max(float(r[4]) for rank in timeline.records for r in rank)
+    n = int(round(length * samples_per_slot)) * iterations
+    times = [(i + 0.5) / samples_per_slot for i in range(n)]
+    values = {}
+    for rank, records in enumerate(timeline.records):
+        spans = [(float(r[3]), float(r[4])) for r in records]
+        values[rank] = [100.0 if any(a <= t % length < b for a, b in spans) else 0.0 for t in times]
+    return Utilisation("schedule", 1.0 / samples_per_slot, times, values, cores=p)
+
+
 def _worker_rank(proc) -> Optional[int]:
     """The global rank of a torchrun worker (from the variables torchrun sets for workers
     only: ``ROLE_RANK`` is not inherited from a notebook), None for anything else."""
