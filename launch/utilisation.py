@@ -5,11 +5,12 @@ where each rank's step goes (the pictures of lab 08), from the command line.
     python launch/utilisation.py --nproc 8 --hidden 1024 --heads 16 --seq-length 512 --out runs/util
 
 This is a driver, not a torchrun script: it starts the two ``launch/train_gpt.py --breakdown``
-jobs itself (``mpu_lab.perf.measure.profile_training``) while a thread samples every rank's
-CPU use (psutil), or GPU use through NVML where there are GPUs. It prints each rank's mean
-utilisation, how much of the machine other processes took meanwhile (contention makes the
-figures slower and noisier), the step breakdown per rank, and saves both pictures as PNGs
-under ``--out``. A benchmark that prints figures, not a test.
+jobs itself (``mpu_lab.perf.measure.profile_training``) while a thread samples every rank
+(psutil: is its main thread running or runnable, or ``--metric cpu``: its CPU use), or GPU use
+through NVML where there are GPUs. It prints each rank's mean utilisation, how busy the whole
+machine was (other processes make the figures slower and noisier), the step breakdown per
+rank, and saves both pictures as PNGs under ``--out``. A benchmark that prints figures, not a
+test.
 """
 import argparse
 import pathlib
@@ -28,6 +29,9 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=8, help="iterations per run (the first is not timed)")
     p.add_argument("--interval", type=float, default=0.05, help="sampling period, seconds")
     p.add_argument("--barrier", action="store_true", help="--breakdown-barrier instead of --breakdown")
+    p.add_argument("--metric", choices=["runnable", "cpu"], default="runnable",
+                   help="without GPUs: share of samples each rank's main thread was running or "
+                        "runnable, or its CPU use in percent of one core")
     p.add_argument("--out", default="runs/utilisation", help="folder for the PNGs")
     args = p.parse_args(argv)
     if args.layers % args.nproc or args.global_batch % args.nproc:
@@ -51,7 +55,8 @@ def main(argv=None):
     runs = {}
     for label, tc in configs.items():
         runs[label] = measure.profile_training(measure.training_flags(tc), n, label,
-                                               interval_s=args.interval, barrier=args.barrier)
+                                               interval_s=args.interval, barrier=args.barrier,
+                                               cpu_metric=args.metric)
         run = runs[label]
         print(f"{label}: {run.step_s * 1e3:.1f} ms per step (median), job {run.elapsed_s:.1f} s")
     print(measure.format_utilisation(runs))

@@ -942,7 +942,7 @@ def plot_utilisation(runs: Dict[str, object], title: str = "", vmax: float = 100
         rows = [util.values[r] for r in ranks]
         means = util.mean()
         labels = [f"rank {r} ({means[r]:.0f}%)" for r in ranks]
-        if util.kind == "cpu" and len(util.machine) == len(t):
+        if util.kind in ("cpu", "runnable") and len(util.machine) == len(t):
             rows.append(util.machine)
             labels.append(f"machine ({np.mean(util.machine):.0f}% of {util.cores})")
         data = np.ma.masked_invalid(np.asarray(rows, dtype=float))
@@ -955,7 +955,8 @@ def plot_utilisation(runs: Dict[str, object], title: str = "", vmax: float = 100
         ax.set_title(label, loc="left")
     if mesh is not None:
         kind = next(iter(runs.values())).kind
-        label = {"gpu": "GPU utilisation %", "cpu": "CPU %: ranks of one core"}.get(kind, "busy %")
+        label = {"gpu": "GPU utilisation %", "cpu": "CPU %: ranks of one core",
+                 "runnable": "running or runnable %"}.get(kind, "busy %")
         fig.colorbar(mesh, ax=list(axes), fraction=0.03, pad=0.01, label=label)
     if title:
         fig.suptitle(title, x=0.01, ha="left")

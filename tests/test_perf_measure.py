@@ -64,9 +64,10 @@ def test_categories_follow_the_group_and_tag():
 # --------------------------------------------------------------------------- one 4-rank job
 @pytest.fixture(scope="module")
 def job():
-    with measure.UtilisationSampler(interval_s=0.05) as sampler:
+    with measure.UtilisationSampler(interval_s=0.05) as cpu, \
+            measure.UtilisationSampler(interval_s=0.05, cpu_metric="runnable") as runnable:
         result = run(HERE / "mp" / "perf_checks.py", nproc=4, show="none", timeout_s=300)
-    return result.results, sampler.result()
+    return result.results, cpu.result(), runnable.result()
 
 
 CONFIGS = {
@@ -131,6 +132,11 @@ def test_sampler_saw_every_rank_busy(job):
         assert len(seen) > 10 and min(seen) >= 0 and max(seen) > 20, (rank, seen[:10])
     window = util.crop(util.times[5], util.times[10])
     assert len(window.times) == 6 and all(len(v) == 6 for v in window.values.values())
+    runnable = job[2]
+    assert runnable.kind == "runnable" and sorted(runnable.values) == [0, 1, 2, 3]
+    for rank, values in runnable.values.items():
+        seen = [v for v in values if not math.isnan(v)]
+        assert set(seen) <= {0.0, 100.0} and seen.count(100.0) > 5, (rank, seen[:20])
 
 
 @pytest.mark.slow

@@ -300,8 +300,10 @@ def training_window(reports: Sequence[dict]) -> Tuple[float, float]:
 class Utilisation:
     """Samples of how busy each rank was: ``values[rank][i]`` at ``times[i]`` (``time.time()``),
     NaN where the rank's process did not exist (yet). ``kind`` is ``"cpu"`` (percent of one
-    core, psutil; above 100 when a rank runs several threads) or ``"gpu"`` (NVML's percent of
-    time a kernel ran on the rank's GPU). ``machine[i]``: the whole machine's CPU use, percent
+    core, psutil; above 100 when a rank runs several threads), ``"runnable"`` (100 when the
+    rank's main thread was running or waiting for a core at the sample, 0 when it was blocked,
+    e.g. in a collective: what the rank *wanted* to do, whatever other processes took) or
+    ``"gpu"`` (NVML's percent of time a kernel ran on the rank's GPU). ``machine[i]``: the whole machine's CPU use, percent
     of all its ``cores`` (every process, not only the job's: it shows contention)."""
     kind: str
     interval_s: float
@@ -376,17 +378,20 @@ class UtilisationSampler:
     numbers GPUs by PCI bus; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA agrees).
     """
 
-    def __init__(self, interval_s: float = 0.05, gpu="auto", root_pid: Optional[int] = None):
+    def __init__(self, interval_s: float = 0.05, gpu="auto", root_pid: Optional[int] = None,
+                 cpu_metric: str = "cpu"):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         if gpu not in ("auto", True, False):
             raise ValueError(f"gpu must be 'auto', True or False, got {gpu!r}")
+        if cpu_metric not in ("cpu", "runnable"):
+            raise ValueError(f"cpu_metric must be 'cpu' or 'runnable', got {cpu_metric!r}")
         self.interval_s = interval_s
         self.root_pid = os.getpid() if root_pid is None else root_pid
         self._gpu_handles = self._open_nvml() if gpu else []
         if gpu is True and not self._gpu_handles:
             raise ValueError("gpu=True but NVML finds no GPU here; use gpu='auto' or False")
-        self.kind = "gpu" if self._gpu_handles else "cpu"
+        self.kind = "gpu" if self._gpu_handles else cpu_metric
         self.times: List[float] = []
         self.values: Dict[int, List[float]] = {}
         self.machine: List[float] = []
@@ -418,7 +423,14 @@ class UtilisationSampler:
                 continue
             rank = _worker_rank(proc)
             if rank is None:
-                self._rank_of[pid] = -1          # not a worker: never look again
+                # Not a worker. A process forked a moment ago may still carry its parent's
+                # environment (before exec): look again later unless it has settled.
+                try:
+                    settled = time.time() - proc.create_time() > 2.0
+                except psutil.Error:
+                    settled = True
+                if settled:
+                    self._rank_of[pid] = -1
                 continue
             try:
                 parent = proc.ppid()
@@ -447,7 +459,10 @@ class UtilisationSampler:
         else:
             for pid, proc in list(self._procs.items()):
                 try:
-                    row[self._rank_of[pid]] = proc.cpu_percent(None)
+                    if self.kind == "runnable":   # the main thread's state (R: running or queued)
+                        row[self._rank_of[pid]] = 100.0 if proc.status() == psutil.STATUS_RUNNING else 0.0
+                    else:
+                        row[self._rank_of[pid]] = proc.cpu_percent(None)
                 except psutil.Error:
                     del self._procs[pid]
         self.times.append(now)
@@ -485,11 +500,11 @@ class UtilisationSampler:
 
 
 def run_with_utilisation(script, args: Sequence = (), nproc: int = 2, interval_s: float = 0.05,
-                         gpu="auto", **run_kwargs):
+                         gpu="auto", cpu_metric: str = "cpu", **run_kwargs):
     """:func:`mpu_lab.launch.run` with a :class:`UtilisationSampler` around it; returns
     ``(job, utilisation)``."""
     from mpu_lab import launch
-    with UtilisationSampler(interval_s=interval_s, gpu=gpu) as sampler:
+    with UtilisationSampler(interval_s=interval_s, gpu=gpu, cpu_metric=cpu_metric) as sampler:
         job = launch.run(script, args, nproc=nproc, **run_kwargs)
     return job, sampler.result()
 
@@ -531,32 +546,39 @@ def training_flags(tc) -> List[str]:
 
 
 def format_utilisation(runs: Dict[str, ProfiledRun]) -> str:
-    """Per run: each rank's mean utilisation over the timed steps, the job's total, and (CPU)
-    how much of the machine other processes took meanwhile (contention: it slows the run)."""
+    """Per run: each rank's mean utilisation over the timed steps; for CPU percentages also the
+    job's total and how much of the machine other processes took meanwhile (contention: it
+    slows the run), for the runnable share how busy the whole machine was."""
     lines = []
     for label, run in runs.items():
         util = run.utilisation
         means = util.mean()
         ranks = "  ".join(f"rank {r} {v:3.0f}%" for r, v in means.items())
-        line = f"{label}: {ranks}  | job {sum(means.values()):4.0f}%"
-        if util.kind == "cpu" and util.machine:
-            machine = sum(util.machine) / len(util.machine) * util.cores
-            line += (f" of {100 * util.cores}% ({util.cores} cores); other processes "
-                     f"{max(0.0, machine - sum(means.values())):3.0f}%")
+        machine = sum(util.machine) / len(util.machine) if util.machine else None
+        if util.kind == "cpu":
+            line = f"{label}: {ranks}  | job {sum(means.values()):4.0f}%"
+            if machine is not None:
+                line += (f" of {100 * util.cores}% ({util.cores} cores); other processes "
+                         f"{max(0.0, machine * util.cores - sum(means.values())):3.0f}%")
+        else:
+            line = f"{label}: {ranks}"
+            if machine is not None:
+                line += f"  | machine {machine:3.0f}% busy ({util.cores} cores)"
         lines.append(line)
     return "\n".join(lines)
 
 
 def profile_training(flags: Sequence, nproc: int, label: str = "", interval_s: float = 0.05,
-                     barrier: bool = False, **run_kwargs) -> ProfiledRun:
+                     barrier: bool = False, cpu_metric: str = "cpu", **run_kwargs) -> ProfiledRun:
     """Run ``launch/train_gpt.py`` with ``flags`` plus ``--breakdown`` (or
-    ``--breakdown-barrier``) on ``nproc`` ranks under a :class:`UtilisationSampler`."""
+    ``--breakdown-barrier``) on ``nproc`` ranks under a :class:`UtilisationSampler`
+    (``cpu_metric``: see :class:`Utilisation`)."""
     from mpu_lab import training
     flags = [str(f) for f in flags] + ["--breakdown-barrier" if barrier else "--breakdown"]
     training.validate_args(training.parse_args(flags), nproc)   # a bad line fails here
     run_kwargs.setdefault("show", "none")
     job, util = run_with_utilisation("train_gpt.py", flags, nproc=nproc, interval_s=interval_s,
-                                     **run_kwargs)
+                                     cpu_metric=cpu_metric, **run_kwargs)
     reports = breakdowns(job.results)
     return ProfiledRun(label, nproc, reports, util.crop(*training_window(reports)),
                        job.results[0]["metrics"], job.elapsed_s)
