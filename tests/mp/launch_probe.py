@@ -33,7 +33,7 @@ def main():
     if os.environ.get("SKIP_COLLECTIVE_RANK") != str(info.rank):
         dist.all_reduce(t)
     launch.report({"rank": info.rank, "world_size": info.world_size, "sum": t.item(),
-                   "backend": info.backend, "pid": os.getpid()})
+                   "backend": info.backend, "device": str(info.device), "pid": os.getpid()})
     distributed.shutdown()
 
 
