@@ -257,3 +257,30 @@ def test_schedule_utilisation_is_busy_m_over_m_plus_p_minus_1(p, m):
     for rank, mean in util.mean().items():
         assert mean == pytest.approx(100 * m / (m + p - 1)), rank
     assert sorted(util.values) == list(range(p))
+
+
+# --------------------------------------------------------------------------- lab 08 exercises
+def test_lab08_checkers(capsys):
+    from mpu_lab import exercises, perf
+    # (p-1)/m <= 5 % with p = 8: m >= 7 / 0.05 = 140 (by hand)
+    assert exercises.check_min_microbatches(140, p=8, max_bubble=0.05)
+    assert not exercises.check_min_microbatches(139, p=8, max_bubble=0.05)
+    assert not exercises.check_min_microbatches(None, p=8, max_bubble=0.05)
+    # interleaved, v = 2: (4-1)/(2 m) <= 0.1 -> m >= 15
+    assert exercises.check_min_microbatches(15, p=4, max_bubble=0.1, v=2)
+
+    gpt13 = perf.ModelShape(24, 2048, 16, 2048, 51200)
+    pure_dp = perf.ParallelConfig(tp=1, pp=1, dp=32, micro_batch_size=1, global_batch_size=512)
+    # with t = p = 1 the data-parallel all-reduce is the only communication there is
+    assert exercises.check_dominant_communication("data", gpt13, pure_dp, perf.DGX_A100_80GB)
+    assert not exercises.check_dominant_communication("tp", gpt13, pure_dp, perf.DGX_A100_80GB)
+
+    gpt39 = perf.ModelShape(48, 8192, 64, 2048, 51200)
+    cluster = perf.DGX_A100_80GB.replace(num_nodes=8)
+    best = perf.explore(gpt39, cluster, 64, 512).best.config
+    assert exercises.check_best_config((best.tp, best.pp), gpt39, cluster, 64, 512)
+    assert not exercises.check_best_config((16, 4), gpt39, cluster, 64, 512)   # TP across boxes
+    assert not exercises.check_best_config((3, 3), gpt39, cluster, 64, 512)    # not valid
+    assert not exercises.check_best_config("8,2", gpt39, cluster, 64, 512)
+    out = capsys.readouterr().out
+    assert "No answer yet" in out and "not a valid (t, p)" in out
