@@ -8,9 +8,10 @@ Three tools, one per question of "why is my utilisation low":
   iteration spent in each kind of collective — tensor-parallel all-reduce / all-gather /
   reduce-scatter / broadcast, data-parallel all-reduce, pipeline p2p — and the rest, which is
   computation (:class:`StepTimer`, on top of :class:`mpu_lab.comm.CommTimer`).
-* **Utilisation over time** (:class:`UtilisationSampler`): the CPU use of every ``torchrun``
-  worker (psutil, from the launcher's process tree), and GPU utilisation through NVML where
-  there is a GPU; :func:`mpu_lab.viz.plot_utilisation` draws it as one row per rank.
+* **Utilisation over time** (:class:`UtilisationSampler`): for every ``torchrun`` worker
+  (found in the launcher's process tree) whether it is running or runnable, or its CPU use
+  (psutil); GPU utilisation through NVML where there is a GPU;
+  :func:`mpu_lab.viz.plot_utilisation` draws it as one row per rank.
 
 What "waiting" means here: every collective and p2p call is synchronous, so the time a rank
 spends inside one is the transfer *plus* the time it waits for the slowest member of its group
@@ -303,8 +304,10 @@ class Utilisation:
     core, psutil; above 100 when a rank runs several threads), ``"runnable"`` (100 when the
     rank's main thread was running or waiting for a core at the sample, 0 when it was blocked,
     e.g. in a collective: what the rank *wanted* to do, whatever other processes took) or
-    ``"gpu"`` (NVML's percent of time a kernel ran on the rank's GPU). ``machine[i]``: the whole machine's CPU use, percent
-    of all its ``cores`` (every process, not only the job's: it shows contention)."""
+    ``"gpu"`` (NVML's percent of time a kernel ran on the rank's GPU); ``"schedule"`` for the
+    ideal pictures of :func:`schedule_utilisation`. ``machine[i]``: the whole machine's CPU
+    use, percent of all its ``cores`` (every process, not only the job's: it shows contention).
+    """
     kind: str
     interval_s: float
     times: List[float]
@@ -372,7 +375,8 @@ class UtilisationSampler:
 
     CPU: every ``interval_s`` the worker processes are found among this process's descendants
     (:func:`mpu_lab.launch.descendants`; a worker is a process with torchrun's ``ROLE_RANK``)
-    and their CPU use since the last sample is read with psutil. GPU (``gpu=True``, or
+    and psutil reads, per ``cpu_metric``, their CPU use since the last sample (``"cpu"``) or
+    whether their main thread is running or runnable now (``"runnable"``). GPU (``gpu=True``, or
     ``"auto"``: where NVML finds one): NVML's utilisation of each rank's GPU, ``LOCAL_RANK``
     modulo the GPU count as :func:`mpu_lab.distributed.choose_device` assigns them (NVML
     numbers GPUs by PCI bus; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA agrees).
