@@ -144,14 +144,19 @@ BAD_CONFIGS = [
 ]
 
 
+@pytest.fixture
+def no_process(monkeypatch):
+    """Fail the test if ``launch.run`` starts any process."""
+    def popen(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args[0] if args else kwargs}")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+
+
 @pytest.mark.parametrize("script,flags,nproc,needles",
                          [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
 def test_bad_configuration_is_refused_before_any_process_starts(script, flags, nproc, needles,
-                                                                 monkeypatch):
-    def no_process(*args, **kwargs):
-        raise AssertionError(f"a process was started: {args[0] if args else kwargs}")
-
-    monkeypatch.setattr(launch.subprocess, "Popen", no_process)
+                                                                 no_process):
     if "nproc <= " in "".join(needles):
         needles = needles + [f"at most {launch.max_ranks()}"]
     start = time.perf_counter()
@@ -344,7 +349,7 @@ def gpt_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_rank_killed_mid_save_leaves_an_incomplete_checkpoint_that_is_refused(gpt_runs):
+def test_rank_killed_mid_save_leaves_an_incomplete_checkpoint_that_is_refused(gpt_runs, no_process):
     err, crash = gpt_runs["crash"], gpt_runs["root"] / "crash"
     assert isinstance(err, LaunchError)
     assert err.rank == 1 and "rank 1 exited with code 3 without a Python exception" in str(err)
@@ -410,7 +415,7 @@ def _truncate(path):
     (_flip_byte, "does not match the SHA-256 recorded at save"),
     (_truncate, "bytes, the save wrote"),
 ])
-def test_corrupted_shard_is_named_at_load(gpt_runs, tmp_path, damage, needle):
+def test_corrupted_shard_is_named_at_load(gpt_runs, tmp_path, damage, needle, no_process):
     d, shard = _damaged_copy(gpt_runs, tmp_path, damage)
     info = json.loads((d / checkpointing.MARKER).read_text())
     assert info["files"]["__1_0.distcp"]["sha256"] == hashlib.sha256(
