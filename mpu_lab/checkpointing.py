@@ -83,8 +83,8 @@ def incomplete_reason(directory) -> Optional[str]:
 
 def _complete_siblings(d: pathlib.Path) -> List[str]:
     parent = d.parent
-    return sorted(x.name for x in parent.iterdir()
-                  if x != d and x.is_dir() and _ITER_DIR.match(x.name) and incomplete_reason(x) is None)
+    return sorted(x.name for x in parent.iterdir() if x != d and x.is_dir()
+                  and _ITER_DIR.match(x.name) and incomplete_reason(x) is None)
 
 
 def _hint(d: pathlib.Path) -> str:

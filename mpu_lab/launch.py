@@ -378,7 +378,7 @@ def _root_cause(log_dir: pathlib.Path, result_dir: pathlib.Path) -> Tuple[Option
 
 
 _COLLECTIVE_TIMEOUT = re.compile(r"timed out|timeout|watchdog caught collective", re.I)
-# A traceback frame ("File "x.py", line 3, in f") or a faulthandler frame ("File "x.py", line 3 in f").
+# A traceback frame (File "x.py", line 3, in f) or a faulthandler one (File "x.py", line 3 in f).
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 _C10D_FILES = ("distributed_c10d.py",)
 
@@ -465,7 +465,7 @@ def _diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: 
         head = f"A collective failed because a peer went away: {what} at {_where(root_tb)}"
     lines = [f"{head}, reached by rank(s) {in_op}; every rank must call it, in the same order."]
     if absent:
-        lines.append(f"Not in it: " + "; ".join(f"rank {r} {states[r]}" for r in absent) + ".")
+        lines.append("Not in it: " + "; ".join(f"rank {r} {states[r]}" for r in absent) + ".")
     return "\n".join(lines), states
 
 

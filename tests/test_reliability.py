@@ -10,7 +10,6 @@ worker remains" is checked by PID, not by what the launcher says about itself.
 import _thread
 import hashlib
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -20,7 +19,8 @@ import time
 import psutil
 import pytest
 
-from mpu_lab import checkpointing, launch, training   # noqa: F401  (imported before timing)
+from mpu_lab import checkpointing, launch
+from mpu_lab import training  # noqa: F401  (imported here: no timed call pays for it)
 from mpu_lab.checkpointing import CheckpointError
 from mpu_lab.launch import LaunchError, run
 
@@ -97,7 +97,8 @@ NLV = "--num-layers-per-virtual-pipeline-stage"
 BAD_CONFIGS = [
     # (id, script, flags, nproc, substrings the message must hold: the numbers, what is valid)
     ("world%tp", "train_gpt.py", [T, 3], 8,
-     ["world size 8 is not divisible by", "3 x 1 = 3", "valid tensor-parallel sizes are [1, 2, 4, 8]"]),
+     ["world size 8 is not divisible by", "3 x 1 = 3",
+      "valid tensor-parallel sizes are [1, 2, 4, 8]"]),
     ("world%tp.pp", "train_gpt.py", [T, 2, P, 3], 8,
      ["world size 8 is not divisible by", "2 x 3 = 6"]),
     ("world%tp.pp.cp", "rank_groups.py", ["--tp", 2, "--pp", 2, "--cp", 2], 4,
@@ -116,7 +117,8 @@ BAD_CONFIGS = [
     ("layers%stages", "train_gpt.py", [P, 4, "--num-layers", 6], 4,
      ["num_layers 6 is not divisible by pipeline_model_parallel_size 4", "[4, 8, 12, 16]"]),
     ("virtual-stages", "train_gpt.py", [P, 2, "--num-layers", 4, NLV, 3], 2,
-     ["num_layers_per_virtual_pipeline_stage 3 does not divide the 2 layers", "divisor of 2: [1, 2]"]),
+     ["num_layers_per_virtual_pipeline_stage 3 does not divide the 2 layers",
+      "divisor of 2: [1, 2]"]),
     ("interleaved-m%p", "train_gpt.py", [P, 2, "--num-layers", 4, NLV, 1], 2,
      ["1 micro-batches for 2 stages", "[2, 4, 6, 8]"]),
     ("gbs%(mbs.dp)", "train_gpt.py", ["--micro-batch-size", 3, "--global-batch-size", 16], 4,
@@ -124,22 +126,26 @@ BAD_CONFIGS = [
     ("seq%tp-with-SP", "train_gpt.py", [T, 4, "--sequence-parallel", "--seq-length", 30], 4,
      ["seq_length 30 is not divisible by the tensor-parallel size 4", "e.g. 32"]),
     ("vocab-padding-0", "train_gpt.py", ["--make-vocab-size-divisible-by", 0], 1,
-     ["--make-vocab-size-divisible-by must be >= 1, got 0", "use 1 for no padding, or Megatron's 128"]),
+     ["--make-vocab-size-divisible-by must be >= 1, got 0",
+      "use 1 for no padding, or Megatron's 128"]),
     ("vocab<2", "train_gpt.py", ["--vocab-size", 1], 1, ["--vocab-size must be >= 2, got 1"]),
     ("unknown-schedule", "train_gpt.py", [P, 2, "--pipeline-schedule", "zigzag"], 2,
      ["unknown pipeline schedule 'zigzag'", "['no-pipelining', 'gpipe', '1f1b', 'interleaved']"]),
     ("schedule-at-PP1", "train_gpt.py", ["--pipeline-schedule", "gpipe"], 2,
      ["--pipeline-schedule needs --pipeline-model-parallel-size > 1, got 1"]),
-    ("micro-batch=0", "train_gpt.py", ["--micro-batch-size", 0], 1, ["--micro-batch-size must be >= 1, got 0"]),
+    ("micro-batch=0", "train_gpt.py", ["--micro-batch-size", 0], 1,
+     ["--micro-batch-size must be >= 1, got 0"]),
     ("layers<0", "train_gpt.py", ["--num-layers", -2], 1, ["--num-layers must be >= 1, got -2"]),
     ("tp=0", "train_gpt.py", [T, 0], 1, ["--tensor-model-parallel-size 0", "must be >= 1"]),
     ("seq=0", "train_gpt.py", ["--seq-length", 0], 1, ["--seq-length must be >= 1, got 0"]),
     ("positions<seq", "train_gpt.py", ["--max-position-embeddings", 32, "--seq-length", 64], 1,
      ["--max-position-embeddings 32 is smaller than --seq-length 64", "use >= 64"]),
-    ("fp16+bf16", "train_gpt.py", ["--fp16", "--bf16"], 1, ["--fp16 and --bf16 exclude each other"]),
+    ("fp16+bf16", "train_gpt.py", ["--fp16", "--bf16"], 1,
+     ["--fp16 and --bf16 exclude each other"]),
     ("unknown-flag", "train_gpt.py", ["--tensor-parallel", 2], 1,
      ["bad arguments", "unrecognized arguments: --tensor-parallel 2"]),
-    ("too-many-ranks", "train_gpt.py", [], 10_000, ["nproc=10000 ranks requested", "use nproc <= "]),
+    ("too-many-ranks", "train_gpt.py", [], 10_000,
+     ["nproc=10000 ranks requested", "use nproc <= "]),
     ("nproc=0", "train_gpt.py", [], 0, ["nproc must be a positive integer, got 0"]),
 ]
 
@@ -198,8 +204,9 @@ def test_failing_rank_raises_naming_root_cause_with_traceback_and_no_worker_rema
     assert "rank 2 raised first" in str(err.value)
     assert "ValueError: rank 2 fails on purpose" in err.value.traceback
     assert re.search(r'launch_probe\.py", line \d+, in main', err.value.traceback)
+    gone = max(watch.gone[p] for p in workers) - failed_at
     print(f"\n[reliability] failing rank: LaunchError {raised_at - failed_at:.2f} s after the "
-          f"rank raised; every worker gone {max(watch.gone[p] for p in workers) - failed_at:.2f} s after")
+          f"rank raised; every worker gone {gone:.2f} s after")
 
 
 # --------------------------------------------------------------------------- 3. a rank hangs
@@ -236,7 +243,8 @@ def test_rank_that_hangs_makes_every_rank_fail_within_the_collective_timeout():
                      message)
     assert all("Timed out" in err.value.states[r] for r in (0, 2, 3))
     print(f"\n[reliability] hung rank: workers gone {last_gone:.2f} s, LaunchError "
-          f"{raised_at - t0:.2f} s after entering the collective (timeout {COLLECTIVE_TIMEOUT_S} s)")
+          f"{raised_at - t0:.2f} s after entering the collective "
+          f"(timeout {COLLECTIVE_TIMEOUT_S} s)")
 
 
 @pytest.mark.slow
@@ -300,7 +308,7 @@ def test_twenty_launches_back_to_back_all_succeed():
           f"{len(set(ports))} distinct rendezvous ports")
 
 
-# --------------------------------------------------------------------------- 5, 6. checkpoints, determinism
+# --------------------------------------------------------------------------- 5, 6. checkpoints
 GPT = [T, 2, "--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4,
        "--seq-length", 32, "--micro-batch-size", 2, "--vocab-size", 128,
        "--train-iters", 6, "--log-interval", 1, "--quiet"]
@@ -340,10 +348,11 @@ def gpt_runs(tmp_path_factory):
     out["times"]["crash"] = time.monotonic() - t
     out["crash_leftovers"] = watch.still_alive()
     t = time.monotonic()
-    out["resume"] = run("train_gpt.py", GPT + ["--load", root / "crash"] + SAVE + [root / "resumed"],
+    out["resume"] = run("train_gpt.py",
+                        GPT + ["--load", root / "crash"] + SAVE + [root / "resumed"],
                         nproc=2, show="none")
     out["times"]["resume"] = time.monotonic() - t
-    print(f"\n[reliability] train_gpt.py jobs (s): "
+    print("\n[reliability] train_gpt.py jobs (s): "
           + ", ".join(f"{k} {v:.1f}" for k, v in out["times"].items()))
     return out
 
