@@ -377,7 +377,9 @@ def _root_cause(log_dir: pathlib.Path, result_dir: pathlib.Path) -> Tuple[Option
     return best[1], best[2], best[3]
 
 
-_COLLECTIVE_TIMEOUT = re.compile(r"timed out|timeout|watchdog caught collective", re.I)
+# gloo: "Timed out waiting 5000ms for recv operation"; NCCL's watchdog: "Watchdog caught
+# collective operation timeout: WorkNCCL(... Timeout(ms)=...) ran for ... milliseconds".
+_COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting|operation timeout|Timeout\(ms\)", re.I)
 # A traceback frame (File "x.py", line 3, in f) or a faulthandler one (File "x.py", line 3 in f).
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 _C10D_FILES = ("distributed_c10d.py",)
@@ -461,8 +463,10 @@ def _diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: 
     if timed_out:
         limit = f"{timeout_s} s" if timeout_s else "default 60 s"
         head = f"A collective timed out (MPU_LAB_TIMEOUT_S: {limit}): {what} at {_where(root_tb)}"
-    else:
+    elif _SECONDARY.search(root_message):
         head = f"A collective failed because a peer went away: {what} at {_where(root_tb)}"
+    else:
+        head = f"A collective failed: {what} at {_where(root_tb)}"
     lines = [f"{head}, reached by rank(s) {in_op}; every rank must call it, in the same order."]
     if absent:
         lines.append("Not in it: " + "; ".join(f"rank {r} {states[r]}" for r in absent) + ".")

@@ -472,3 +472,29 @@ def test_keyboard_interrupt_stops_the_job_and_every_worker_within_10_s():
     assert stopped < 10
     print(f"\n[reliability] KeyboardInterrupt: raised after {raised - interrupted['at']:.2f} s, "
           f"no process left after {stopped:.2f} s")
+
+
+def test_failure_report_wording_from_the_ranks_records(tmp_path):
+    """launch's diagnosis from the per-rank records alone (no processes): a collective that
+    failed for another reason than a timeout or a lost peer, a rank stopped elsewhere, a rank
+    that died silently (torchrun's summary), and a failure outside any collective."""
+    tb = ('Traceback (most recent call last):\n'
+          f'  File "{launch.REPO_ROOT}/launch/x.py", line 7, in main\n    dist.broadcast(t, 0)\n'
+          '  File "/site-packages/torch/distributed/distributed_c10d.py", line 9, in broadcast\n'
+          'RuntimeError: size mismatch\n')
+    (tmp_path / "failed_rank0.json").write_text(json.dumps(
+        {"rank": 0, "time": 1.0, "message": "RuntimeError: size mismatch", "traceback": tb}))
+    (tmp_path / "stack_rank1.txt").write_text(
+        f'Stack (most recent call first):\n  File "{launch.REPO_ROOT}/launch/x.py", line 5 in main\n')
+    summary = [(None, "  rank      : 2 (local_rank: 2)"), (None, "  exitcode  : 9 (pid: 1)"),
+               (None, "  rank      : 1 (local_rank: 1)"), (None, "  exitcode  : -15 (pid: 2)")]
+    codes = launch._exit_codes(summary)
+    assert codes == {2: 9, 1: -15}
+    text, states = launch._diagnose(tmp_path, 3, "RuntimeError: size mismatch", tb, None, codes)
+    assert text.splitlines() == [
+        "A collective failed: broadcast at launch/x.py:7 in main, reached by rank(s) [0]; every "
+        "rank must call it, in the same order.",
+        "Not in it: rank 1 was stopped at launch/x.py:5 in main; rank 2 exited with code 9 "
+        "without a Python exception (os._exit, or killed)."]
+    text, _ = launch._diagnose(tmp_path, 3, "ValueError: timeout_s must be > 0", "", None)
+    assert text == ""
