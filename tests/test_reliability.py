@@ -484,8 +484,9 @@ def test_failure_report_wording_from_the_ranks_records(tmp_path):
           'RuntimeError: size mismatch\n')
     (tmp_path / "failed_rank0.json").write_text(json.dumps(
         {"rank": 0, "time": 1.0, "message": "RuntimeError: size mismatch", "traceback": tb}))
-    (tmp_path / "stack_rank1.txt").write_text(
-        f'Stack (most recent call first):\n  File "{launch.REPO_ROOT}/launch/x.py", line 5 in main\n')
+    (tmp_path / "stack_rank1.txt").write_text(   # faulthandler's format: no comma before "in"
+        'Stack (most recent call first):\n'
+        f'  File "{launch.REPO_ROOT}/launch/x.py", line 5 in main\n')
     summary = [(None, "  rank      : 2 (local_rank: 2)"), (None, "  exitcode  : 9 (pid: 1)"),
                (None, "  rank      : 1 (local_rank: 1)"), (None, "  exitcode  : -15 (pid: 2)")]
     codes = launch._exit_codes(summary)
