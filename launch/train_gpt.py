@@ -60,7 +60,7 @@ def main(argv=None):
     result = {"metrics": metrics, "iteration": state.iteration}
     if args.record_timeline:
         result["timeline"] = training.schedule_timeline_report()
-    if args.breakdown or args.breakdown_barrier:
+    if getattr(state, "step_timer", None) is not None:   # --breakdown[-barrier|-profile]
         result["breakdown"] = state.step_timer.report()
     launch.report(result)
     distributed.shutdown()

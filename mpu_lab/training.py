@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--breakdown-barrier", action="store_true",
                    help="--breakdown with a barrier before each collective, booked as "
                         "'wait': separates waiting for peers from the transfer itself")
+    g.add_argument("--breakdown-profile", default=None, metavar="DIR",
+                   help="--breakdown under torch.profiler: each rank writes a Chrome trace of "
+                        "its timed steps to DIR/rank<r>.trace.json and reports its top ops")
     g.add_argument("--save", default=None, help="folder for iter_XXXXXXX checkpoints")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", default=None,
@@ -798,10 +801,12 @@ def train(state: TrainState, train_iters: Optional[int] = None,
     logged: List[Dict[str, Any]] = []
     window_losses, window_start = [], None
     timer = None
-    if getattr(args, "breakdown", False) or getattr(args, "breakdown_barrier", False):
+    if getattr(args, "breakdown", False) or getattr(args, "breakdown_barrier", False) \
+            or getattr(args, "breakdown_profile", None):
         from mpu_lab.perf.measure import StepTimer
         # train_gpt.py --breakdown: time each step and its collectives (mpu_lab.perf.measure)
-        timer = state.step_timer = StepTimer(device, barrier=args.breakdown_barrier)
+        timer = state.step_timer = StepTimer(device, barrier=args.breakdown_barrier,
+                                             profile_dir=args.breakdown_profile)
     try:
         _sync(device)
         window_start = time.perf_counter()

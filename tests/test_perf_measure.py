@@ -63,10 +63,16 @@ def test_categories_follow_the_group_and_tag():
 
 # --------------------------------------------------------------------------- one 4-rank job
 @pytest.fixture(scope="module")
-def job():
+def traces(tmp_path_factory):
+    return tmp_path_factory.mktemp("traces")
+
+
+@pytest.fixture(scope="module")
+def job(traces):
     with measure.UtilisationSampler(interval_s=0.05) as cpu, \
             measure.UtilisationSampler(interval_s=0.05, cpu_metric="runnable") as runnable:
-        result = run(HERE / "mp" / "perf_checks.py", nproc=4, show="none", timeout_s=300)
+        result = run(HERE / "mp" / "perf_checks.py", [traces], nproc=4, show="none",
+                     timeout_s=300)
     return result.results, cpu.result(), runnable.result()
 
 
@@ -111,6 +117,19 @@ def test_every_counted_collective_is_timed(job, name):
         calls = report[name]["breakdown"]["calls"]
         timed = sum(v for k, v in calls.items() if k != "pp p2p")
         assert timed == pytest.approx(report[name]["counted_collectives_per_step"])
+
+
+@pytest.mark.slow
+def test_breakdown_profile_writes_a_trace_per_rank_and_names_the_top_ops(job, traces):
+    import json
+    for rank, report in enumerate(job[0]):
+        profile = report["tp2_pp2"]["breakdown"]["profile"]
+        assert profile["trace"] == str(traces / f"rank{rank}.trace.json")
+        assert json.loads((traces / f"rank{rank}.trace.json").read_text())["traceEvents"]
+        names = [op["name"] for op in profile["top_ops"]]
+        assert len(names) == 12 and any(n.startswith("aten::") for n in names), names
+        assert all(op["self_ms"] >= 0 and op["calls"] > 0 for op in profile["top_ops"])
+    assert "profile" not in job[0][0]["dp4_barrier"]["breakdown"]
 
 
 @pytest.mark.slow

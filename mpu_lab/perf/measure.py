@@ -182,9 +182,14 @@ class StepTimer:
     ``time_step(fn, *args)`` runs one step under a :class:`mpu_lab.comm.CommTimer`; the first
     ``skip`` steps run untimed (first-call allocations and warm-up). On CUDA the device is
     synchronised before and after each step. :meth:`report` gives the per-step means, JSON-able.
+    With ``profile_dir`` the timed steps also run under ``torch.profiler`` (CPU, and CUDA on a
+    GPU): :meth:`report` writes this rank's Chrome trace (``rank<r>.trace.json``, for
+    chrome://tracing or Perfetto) and adds the ops that took the most time. The profiler slows
+    every op down a little; the breakdown is then that of the profiled run.
     """
 
-    def __init__(self, device=None, barrier: bool = False, skip: int = 1):
+    def __init__(self, device=None, barrier: bool = False, skip: int = 1,
+                 profile_dir: Optional[str] = None):
         from mpu_lab import comm
         if skip < 0:
             raise ValueError(f"skip must be >= 0 steps, got {skip}")
@@ -195,6 +200,8 @@ class StepTimer:
         self.step_seconds: List[float] = []
         self.window: List[Optional[float]] = [None, None]   # time.time() of first start, last end
         self._seen = 0
+        self.profile_dir = profile_dir
+        self._profiler = None
 
     def _sync(self):
         if self.device is not None and getattr(self.device, "type", "cpu") == "cuda":
@@ -205,6 +212,8 @@ class StepTimer:
         self._seen += 1
         if self._seen <= self.skip:
             return fn(*args, **kwargs)
+        if self.profile_dir and self._profiler is None:
+            self._profiler = self._start_profiler()
         self._sync()
         wall, start = time.time(), time.perf_counter()
         with self.comm_timer:
@@ -216,10 +225,39 @@ class StepTimer:
         self.window[1] = time.time()
         return out
 
+    def _start_profiler(self):
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU]
+        if getattr(self.device, "type", "cpu") == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        prof = profile(activities=activities)
+        prof.start()
+        return prof
+
+    def _finish_profile(self, rank: int, steps: int, top: int = 12) -> Dict[str, Any]:
+        """Stop the profiler, write the trace, return the top ops by self time per step."""
+        prof, self._profiler = self._profiler, None
+        prof.stop()
+        os.makedirs(self.profile_dir, exist_ok=True)
+        path = os.path.join(self.profile_dir, f"rank{rank}.trace.json")
+        prof.export_chrome_trace(path)
+        on_gpu = getattr(self.device, "type", "cpu") == "cuda"
+
+        def self_us(event):   # microseconds; the CUDA field was renamed to "device" in torch 2.4+
+            if on_gpu:
+                return getattr(event, "self_device_time_total", None) or \
+                    getattr(event, "self_cuda_time_total", 0.0)
+            return event.self_cpu_time_total
+        events = sorted(prof.key_averages(), key=self_us, reverse=True)[:top]
+        return dict(trace=path, clock="device" if on_gpu else "cpu",
+                    top_ops=[dict(name=e.key, self_ms=self_us(e) / 1e3 / max(steps, 1),
+                                  calls=e.count / max(steps, 1)) for e in events])
+
     def report(self) -> Dict[str, Any]:
         """This rank's breakdown: ``parts`` (seconds per step by category, ``compute`` being
         the step minus all communication), ``calls`` and ``bytes`` per step, ``step_s`` (mean
-        step), ``steps`` (how many were timed), its coordinates and the timed ``window``."""
+        step), ``steps`` (how many were timed), its coordinates and the timed ``window``; with
+        a profile, ``profile`` (the trace's path and the top ops per step)."""
         import torch.distributed as dist
 
         from mpu_lab import parallel_state as ps
@@ -240,7 +278,10 @@ class StepTimer:
         if self.barrier:
             parts[WAIT] = wait
         per_step = (lambda d: {k: v / n for k, v in d.items()}) if n else (lambda d: {})
-        return dict(
+        extra = {}
+        if self._profiler is not None:
+            extra["profile"] = self._finish_profile(dist.get_rank(), n)
+        return dict(**extra,
             rank=dist.get_rank(), steps=n, step_s=total / n if n else float("nan"),
             step_seconds=list(self.step_seconds), parts=per_step(parts), calls=per_step(calls),
             bytes=per_step(nbytes), barrier=self.barrier, window=list(self.window),

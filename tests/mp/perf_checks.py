@@ -1,10 +1,10 @@
 """torchrun worker: the measurement tools of mpu_lab.perf.measure in one 4-rank job.
 
-    torchrun --standalone --nproc-per-node 4 tests/mp/perf_checks.py
+    torchrun --standalone --nproc-per-node 4 tests/mp/perf_checks.py TRACE_DIR
 
-* the step-time breakdown of real training at three layouts (TP2 x PP2; DP4 with the barrier
-  variant; TP4 with sequence parallelism), next to the trainer's own iteration times and a
-  CommCounter that counts the same steps' collectives;
+* the step-time breakdown of real training at three layouts (TP2 x PP2 under torch.profiler,
+  traces to TRACE_DIR; DP4 with the barrier variant; TP4 with sequence parallelism), next to
+  the trainer's own iteration times and a CommCounter that counts the same steps' collectives;
 * the bandwidth benchmark's functions (launch/bench_bandwidth.py) over the whole world.
 
 Every rank reports a dict; tests/test_perf_measure.py asserts on them (and samples the
@@ -12,6 +12,7 @@ workers' CPU use from the launcher while this runs).
 """
 import importlib.util
 import pathlib
+import sys
 
 import torch.distributed as dist
 
@@ -22,7 +23,7 @@ BASE = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--s
         "--log-interval", 1, "--quiet"]
 CONFIGS = {
     "tp2_pp2": ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
-                "--micro-batch-size", 2, "--global-batch-size", 8, "--breakdown"],
+                "--micro-batch-size", 2, "--global-batch-size", 8, "--breakdown-profile"],
     "dp4_barrier": ["--micro-batch-size", 2, "--global-batch-size", 8, "--breakdown-barrier"],
     "tp4_sp": ["--tensor-model-parallel-size", 4, "--sequence-parallel", "--micro-batch-size", 4,
                "--global-batch-size", 4, "--breakdown"],
@@ -53,6 +54,7 @@ def bandwidth(info):
 @launch.entrypoint
 def main():
     info = distributed.init()
+    CONFIGS["tp2_pp2"].append(sys.argv[1])          # the trace folder
     out = {name: breakdown_run(flags) for name, flags in CONFIGS.items()}
     out["bandwidth"] = bandwidth(info)
     launch.report(out)
