@@ -38,6 +38,10 @@ collective) under ``"breakdown"``; ``mpu_lab.perf.measure.format_breakdown`` tab
     from mpu_lab.perf import measure
     print(measure.format_breakdown(measure.breakdowns(job.results)))
 
+``--breakdown-barrier`` books the wait for the slowest peer apart from each collective;
+``--breakdown-profile DIR`` also runs the timed steps under ``torch.profiler`` and writes a
+Chrome trace per rank to DIR.
+
 The flags are checked before anything starts (``mpu_lab.training.validate_args``);
 ``launch/train_gpt.sh`` shows the lecture's ``GPT_ARGS``. ``--pipeline-schedule`` is this
 project's flag (Megatron picks 1F1B, or interleaved when
