@@ -1,4 +1,4 @@
-"""Benchmark: time, algbw and busbw of the collectives over message sizes, as nccl-tests reports them.
+"""Benchmark: time, algbw and busbw of the collectives over message sizes, as nccl-tests does.
 
     torchrun --standalone --nproc-per-node 4 launch/bench_bandwidth.py
     torchrun --standalone --nproc-per-node 8 launch/bench_bandwidth.py \
@@ -69,7 +69,8 @@ def expected(op, numel, n, rank, dtype, device):
         size = numel if op == "all_reduce" else numel // n
         return torch.full((size,), n * (n + 1) / 2, dtype=dtype, device=device)
     if op == "all_gather":
-        return torch.cat([torch.full((numel,), r + 1.0, dtype=dtype, device=device) for r in range(n)])
+        return torch.cat([torch.full((numel,), r + 1.0, dtype=dtype, device=device)
+                          for r in range(n)])
     return torch.full((numel,), 1.0, dtype=dtype, device=device)
 
 
@@ -80,7 +81,8 @@ def sync(device):
 
 def bench(op, size, args, info):
     n, dtype, device = info.world_size, DTYPES[args.dtype], info.device
-    numel, whole = measure.collective_numel(op, size, n, torch.empty((), dtype=dtype).element_size())
+    element_size = torch.empty((), dtype=dtype).element_size()
+    numel, whole = measure.collective_numel(op, size, n, element_size)
     x = torch.full((numel,), info.rank + 1.0, dtype=dtype, device=device)
     wrong = int(not torch.equal(call(op, x), expected(op, numel, n, info.rank, dtype, device)))
     for _ in range(args.warmup):

@@ -483,7 +483,8 @@ def check_best_config(answer: Any, model, cluster, num_gpus: int, global_batch_s
         chosen.prediction.total_s <= (1 + tol) * best.prediction.total_s
     b, fastest = best.config, best.prediction.total_s
     if chosen is None:
-        mine = f"{answer!r} is not a valid (t, p) for {num_gpus} GPUs with batch {global_batch_size}."
+        mine = (f"{answer!r} is not a valid (t, p) for {num_gpus} GPUs with batch "
+                f"{global_batch_size}.")
     else:
         mine = (f"(t={chosen.config.tp}, p={chosen.config.pp}): at best "
                 f"{chosen.prediction.total_s:.2f} s per iteration"

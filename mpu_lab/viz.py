@@ -979,8 +979,8 @@ def plot_step_breakdown(runs: Dict[str, Sequence[dict]], title: str = "") -> Fig
         left = np.zeros(len(reports))
         for cat in cats:
             ms = np.array([r["parts"].get(cat, 0.0) * 1e3 for r in reports])
-            ax.barh(np.arange(len(reports)), ms, left=left, color=BREAKDOWN_COLORS.get(cat, "#cccccc"),
-                    edgecolor="white", linewidth=0.5, label=cat)
+            ax.barh(np.arange(len(reports)), ms, left=left, label=cat,
+                    color=BREAKDOWN_COLORS.get(cat, "#cccccc"), edgecolor="white", linewidth=0.5)
             left += ms
         ax.set_yticks(np.arange(len(reports)))
         ax.set_yticklabels([f"rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}, "
@@ -991,7 +991,8 @@ def plot_step_breakdown(runs: Dict[str, Sequence[dict]], title: str = "") -> Fig
             ax.spines[side].set_visible(False)
     axes[-1].set_xlabel("milliseconds per step")
     handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, frameon=False, fontsize=7, ncol=min(len(cats), 5), loc="outside lower left")
+    fig.legend(handles, names, frameon=False, fontsize=7, ncol=min(len(cats), 5),
+               loc="outside lower left")
     if title:
         fig.suptitle(title, x=0.01, ha="left")
     return fig
@@ -1036,7 +1037,9 @@ def plot_published_runs(rows: Sequence[dict], band: float = 0.15, title: str = "
               color=[colors[r["gpu"]] for r in rows], label="predicted",
               hatch=[("//" if r["calibration"] else "") for r in rows])
     left.set_yticks(y)
-    left.set_yticklabels([f"{r['name']} ({r['gpus']} {r['gpu'].upper()})" for r in rows], fontsize=8)
+    left.set_yticklabels([r["name"] if f"{r['gpus']} " in r["name"]
+                          else f"{r['name']} ({r['gpus']} {r['gpu'].upper()})" for r in rows],
+                         fontsize=8)
     left.invert_yaxis()
     left.set_xlabel("TFLOP/s per GPU")
     left.legend(frameon=False, fontsize=8, loc="lower right")

@@ -299,7 +299,8 @@ def breakdowns(results: Sequence[Optional[dict]]) -> List[dict]:
     out = []
     for rank, result in enumerate(results):
         if not result or "breakdown" not in result:
-            raise ValueError(f"rank {rank} reported no breakdown: run train_gpt.py with --breakdown")
+            raise ValueError(f"rank {rank} reported no breakdown: run train_gpt.py with "
+                             f"--breakdown")
         out.append(result["breakdown"])
     return out
 
@@ -314,7 +315,8 @@ def format_breakdown(reports: Sequence[dict], unit: str = "ms") -> str:
     """One line per rank: mean step time and each category's share of it (ms and %)."""
     scale = {"ms": 1e3, "s": 1.0, "us": 1e6}[unit]
     cats = categories(reports)
-    head = f"{'rank':>4} {'(tp,pp,dp)':>10} {'step ' + unit:>9} " + " ".join(f"{c:>17}" for c in cats)
+    head = (f"{'rank':>4} {'(tp,pp,dp)':>10} {'step ' + unit:>9} "
+            + " ".join(f"{c:>17}" for c in cats))
     lines = [head]
     for r in reports:
         coord = f"({r['tp_rank']},{r['pp_rank']},{r['dp_rank']})"
@@ -451,7 +453,8 @@ class UtilisationSampler:
         try:
             import pynvml   # nvidia-ml-py
             pynvml.nvmlInit()
-            return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            count = pynvml.nvmlDeviceGetCount()
+            return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         except Exception:   # no library, no driver or no GPU: CPU sampling
             return []
 
@@ -505,7 +508,8 @@ class UtilisationSampler:
             for pid, proc in list(self._procs.items()):
                 try:
                     if self.kind == "runnable":   # the main thread's state (R: running or queued)
-                        row[self._rank_of[pid]] = 100.0 if proc.status() == psutil.STATUS_RUNNING else 0.0
+                        running = proc.status() == psutil.STATUS_RUNNING
+                        row[self._rank_of[pid]] = 100.0 if running else 0.0
                     else:
                         row[self._rank_of[pid]] = proc.cpu_percent(None)
                 except psutil.Error:
@@ -673,8 +677,8 @@ def format_measured_vs_predicted(rows: Sequence[Dict[str, Any]]) -> str:
     lines = [f"{'run':<30}{'measured ms':>12}{'predicted ms':>13}{'ratio':>7}   "
              + "  ".join(f"{c + ' m/p':>22}" for c in causes)]
     for r in rows:
-        cells = [f"{r['causes'][c]['measured_s'] * 1e3:9.1f}/{r['causes'][c]['predicted_s'] * 1e3:<9.1f}"
-                 for c in causes]
+        cells = [f"{r['causes'][c]['measured_s'] * 1e3:9.1f}/"
+                 f"{r['causes'][c]['predicted_s'] * 1e3:<9.1f}" for c in causes]
         lines.append(f"{r['label']:<30}{r['measured_s'] * 1e3:12.1f}{r['predicted_s'] * 1e3:13.1f}"
                      f"{r['ratio']:7.2f}   " + "  ".join(f"{c:>22}" for c in cells))
     return "\n".join(lines)
