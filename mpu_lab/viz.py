@@ -1055,3 +1055,44 @@ def plot_published_runs(rows: Sequence[dict], band: float = 0.15, title: str = "
     if title:
         fig.suptitle(title, x=0.01, ha="left")
     return fig
+
+
+_CAUSE_COLORS = {"compute": "#55a868", "tp_comm": "#1f4e79", "pp_p2p": "#c44e52",
+                 "bubble": "#f2b5b5", "dp_comm": "#dd8452", "optimizer": "#999999"}
+
+
+@_styled
+def plot_exploration(result, title: str = "") -> Figure:
+    """The explorer's verdict per (t, p) (:func:`mpu_lab.perf.explore`): for each pair its
+    fastest micro-batch size, the predicted seconds per iteration split by cause, fastest on
+    top; configurations that do not fit in memory are hatched and labelled OOM, the others
+    carry the explorer's flags."""
+    best = {}
+    for c in result.candidates:                  # already ranked: the first of a pair is its best
+        best.setdefault((c.config.tp, c.config.pp), c)
+    picks = sorted(best.values(), key=lambda c: (not c.fits, c.prediction.total_s))
+    fig = _figure(10.0, 0.28 * len(picks) + 1.3)
+    fig.set_layout_engine("constrained")
+    ax = fig.add_subplot()
+    y = np.arange(len(picks))
+    left = np.zeros(len(picks))
+    for cause, color in _CAUSE_COLORS.items():
+        secs = np.array([c.prediction.breakdown()[cause] for c in picks])
+        ax.barh(y, secs, left=left, color=color, label=cause.replace("_", " "),
+                hatch=[("" if c.fits else "//") for c in picks], edgecolor="white", linewidth=0.3)
+        left += secs
+    for i, c in enumerate(picks):
+        note = c.short_flags() or "ok"
+        ax.text(left[i], i, f" {note}", va="center", fontsize=7)
+    ax.set_yticks(y)
+    ax.set_yticklabels([f"t={c.config.tp} p={c.config.pp} d={c.config.dp} b={c.config.b}"
+                        for c in picks], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, left.max() * 1.25)
+    ax.set_xlabel("predicted seconds per iteration")
+    handles, names = ax.get_legend_handles_labels()
+    fig.legend(handles, names, frameon=False, fontsize=7, ncol=6, loc="outside lower left")
+    ax.set_title(title, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return fig
