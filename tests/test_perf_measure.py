@@ -303,3 +303,30 @@ def test_lab08_checkers(capsys):
     assert not exercises.check_best_config("8,2", gpt39, cluster, 64, 512)
     out = capsys.readouterr().out
     assert "No answer yet" in out and "not a valid (t, p)" in out
+
+
+def test_lab08_figures_draw_what_they_are_given():
+    from mpu_lab import perf, viz
+    util = {f"m={m}": measure.schedule_utilisation("1f1b", 4, m) for m in (1, 8)}
+    fig = viz.plot_utilisation(util, xlabel="slots")
+    assert len(fig.axes) == 3                                      # two panels and a colorbar
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()][0] == "rank 0 (25%)"
+
+    reports = [_report(r, {"compute": 0.1, "pp p2p": 0.2 - 0.05 * r}) for r in range(2)]
+    fig = viz.plot_step_breakdown({"a": reports, "b": reports})
+    assert len(fig.axes) == 2 and len(fig.axes[0].patches) == 2 * 2   # 2 categories x 2 ranks
+
+    rows = [dict(op=op, size_bytes=s, busbw=1e9) for op in ("all_reduce", "broadcast")
+            for s in (1024, 4096)]
+    assert len(viz.plot_bandwidth(rows).axes[0].lines) == 2
+
+    model = perf.ModelShape(8, 512, 8, 256, 1024)
+    result = perf.explore(model, perf.DGX_A100_80GB, num_gpus=8, global_batch_size=32)
+    pairs = {(c.config.tp, c.config.pp) for c in result.candidates}
+    assert len(viz.plot_exploration(result).axes[0].get_yticklabels()) == len(pairs)
+
+    published = [dict(name=f"run {i}", gpus=8, gpu="a100", reported_tflops=100.0,
+                      predicted_tflops=100.0 + i, error=i / 100, calibration=i == 0)
+                 for i in range(3)]
+    fig = viz.plot_published_runs(published)
+    assert len(fig.axes) == 2 and len(fig.axes[0].get_yticklabels()) == 3
