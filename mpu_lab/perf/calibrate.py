@@ -282,8 +282,9 @@ def calibrate_ranks(nproc: int = 2,
     (``launch/bench_cost_model.py --worker``) in which every rank at once times each set of
     matmuls in ``shape_sets`` (default: one 1024×256×1024 GEMM) and an elementwise add with the
     threads it really gets, then a gloo all-reduce of 4 KiB issued right after a matmul (the
-    latency a layer sees) and of 4 MiB (the bandwidth). Returns the ranks' mean ``matmul_flops`` (first set), ``matmul_flops_sets``
-    (one per set) and ``memory_bandwidth``, and ``latency_s`` and ``busbw`` (ring model:
+    latency a layer sees) and of 4 MiB (the bandwidth). Returns the ranks' mean
+    ``matmul_flops`` (first set), ``matmul_flops_sets`` (one per set) and
+    ``memory_bandwidth``, and ``latency_s`` and ``busbw`` (ring model:
     ``2(n-1)/n · S / (t - latency)``)."""
     from mpu_lab import launch
     args = ["--worker"]

@@ -633,7 +633,8 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     matmul time = its hardware FLOPs / t / (peak · matmul_efficiency); memory-bound time =
     :data:`ELEMENTWISE_PASSES` (+1 when recomputing) × Korthikanti's activation bytes / HBM
     bandwidth; TP time = the layer's collectives (:func:`tp_comm_per_layer`) at the TP group's
-    link, plus the vocabulary-parallel cross entropy's (and embedding's) all-reduces; p2p = one activation out and one gradient back per model chunk. The pipeline takes
+    link, plus the vocabulary-parallel cross entropy's (and embedding's) all-reduces; p2p =
+    one activation out and one gradient back per model chunk. The pipeline takes
     (m + (p-1)/v) such micro-batch times (Narayanan et al. 2021 §2.2), i.e. the bubble is
     ``bubble_fraction(p, m, v)`` of the busy time. Then the DP gradient all-reduce (exposed
     part) and the Adam step. ``ignore``: effects of :data:`EFFECTS` to leave out (what-if
@@ -673,9 +674,9 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
         tp_mb += keep["tp_comm"] * vocab
     if cfg.overlap_tp_comm:
         tp_mb = max(0.0, tp_mb - matmul_mb)
-    p2p_mb = keep["pp_p2p"] * 2 * v * _collective_time(cluster, pipeline_p2p_bytes(model, cfg, dtype_bytes),
-                                      group_crosses_nodes("pp", cfg, cluster.gpus_per_node),
-                                      1 if p > 1 else 0)
+    p2p_mb = keep["pp_p2p"] * 2 * v * _collective_time(
+        cluster, pipeline_p2p_bytes(model, cfg, dtype_bytes),
+        group_crosses_nodes("pp", cfg, cluster.gpus_per_node), 1 if p > 1 else 0)
     if cfg.overlap_p2p_comm:
         p2p_mb = max(0.0, p2p_mb - matmul_mb)
     per_mb = matmul_mb + elementwise_mb + tp_mb + p2p_mb
