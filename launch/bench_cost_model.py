@@ -1,7 +1,7 @@
 """Benchmark: the analytic cost model's predicted step time vs a real train_gpt.py run, on this CPU.
 
     python launch/bench_cost_model.py                      # 3 configurations, about a minute
-    python launch/bench_cost_model.py --configs tp2 dp2 --hidden-size 384 --iters 16
+    python launch/bench_cost_model.py --configs tp2 dp2 --hidden-size 256 --iters 16
     python launch/bench_cost_model.py --published          # also the published-runs fit
 
     # the calibration job it starts (every rank times matmuls, memory and an all-reduce):
@@ -32,6 +32,9 @@ per-op dispatch overhead (~10 µs per op, a few hundred ops per layer and step),
 gradient-norm and logging collectives, the mock-data generation, and cache effects (the
 matmul calibration uses the model's shapes, the bandwidth figure a 16 MB array). Timings on a
 shared machine are noisy: run it when the machine is quiet, and read the ratio, not the digits.
+Every synchronisation point (a TP layer has several per step) also absorbs the other processes'
+scheduling jitter, so TP suffers most from a busy machine; hidden size 512 (the default) keeps
+the matmuls long against it — at 256 the TP=2 ratio was 2-3x on the busy 2-core machine.
 """
 import argparse
 import json
@@ -48,7 +51,7 @@ from mpu_lab.perf.calibrate import TrainConfig
 CONFIGS = {
     "tp1": dict(tp=1),
     "tp2": dict(tp=2),
-    "pp2": dict(pp=2, num_layers=4, global_batch_size=32),
+    "pp2": dict(pp=2, num_layers=4, global_batch_size=16),
     "dp2": dict(dp=2, global_batch_size=16),
     "tp2sp": dict(tp=2, sequence_parallel=True),
 }
@@ -64,11 +67,11 @@ def parse_args(argv):
     p.add_argument("--configs", nargs="+", default=["tp2", "pp2", "dp2"],
                    help=f"which configurations, of {', '.join(CONFIGS)}")
     p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-attention-heads", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--iters", type=int, default=12, help="train iterations per run (4 warm-up)")
+    p.add_argument("--iters", type=int, default=10, help="train iterations per run (4 warm-up)")
     p.add_argument("--attempts", type=int, default=1,
                    help="re-run a configuration whose run was CPU-contended (pressure > 10 %%), "
                         "up to this many times, and keep the least contended run")
