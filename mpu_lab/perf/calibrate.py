@@ -243,14 +243,25 @@ def calibrate_matmul(shapes: Sequence[Tuple[int, int, int, int]] = ((1, 1024, 25
     return _with_threads(threads, measure)
 
 
-def calibrate_memory_bandwidth(numel: int = 1 << 22, threads: Optional[int] = None,
-                               repeats: int = 10) -> float:
-    """Measured bytes/s of an elementwise add over ``numel`` fp32 values (reads 2, writes 1)."""
+def calibrate_memory_bandwidth(numel: int = 1 << 21, threads: Optional[int] = None,
+                               repeats: int = 10, hidden: int = 512, scores: int = 128
+                               ) -> float:
+    """Bytes/s that a layer's non-matmul ops achieve here: the best times of a residual add,
+    a GeLU, a softmax over rows of ``scores`` and a layer norm over rows of ``hidden``, each
+    on ``numel`` fp32 values, total bytes read and written over total time. On a GPU these ops
+    are bound by memory bandwidth; on a CPU the transcendental ones (GeLU, softmax) run 3-5x
+    slower than an add, so timing only an add would overstate the figure the model's
+    memory-bound term (:data:`mpu_lab.perf.model.ELEMENTWISE_PASSES`) divides by."""
     import torch
+    import torch.nn.functional as F
 
     def measure():
-        x, y, out = torch.randn(numel), torch.randn(numel), torch.empty(numel)
-        return 3 * 4 * numel / _best_time(lambda: torch.add(x, y, out=out), repeats)
+        x, y = torch.randn(numel // hidden, hidden), torch.randn(numel // hidden, hidden)
+        z = torch.randn(numel // scores, scores)
+        ops = [(lambda: x + y, 3), (lambda: F.gelu(x), 2), (lambda: torch.softmax(z, -1), 2),
+               (lambda: F.layer_norm(x, (hidden,)), 2)]
+        seconds = sum(_best_time(fn, repeats) for fn, _ in ops)
+        return sum(n for _, n in ops) * 4 * numel / seconds
     return _with_threads(threads, measure)
 
 
