@@ -35,6 +35,12 @@ shared machine are noisy: run it when the machine is quiet, and read the ratio, 
 Every synchronisation point (a TP layer has several per step) also absorbs the other processes'
 scheduling jitter, so TP suffers most from a busy machine; hidden size 512 (the default) keeps
 the matmuls long against it — at 256 the TP=2 ratio was 2-3x on the busy 2-core machine.
+
+The model's pipeline term is Megatron's 1F1B, (m + p - 1) micro-batch times. mpu_lab's own
+schedule (mpu_lab.pipeline_parallel.order) groups a steady-state forward and backward into one
+step and receives everything the step needs before it starts, so stage 0 begins forward 1 only
+after stage 1 has finished backward 0: at p = 2, m = 2 the measured step is about 1.35x the
+1F1B figure for that reason (see the report of issue 6), not because of the cost model.
 """
 import argparse
 import json
