@@ -129,13 +129,18 @@ def _engine_init(backend: str, timeout_s: float, tp: int, pp: int, port: Optiona
     return {"backend": info.backend, "device": str(info.device)}
 
 
+def _engine_values(expr: str):
+    """``expr`` evaluated in the engine's namespace, a tensor turned into nested lists."""
+    from IPython import get_ipython
+    return _as_values(eval(expr, get_ipython().user_ns))
+
+
 def _run_on_engine(what, args=(), kwargs=None, rank: int = 0) -> dict:
     """Run a function, or a code string in the engine's namespace (its last expression is the
     value, as in IPython), capturing stdout/stderr; never raise, so every rank reports."""
     import ast
     import linecache
     import pickle
-    import sys
 
     out, err = io.StringIO(), io.StringIO()
     reply: Dict[str, Any] = {"value": None}
@@ -231,7 +236,9 @@ class World:
         self.cluster.start_controller_sync()
         self.cluster.start_engines_sync(self.world_size, environment=env)
         self.client = self.cluster.connect_client_sync()
-        self.client.wait_for_engines(self.world_size, timeout=self.start_timeout_s)
+        self.client.wait_for_engines(self.world_size, timeout=self.start_timeout_s,
+                                     interactive=False)   # no progress bar in the notebook
+        self.timings["engines_registered_s"] = time.perf_counter() - t0
         self.controller_pid = self.cluster.controller.process.pid
         self.engine_ids = sorted(self.client.ids)[: self.world_size]
         port = _free_port()
@@ -397,7 +404,7 @@ class World:
     # -- pictures
     def values(self, expr: str, ranks=None) -> List[Any]:
         """``expr`` evaluated on each rank, tensors as (nested) lists of floats: for pictures."""
-        return [_as_values(v) for v in self.run(expr, ranks=ranks)]
+        return self.run(_engine_values, expr, ranks=ranks)   # lists: the notebook needs no torch
 
     def groups(self, family: str = "tp") -> List[List[int]]:
         """The rank lists of one group family of this world (``"tp"``, ``"dp"``, ``"pp"``...)."""
