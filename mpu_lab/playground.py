@@ -234,6 +234,10 @@ class World:
         self.cluster = ipp.Cluster(n=self.world_size, log_level=40, shutdown_atexit=True)
         _WORLDS.append(self)
         self.cluster.start_controller_sync()
+        # ipyparallel registered its own exit handler just now; run ours first (atexit is
+        # last-in first-out), while the engines' nannies are still findable as descendants.
+        atexit.unregister(_stop_all)
+        atexit.register(_stop_all)
         self.cluster.start_engines_sync(self.world_size, environment=env)
         self.client = self.cluster.connect_client_sync()
         self.client.wait_for_engines(self.world_size, timeout=self.start_timeout_s,
@@ -277,17 +281,29 @@ class World:
             with contextlib.suppress(Exception):
                 self.client.close()
         # SIGTERM the engines first (ipyparallel's own stop waits on each in turn), then let
-        # the cluster clean up its files and the controller; anything left gets SIGKILL.
+        # the cluster clean up its files and the controller; anything of the process tree
+        # left (an engine's nanny, the controller's schedulers) gets SIGTERM, then SIGKILL.
+        tree = self.process_tree()
         _kill_leftovers(self.pids)
         if self.cluster is not None:
             with contextlib.suppress(Exception):
                 self.cluster.stop_cluster_sync()
-        _kill_leftovers(self.pids + ([self.controller_pid] if self.controller_pid else []))
+        _kill_leftovers(tree)
         self.cluster = self.client = None
         if self in _WORLDS:
             _WORLDS.remove(self)
         if _CURRENT is self:
             _CURRENT = None
+
+    def process_tree(self) -> List[int]:
+        """PIDs of the engines, the controller and all their descendants (nannies, schedulers)."""
+        import psutil
+        roots = self.pids + ([self.controller_pid] if self.controller_pid else [])
+        found = list(roots)
+        for pid in roots:
+            with contextlib.suppress(psutil.Error):
+                found += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        return list(dict.fromkeys(found))
 
     @property
     def running(self) -> bool:
@@ -510,7 +526,6 @@ def current_world() -> World:
     return _CURRENT
 
 
-@atexit.register
 def _stop_all() -> None:
     for world in list(_WORLDS):
         world.stop()

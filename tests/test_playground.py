@@ -10,7 +10,7 @@ import ipyparallel
 import psutil
 import pytest
 
-from mpu_lab import playground
+from mpu_lab import launch, playground
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +22,13 @@ def tp_group(rank):
     """Megatron's default order (tp fastest): tensor-parallel groups are blocks of TP ranks."""
     start = rank // TP * TP
     return list(range(start, start + TP))
+
+
+def _gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 @pytest.fixture(scope="module")
@@ -166,15 +173,38 @@ def test_a_partial_collective_times_out_naming_the_missing_ranks_and_restart_rec
 
 
 def test_stop_ends_every_engine_and_the_controller(world):
-    pids = world.pids + [world.controller_pid]
+    pids = world.process_tree()      # engines, their nannies, the controller and its schedulers
+    assert set(world.pids + [world.controller_pid]) < set(pids)
     assert all(psutil.pid_exists(p) for p in pids)
     world.stop()
-    gone = []
-    for pid in pids:
-        try:
-            gone.append(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
-        except psutil.NoSuchProcess:
-            gone.append(True)
-    assert gone == [True] * len(pids), pids
+    assert [p for p in pids if not _gone(p)] == []
     with pytest.raises(playground.PlaygroundError, match="stopped"):
         world.run("rank")
+
+
+EXIT_SCRIPT = """
+import json
+from mpu_lab import playground
+world = playground.start_world(2, timeout_s=5)
+old = world.process_tree()
+world.restart(hard=True)          # new engines and controller
+new = world.process_tree()
+print(json.dumps({"old": old, "new": new, "sum": world.run("x = torch.ones(1); dist.all_reduce(x); x.item()")}))
+# no world.stop(): leaving the interpreter must end the engines and the controller
+"""
+
+
+
+def test_hard_restart_replaces_the_engines_and_interpreter_exit_leaves_no_process(tmp_path):
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(launch.REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["sum"] == [2.0, 2.0]
+    assert not set(got["old"]) & set(got["new"]) and len(got["new"]) > 3
+    assert [p for p in got["old"] + got["new"] if not _gone(p)] == []
