@@ -113,7 +113,6 @@ def _engine_init(backend: str, timeout_s: float, tp: int, pp: int, port: Optiona
             parallel_state.destroy_model_parallel()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        distributed._INFO = None
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
     info = distributed.init(backend=backend, timeout_s=timeout_s)
@@ -163,7 +162,8 @@ def _run_on_engine(what, args=(), kwargs=None, rank: int = 0) -> dict:
         tb = exc.__traceback__.tb_next if exc.__traceback__ else None   # drop this frame
         reply["error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         reply["traceback"] = "".join(traceback.format_exception(type(exc), exc, tb))
-        reply["timed_out"] = bool(_TIMEOUT_TEXT.search(str(exc)))
+        # gloo and NCCL report a timed-out collective as a RuntimeError (DistBackendError)
+        reply["timed_out"] = isinstance(exc, RuntimeError) and bool(_TIMEOUT_TEXT.search(str(exc)))
     try:
         pickle.dumps(reply["value"])
     except Exception:                # an unpicklable value comes back as its repr
@@ -266,12 +266,15 @@ class World:
         self.timings["group_init_s"] = time.perf_counter() - t0
 
     def start(self) -> "World":
+        """Start the engines and the groups; this world becomes the one ``%%ranks`` uses."""
+        global _CURRENT
         try:
             self._start_engines()
             self._init_group()
         except BaseException:
             self.stop()
             raise
+        _CURRENT = self
         return self
 
     def stop(self) -> None:
@@ -298,7 +301,12 @@ class World:
         """PIDs of the engines, the controller and all their descendants (nannies, schedulers)."""
         import psutil
         roots = self.pids + ([self.controller_pid] if self.controller_pid else [])
-        found = list(roots)
+        if self.cluster is not None:    # also engines that never reported their PID
+            with contextlib.suppress(Exception):
+                roots += [launcher.pid for engine_set in self.cluster.engines.values()
+                          for launcher in engine_set.launchers.values()]
+                roots.append(self.cluster.controller.process.pid)
+        found = list(dict.fromkeys(p for p in roots if p))
         for pid in roots:
             with contextlib.suppress(psutil.Error):
                 found += [c.pid for c in psutil.Process(pid).children(recursive=True)]
@@ -506,10 +514,8 @@ def start_world(world_size: int, tensor_model_parallel_size: int = 1,
     ``timeout_s`` is the collective timeout. The arguments are checked (``ValueError``) before
     anything starts. In IPython the ``%%ranks`` magic is loaded and talks to this world.
     """
-    global _CURRENT
     world = World(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
                   backend, timeout_s, start_timeout_s).start()
-    _CURRENT = world
     with contextlib.suppress(Exception):
         from IPython import get_ipython
         shell = get_ipython()
@@ -533,11 +539,12 @@ def _stop_all() -> None:
 # --------------------------------------------------------------------------- %%ranks
 def ranks_magic(line: str, cell: str) -> None:
     """``%%ranks`` runs the cell on every rank; ``%%ranks 0 1`` (or ``0,1``) on some ranks."""
-    chosen = [int(t) for t in line.replace(",", " ").split()] or None
     try:
+        chosen = [int(t) for t in line.replace(",", " ").split()] or None
         world = current_world()
-    except PlaygroundError as exc:
-        print(f"playground: {exc}")
+        world._ranks(chosen)
+    except (PlaygroundError, ValueError) as exc:
+        print(f"playground: {exc} (usage: %%ranks, or %%ranks 0 2 for some ranks)")
         return
     world.show(cell, ranks=chosen)
 
