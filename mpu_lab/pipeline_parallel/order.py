@@ -76,11 +76,17 @@ def num_warmup_ops(schedule: str, pipeline_parallel_size: int, pipeline_parallel
 def schedule_steps(schedule: str, pipeline_parallel_size: int, pipeline_parallel_rank: int,
                    num_microbatches: int, num_model_chunks: int = 1,
                    forward_only: bool = False) -> List[Tuple[Op, ...]]:
-    """The stage's ops grouped into *steps*: one forward (warm-up), one backward (cool-down)
-    or, in the steady state, a forward and a backward together. A stage communicates only
-    between steps — it sends what the step produced and receives what the next step needs in
-    one batch — which is how Megatron's ``send_forward_backward_recv_forward_backward`` keeps
-    the interleaved schedule free of deadlocks.
+    """The stage's ops grouped into *steps*. A stage communicates only between steps — it
+    sends what the step produced and receives what the next step needs in one batch.
+
+    Plain 1F1B communicates after every op, as Megatron's ``forward_backward_pipelining_without_
+    interleaving`` does: the forward of micro-batch k + warm-up, then ``send_forward_recv_backward``,
+    then the backward of k, then ``send_backward_recv_forward``. Waiting for the backward's
+    gradient only after the forward has run lets that forward overlap the next stage's work (at
+    p = 2, m = 2 grouping them would stretch the step from 3 to 4 (f + b) units).
+    The interleaved schedule pairs a steady-state forward with a backward in one step, as
+    Megatron's ``send_forward_backward_recv_forward_backward`` does: communicating after each op
+    there deadlocks (see :func:`verify_communication`).
     """
     p, r, m, v = pipeline_parallel_size, pipeline_parallel_rank, num_microbatches, num_model_chunks
     name = check_schedule(schedule, p, m, v)
@@ -108,7 +114,10 @@ def schedule_steps(schedule: str, pipeline_parallel_size: int, pipeline_parallel
         return steps
     steady = total - warmup
     # 1F1B steady state: the forward of micro-batch k + warmup, then the backward of k.
-    steps += [(fwd(warmup + i), bwd(i)) for i in range(steady)]
+    if name == "interleaved":
+        steps += [(fwd(warmup + i), bwd(i)) for i in range(steady)]
+    else:
+        steps += [step for i in range(steady) for step in ((fwd(warmup + i),), (bwd(i),))]
     steps += [(bwd(k),) for k in range(steady, total)]   # cool-down
     return steps
 
