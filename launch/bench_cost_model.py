@@ -36,11 +36,11 @@ Every synchronisation point (a TP layer has several per step) also absorbs the o
 scheduling jitter, so TP suffers most from a busy machine; hidden size 512 (the default) keeps
 the matmuls long against it — at 256 the TP=2 ratio was 2-3x on the busy 2-core machine.
 
-The model's pipeline term is Megatron's 1F1B, (m + p - 1) micro-batch times. mpu_lab's own
-schedule (mpu_lab.pipeline_parallel.order) groups a steady-state forward and backward into one
-step and receives everything the step needs before it starts, so stage 0 begins forward 1 only
-after stage 1 has finished backward 0: at p = 2, m = 2 the measured step is about 1.35x the
-1F1B figure for that reason (see the report of issue 6), not because of the cost model.
+The model's pipeline term is Megatron's 1F1B, (m + p - 1) micro-batch times. An earlier
+mpu_lab schedule received a steady-state step's backward gradient before running its forward,
+so stage 0 began forward 1 only after stage 1 had finished backward 0 (4 instead of 3 (f + b)
+units at p = 2, m = 2, measured 1.26-1.36x the prediction); this benchmark found it, and
+mpu_lab.pipeline_parallel.order now communicates after every op of plain 1F1B, as Megatron does.
 """
 import argparse
 import json
