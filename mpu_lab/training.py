@@ -179,10 +179,17 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
         raise ValueError(f"--tensor-model-parallel-size {tp} and --pipeline-model-parallel-size "
                          f"{pp} must be >= 1")
     if world_size % (tp * pp):
+        if pp == 1:
+            valid = f"with {world_size} ranks valid tensor-parallel sizes are {_divisors(world_size)}"
+        elif world_size % pp == 0:
+            valid = (f"with {world_size} ranks and {pp} pipeline stages valid tensor-parallel "
+                     f"sizes are {_divisors(world_size // pp)}")
+        else:
+            valid = (f"{pp} pipeline stages do not divide {world_size} ranks: valid "
+                     f"pipeline-parallel sizes are {_divisors(world_size)}")
         raise ValueError(
             f"world size {world_size} is not divisible by tensor x pipeline parallel size "
-            f"{tp} x {pp} = {tp * pp}; with {world_size} ranks valid tensor-parallel sizes "
-            f"are {_divisors(world_size)}")
+            f"{tp} x {pp} = {tp * pp}; {valid}")
     dp = world_size // (tp * pp)
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "train_iters", "log_interval"):

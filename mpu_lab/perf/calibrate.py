@@ -160,33 +160,6 @@ def format_published_comparison(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_published_comparison(rows: Sequence[dict], ax=None, band: float = 0.15):
-    """Predicted vs reported TFLOP/s per GPU, one point per run (calibration runs as stars), with
-    the ±``band`` corridor. Returns the matplotlib axes."""
-    import matplotlib.pyplot as plt
-    if ax is None:
-        _, ax = plt.subplots(figsize=(5.5, 5))
-    hi = 1.15 * max(max(r["reported_tflops"], r["predicted_tflops"]) for r in rows)
-    xs = [0, hi]
-    ax.plot(xs, xs, color="black", lw=1)
-    ax.fill_between(xs, [x * (1 - band) for x in xs], [x * (1 + band) for x in xs],
-                    color="0.9", label=f"±{band:.0%}")
-    for gpu, color in (("a100", "#4c72b0"), ("h100", "#c44e52")):
-        for cal, marker in ((False, "o"), (True, "*")):
-            pts = [r for r in rows if r["gpu"] == gpu and r["calibration"] == cal]
-            if pts:
-                ax.scatter([r["reported_tflops"] for r in pts],
-                           [r["predicted_tflops"] for r in pts], color=color, marker=marker,
-                           s=120 if cal else 30, zorder=3,
-                           label=f"{gpu.upper()} {'(fitted here)' if cal else ''}".strip())
-    ax.set_xlim(0, hi)
-    ax.set_ylim(0, hi)
-    ax.set_xlabel("reported TFLOP/s per GPU")
-    ax.set_ylabel("predicted TFLOP/s per GPU")
-    ax.legend(loc="upper left", fontsize="small")
-    return ax
-
-
 # --------------------------------------------------------------------------- this machine
 def _best_time(fn, repeats: int) -> float:
     """Fastest of ``repeats`` calls after two warm-up calls. The minimum, not the median: on a
