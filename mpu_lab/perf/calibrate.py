@@ -246,17 +246,11 @@ def calibrate_allreduce(nproc: int = 2, min_bytes: str = "4K", max_bytes: str = 
     The smallest message's time is taken as the latency; the bandwidth comes from the largest:
     ``busbw = 2(n-1)/n · S / (t - latency)`` — the ring model :func:`predict_iteration` uses."""
     from mpu_lab import launch
-    from mpu_lab.perf.model import ring_all_reduce_factor
+    from mpu_lab.perf.measure import allreduce_fit
     job = launch.run("bench_bandwidth.py", ["--ops", "all_reduce", "--min-bytes", min_bytes,
                                             "--max-bytes", max_bytes, "--factor", "4"],
                      nproc=nproc, show="none", timeout_s=timeout_s)
-    rows = sorted(job.results[0]["rows"], key=lambda r: r["size_bytes"])
-    latency = min(r["time_s"] for r in rows[:2])
-    big = rows[-1]
-    busbw = ring_all_reduce_factor(nproc) * big["size_bytes"] / max(big["time_s"] - latency,
-                                                                   1e-9)
-    return dict(latency_s=latency, busbw=busbw, nproc=nproc,
-                rows=[(r["size_bytes"], r["time_s"]) for r in rows])
+    return allreduce_fit(job.results[0]["rows"])
 
 
 def calibrate_ranks(nproc: int = 2,
@@ -333,14 +327,16 @@ class TrainConfig:
                              sequence_parallel=self.sequence_parallel)
         return model, cfg
 
-    def argv(self, metrics_file: str) -> List[str]:
+    def argv(self, metrics_file: Optional[str] = None) -> List[str]:
+        """``train_gpt.py`` flags of this run; ``--metrics-file`` only when one is given."""
         args = ["--tensor-model-parallel-size", self.tp, "--pipeline-model-parallel-size",
                 self.pp, "--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
                 "--num-attention-heads", self.num_attention_heads, "--seq-length",
                 self.seq_length, "--vocab-size", self.vocab_size, "--micro-batch-size",
                 self.micro_batch_size, "--global-batch-size", self.global_batch_size,
-                "--train-iters", self.train_iters, "--log-interval", 1, "--quiet",
-                "--metrics-file", metrics_file]
+                "--train-iters", self.train_iters, "--log-interval", 1, "--quiet"]
+        if metrics_file is not None:
+            args += ["--metrics-file", metrics_file]
         if self.sequence_parallel:
             args.append("--sequence-parallel")
         return [str(a) for a in args]

@@ -589,9 +589,7 @@ class ProfiledRun:
 def training_flags(tc) -> List[str]:
     """``train_gpt.py`` flags of a :class:`mpu_lab.perf.calibrate.TrainConfig`, without its
     metrics file."""
-    argv = tc.argv("-")
-    i = argv.index("--metrics-file")
-    return argv[:i] + argv[i + 2:]
+    return tc.argv()
 
 
 def format_utilisation(runs: Dict[str, ProfiledRun]) -> str:
@@ -634,8 +632,8 @@ def profile_training(flags: Sequence, nproc: int, label: str = "", interval_s: f
 
 
 def allreduce_fit(rows: Sequence[Dict[str, Any]]) -> Dict[str, float]:
-    """Latency and bus bandwidth of the all-reduce rows of ``launch/bench_bandwidth.py``, fitted
-    as :func:`mpu_lab.perf.calibrate.calibrate_allreduce` does (latency: the smaller of the two
+    """Latency and bus bandwidth of the all-reduce rows of ``launch/bench_bandwidth.py`` (the fit
+    :func:`mpu_lab.perf.calibrate.calibrate_allreduce` uses; latency: the smaller of the two
     smallest messages' times; busbw: 2(n-1)/n · S / (t - latency) of the largest), so a
     benchmark already run can calibrate :func:`mpu_lab.perf.calibrate.cpu_cluster`."""
     mine = sorted((r for r in rows if r["op"] == "all_reduce"), key=lambda r: r["size_bytes"])
