@@ -15,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import socket
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from mpu_lab import parallel_state
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -114,8 +117,22 @@ def shutdown():
     """Tear down the default group (idempotent). Call it on success only: a failing rank
     should exit at once, because ``destroy_process_group`` can block on dead peers."""
     global _INFO
-    from mpu_lab import parallel_state
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
     _INFO = None
+
+
+def init_single_process(backend: str = "auto"):
+    """A one-rank ``torch.distributed`` world and TP=1 groups in this very process (a notebook,
+    a benchmark, a unit test). Does nothing when a world already exists."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        init(backend=backend)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)

@@ -44,8 +44,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from mpu_lab.datasets import BYTE_VOCAB_SIZE
+from mpu_lab.distributed import init_single_process  # noqa: F401  (re-exported)
 from mpu_lab.models.gpt import pad_vocab_size
 from mpu_lab.models.transformer import TransformerConfig
+from mpu_lab.timers import StepTimer
+from mpu_lab.utils import divisors
 
 
 # --------------------------------------------------------------------------- arguments
@@ -140,19 +143,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def check_launch_args(argv: Sequence[str], world_size: int, cwd=None) -> argparse.Namespace:
     """What ``launch.run("train_gpt.py", argv, nproc=world_size)`` checks before torchrun
-    starts: parse and :func:`validate_args` (a ``--load`` checkpoint included). Relative
-    paths are taken from ``cwd``, the job's working folder, when given."""
+    starts: parse, :func:`validate_args`, and a ``--load`` checkpoint's files against the sums
+    recorded at save (:func:`mpu_lab.checkpointing.verify_checkpoint`). Relative paths are
+    taken from ``cwd``, the job's working folder, when given."""
     args = parse_args(argv)
     if cwd is not None:
         for name in ("data_path", "load"):
             value = getattr(args, name)
             if value and not os.path.isabs(value):
                 setattr(args, name, os.path.join(str(cwd), value))
-    return validate_args(args, world_size)
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    validate_args(args, world_size)
+    if args.load:
+        from mpu_lab import checkpointing
+        checkpointing.verify_checkpoint(args.load)
+    return args
 
 
 def model_config(args) -> TransformerConfig:
@@ -180,13 +184,13 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
                          f"{pp} must be >= 1")
     if world_size % (tp * pp):
         if pp == 1:
-            valid = f"with {world_size} ranks valid tensor-parallel sizes are {_divisors(world_size)}"
+            valid = f"with {world_size} ranks valid tensor-parallel sizes are {divisors(world_size)}"
         elif world_size % pp == 0:
             valid = (f"with {world_size} ranks and {pp} pipeline stages valid tensor-parallel "
-                     f"sizes are {_divisors(world_size // pp)}")
+                     f"sizes are {divisors(world_size // pp)}")
         else:
             valid = (f"{pp} pipeline stages do not divide {world_size} ranks: valid "
-                     f"pipeline-parallel sizes are {_divisors(world_size)}")
+                     f"pipeline-parallel sizes are {divisors(world_size)}")
         raise ValueError(
             f"world size {world_size} is not divisible by tensor x pipeline parallel size "
             f"{tp} x {pp} = {tp * pp}; {valid}")
@@ -259,7 +263,9 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
 
     if check_load and args.load:
         from mpu_lab import checkpointing
-        path = checkpointing.verify_checkpoint(args.load)   # complete, files intact
+        # complete and compatible; the files' sums are checked once by check_launch_args
+        # (before torchrun starts) and where they are read (checkpointing.load_checkpoint)
+        path = checkpointing.find_checkpoint(args.load)
         checkpointing.check_compatible(checkpointing.read_checkpoint_info(path), args)
     return args
 
@@ -358,24 +364,6 @@ class OptimizerParamScheduler:
 
 
 # --------------------------------------------------------------------------- helpers
-def init_single_process(backend: str = "auto"):
-    """A one-rank ``torch.distributed`` world and TP=1 groups in this very process (a notebook,
-    a benchmark, a unit test). Does nothing when a world already exists."""
-    import torch.distributed as dist
-
-    from mpu_lab import distributed, parallel_state
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        distributed.init(backend=backend)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-
-
 def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     """AdamW; no weight decay on biases and LayerNorm parameters (1-D), as Megatron."""
     decay, no_decay = [], []
@@ -810,7 +798,6 @@ def train(state: TrainState, train_iters: Optional[int] = None,
     timer = None
     if getattr(args, "breakdown", False) or getattr(args, "breakdown_barrier", False) \
             or getattr(args, "breakdown_profile", None):
-        from mpu_lab.perf.measure import StepTimer
         # train_gpt.py --breakdown: time each step and its collectives (mpu_lab.perf.measure)
         timer = state.step_timer = StepTimer(device, barrier=args.breakdown_barrier,
                                              profile_dir=args.breakdown_profile)

@@ -12,7 +12,7 @@
 
 Both run inside a rank whose groups are initialised (a ``torchrun`` worker such as
 ``launch/inspect_gpt.py``); at ``d_tp = 1`` they also run in the notebook's own process
-(:func:`mpu_lab.training.init_single_process`).
+(:func:`mpu_lab.distributed.init_single_process`).
 """
 from __future__ import annotations
 
@@ -80,8 +80,7 @@ def shape_table(batch_size: int = 2, seq_length: int = 8, hidden_size: int = 16,
                 f"{tensor_model_parallel_size} ranks: run it in a torchrun worker "
                 f"(mpu_lab.launch.run('inspect_gpt.py', ['--tp', '{tensor_model_parallel_size}'"
                 f"], nproc={tensor_model_parallel_size})) or call it with d_tp=1 here")
-        from mpu_lab.training import init_single_process
-        init_single_process()
+        distributed.init_single_process()
     t = parallel_state.get_tensor_model_parallel_world_size()
     if tensor_model_parallel_size is not None and tensor_model_parallel_size != t:
         raise ValueError(f"tensor_model_parallel_size {tensor_model_parallel_size} differs from "

@@ -176,13 +176,12 @@ def measure_layer_activation_bytes(s: int, b: int, h: int, a: int,
     """Run one ``ParallelTransformerLayer`` forward on this rank (input ``[s, b, h]``, or the
     rank's ``[s/t, b, h]`` with sequence parallelism, requiring grad) and return what autograd
     saved for its backward. The tensor-parallel size is the current group's (at TP=1 this
-    runs in the calling process: :func:`mpu_lab.training.init_single_process`)."""
+    runs in the calling process: :func:`mpu_lab.distributed.init_single_process`)."""
     from mpu_lab import distributed, parallel_state
     from mpu_lab.models.transformer import ParallelTransformerLayer, TransformerConfig
 
     if not parallel_state.model_parallel_is_initialized():
-        from mpu_lab.training import init_single_process
-        init_single_process()
+        distributed.init_single_process()
     t = parallel_state.get_tensor_model_parallel_world_size()
     config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=a,
                                activation=activation, sequence_parallel=sequence_parallel,

@@ -32,10 +32,7 @@ from mpu_lab import comm, parallel_state
 from mpu_lab.models.attention import ParallelAttention
 from mpu_lab.models.mlp import ACTIVATIONS, ParallelMLP
 from mpu_lab.tensor_parallel import get_rng_tracker
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+from mpu_lab.utils import divisors
 
 
 @dataclasses.dataclass
@@ -72,19 +69,19 @@ class TransformerConfig:
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                 f"{self.num_attention_heads} (D = n_H x H needs a whole head dimension H); "
                 f"head counts that divide {self.hidden_size}: "
-                f"{[d for d in _divisors(self.hidden_size) if d <= 128]}")
+                f"{[d for d in divisors(self.hidden_size) if d <= 128]}")
         if self.num_attention_heads % t:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not divisible by the "
                 f"tensor-parallel size {t}: each rank must hold whole heads (the lecture's "
                 f"d_tp <= n_H, and n_H % d_tp == 0); valid tensor-parallel sizes: "
-                f"{_divisors(self.num_attention_heads)}")
+                f"{divisors(self.num_attention_heads)}")
         if self.ffn_hidden_size % t:
             raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by the "
                              f"tensor-parallel size {t}: each rank holds ffn_hidden_size / t "
                              f"columns of fc1; use a multiple of {t} (e.g. "
                              f"{self.ffn_hidden_size + (-self.ffn_hidden_size) % t}) or a "
-                             f"tensor-parallel size in {_divisors(self.ffn_hidden_size)}")
+                             f"tensor-parallel size in {divisors(self.ffn_hidden_size)}")
         if self.sequence_parallel and seq_length is not None and seq_length % t:
             raise ValueError(
                 f"sequence parallelism splits the sequence over the tensor-parallel group: "

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 from mpu_lab.perf.model import (Cluster, IterationPrediction, ModelShape, ParallelConfig,
                                 RECOMPUTE_MODES, bubble_fraction, group_crosses_nodes,
                                 predict_iteration)
+from mpu_lab.utils import divisors
 
 __all__ = ["Candidate", "Exploration", "enumerate_configs", "explore", "diagnose",
            "DEFAULT_THRESHOLDS"]
@@ -29,10 +30,6 @@ __all__ = ["Candidate", "Exploration", "enumerate_configs", "explore", "diagnose
 # When a share of the iteration counts as "bad" (plain-language flags).
 DEFAULT_THRESHOLDS = dict(bubble=0.15, tp_comm=0.15, dp_comm=0.10, pp_p2p=0.05,
                           memory_headroom=0.0)
-
-
-def _divisors(n: int) -> List[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def _positive_int(name: str, value) -> int:
@@ -60,8 +57,8 @@ def enumerate_configs(model: ModelShape, num_gpus: int, global_batch_size: int,
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     out = []
-    for t in _divisors(num_gpus):
-        for p in _divisors(num_gpus // t):
+    for t in divisors(num_gpus):
+        for p in divisors(num_gpus // t):
             d = num_gpus // (t * p)
             for b in sorted(set(micro_batch_sizes)):
                 for v in sorted(set(virtual_stages)):

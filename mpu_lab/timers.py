@@ -1,0 +1,165 @@
+"""Time a training step and the collectives inside it, on one rank (``--breakdown``).
+
+The mirror of Megatron-core's ``core/timers.py`` role, kept small: :class:`StepTimer` times
+whole steps and, through :class:`mpu_lab.comm.CommTimer`, every collective and p2p call
+inside them; :func:`categorize` books each call under its group family (``tp all_reduce``,
+``dp all_reduce``, ``pp p2p``, ...). The lab kit and :mod:`mpu_lab.perf` read the reports;
+:mod:`mpu_lab.training` runs the timer.
+
+What "waiting" means: every collective is synchronous, so a rank's time inside one is the
+transfer *plus* the wait for the slowest member of its group (for p2p, the neighbouring
+stage: the pipeline bubble). ``barrier=True`` puts a barrier before each call and books it as
+``wait``, which separates the two.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from mpu_lab import comm
+from mpu_lab import parallel_state as ps
+
+COMPUTE = "compute"
+WAIT = "wait (barrier)"
+OTHER = "other"
+# Bookkeeping collectives that are not the model's: the gradient norm over the model-parallel
+# group, the fp16 overflow vote, the tied-embedding sum, the loss for the log line.
+_OTHER_TAGS = ("logging", "grads.norm", "grads.overflow", "grads.embedding")
+# Drawing order (and the order of the printed columns); absent categories are left out.
+CATEGORY_ORDER = (COMPUTE, "tp all_reduce", "tp all_gather", "tp reduce_scatter", "tp broadcast",
+                  "dp all_reduce", "pp p2p", OTHER, WAIT)
+
+
+def categorize(kind: str, ranks: Sequence[int], tag: Optional[str],
+               families: Dict[str, Optional[Sequence[int]]]) -> str:
+    """The breakdown category of one timed call: ``"pp p2p"`` for pipeline messages,
+    ``"other"`` for bookkeeping (tags in ``_OTHER_TAGS``) and groups of no family, else
+    ``"<family> <kind>"`` with the family (``tp``, ``dp``, ``pp``; in that order, since
+    groups with the same ranks are one group) whose ranks equal the call's group."""
+    if kind == "p2p":
+        return "pp p2p"
+    if tag in _OTHER_TAGS:
+        return OTHER
+    ranks = tuple(ranks)
+    for family in ("tp", "dp", "pp"):
+        members = families.get(family)
+        if members is not None and len(members) > 1 and tuple(members) == ranks:
+            return f"{family} {kind}"
+    return OTHER
+
+
+class StepTimer:
+    """Times whole training steps and the collectives inside them, on one rank.
+
+    ``time_step(fn, *args)`` runs one step under a :class:`mpu_lab.comm.CommTimer`; the first
+    ``skip`` steps run untimed (first-call allocations and warm-up). On CUDA the device is
+    synchronised before and after each step. :meth:`report` gives the per-step means, JSON-able.
+    With ``profile_dir`` the timed steps also run under ``torch.profiler`` (CPU, and CUDA on a
+    GPU): :meth:`report` writes this rank's Chrome trace (``rank<r>.trace.json``, for
+    chrome://tracing or Perfetto) and adds the ops that took the most time. The profiler slows
+    every op down a little; the breakdown is then that of the profiled run.
+    """
+
+    def __init__(self, device=None, barrier: bool = False, skip: int = 1,
+                 profile_dir: Optional[str] = None):
+        if skip < 0:
+            raise ValueError(f"skip must be >= 0 steps, got {skip}")
+        self.device = device
+        self.barrier = barrier
+        self.skip = skip
+        self.comm_timer = comm.CommTimer(barrier=barrier)
+        self.step_seconds: List[float] = []
+        self.window: List[Optional[float]] = [None, None]   # time.time() of first start, last end
+        self._seen = 0
+        self.profile_dir = profile_dir
+        self._profiler = None
+
+    def _sync(self):
+        if self.device is not None and getattr(self.device, "type", "cpu") == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def time_step(self, fn: Callable, *args, **kwargs):
+        self._seen += 1
+        if self._seen <= self.skip:
+            return fn(*args, **kwargs)
+        if self.profile_dir and self._profiler is None:
+            self._profiler = self._start_profiler()
+        self._sync()
+        wall, start = time.time(), time.perf_counter()
+        with self.comm_timer:
+            out = fn(*args, **kwargs)
+        self._sync()
+        self.step_seconds.append(time.perf_counter() - start)
+        if self.window[0] is None:
+            self.window[0] = wall
+        self.window[1] = time.time()
+        return out
+
+    def _start_profiler(self):
+        activities = [ProfilerActivity.CPU]
+        if getattr(self.device, "type", "cpu") == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        prof = profile(activities=activities)
+        prof.start()
+        return prof
+
+    def _finish_profile(self, rank: int, steps: int, top: int = 12) -> Dict[str, Any]:
+        """Stop the profiler, write the trace, return the top ops by self time per step."""
+        prof, self._profiler = self._profiler, None
+        prof.stop()
+        os.makedirs(self.profile_dir, exist_ok=True)
+        path = os.path.join(self.profile_dir, f"rank{rank}.trace.json")
+        prof.export_chrome_trace(path)
+        on_gpu = getattr(self.device, "type", "cpu") == "cuda"
+
+        def self_us(event):   # microseconds; the CUDA field was renamed to "device" in torch 2.4+
+            if on_gpu:
+                return getattr(event, "self_device_time_total", None) or \
+                    getattr(event, "self_cuda_time_total", 0.0)
+            return event.self_cpu_time_total
+        events = sorted(prof.key_averages(), key=self_us, reverse=True)[:top]
+        return dict(trace=path, clock="device" if on_gpu else "cpu",
+                    top_ops=[dict(name=e.key, self_ms=self_us(e) / 1e3 / max(steps, 1),
+                                  calls=e.count / max(steps, 1)) for e in events])
+
+    def report(self) -> Dict[str, Any]:
+        """This rank's breakdown: ``parts`` (seconds per step by category, ``compute`` being
+        the step minus all communication), ``calls`` and ``bytes`` per step, ``step_s`` (mean
+        step), ``steps`` (how many were timed), its coordinates and the timed ``window``; with
+        a profile, ``profile`` (the trace's path and the top ops per step)."""
+        n = len(self.step_seconds)
+        families = {f: ps.get_group_ranks(f) for f in ("tp", "dp", "pp")}
+        seconds: Dict[str, float] = {}
+        calls: Dict[str, float] = {}
+        nbytes: Dict[str, float] = {}
+        wait = 0.0
+        for (kind, ranks, tag), (count, sec, wait_s, b) in self.comm_timer.totals.items():
+            cat = categorize(kind, ranks, tag, families)
+            seconds[cat] = seconds.get(cat, 0.0) + sec
+            calls[cat] = calls.get(cat, 0) + count
+            nbytes[cat] = nbytes.get(cat, 0) + b
+            wait += wait_s
+        total = sum(self.step_seconds)
+        parts = {COMPUTE: total - sum(seconds.values()) - wait, **seconds}
+        if self.barrier:
+            parts[WAIT] = wait
+        per_step = (lambda d: {k: v / n for k, v in d.items()}) if n else (lambda d: {})
+        extra = {}
+        if self._profiler is not None:
+            extra["profile"] = self._finish_profile(dist.get_rank(), n)
+        return dict(**extra,
+            rank=dist.get_rank(), steps=n, step_s=total / n if n else float("nan"),
+            step_seconds=list(self.step_seconds), parts=per_step(parts), calls=per_step(calls),
+            bytes=per_step(nbytes), barrier=self.barrier, window=list(self.window),
+            device=str(self.device) if self.device is not None else "cpu",
+            tp=ps.get_tensor_model_parallel_world_size(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
+            dp=ps.get_data_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank())
