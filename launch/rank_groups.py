@@ -10,25 +10,21 @@ tensor / data / pipeline groups, then all-reduces its own rank number over each 
 groups: the sums prove the process groups really connect those ranks. It reports
 ``parallel_state.describe()`` plus the sums to :func:`mpu_lab.launch.report`.
 """
-import argparse
-
 import torch
 
 from mpu_lab import comm, distributed, launch
 from mpu_lab import parallel_state as ps
+from mpu_lab.parallel_state_args import rank_groups_parser
+
+# Checked by the launcher before torchrun starts (read from this source, not imported).
+PRECHECK = "mpu_lab.parallel_state_args:check_rank_groups_args"
 
 FAMILIES = {"tp": ps.get_tensor_model_parallel_group, "dp": ps.get_data_parallel_group,
             "pp": ps.get_pipeline_model_parallel_group}
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=2, help="tensor-model-parallel size t")
-    parser.add_argument("--pp", type=int, default=2, help="pipeline-model-parallel size p")
-    parser.add_argument("--cp", type=int, default=1, help="context-parallel size c")
-    parser.add_argument("--order", default=ps.DEFAULT_ORDER,
-                        help="parallel dimensions, fastest-varying first (default %(default)s)")
-    return parser.parse_args(argv)
+    return rank_groups_parser(description=__doc__.splitlines()[0]).parse_args(argv)
 
 
 @launch.entrypoint

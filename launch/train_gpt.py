@@ -42,7 +42,8 @@ collective) under ``"breakdown"``; ``mpu_lab.perf.measure.format_breakdown`` tab
 ``--breakdown-profile DIR`` also runs the timed steps under ``torch.profiler`` and writes a
 Chrome trace per rank to DIR.
 
-The flags are checked before anything starts (``mpu_lab.training.validate_args``);
+The flags are checked before anything starts (``PRECHECK`` below, which runs
+``mpu_lab.training.validate_args``);
 ``launch/train_gpt.sh`` shows the lecture's ``GPT_ARGS``. ``--pipeline-schedule`` is this
 project's flag (Megatron picks 1F1B, or interleaved when
 ``--num-layers-per-virtual-pipeline-stage`` is given, and has no GPipe); the default follows
@@ -51,6 +52,9 @@ Megatron's rule.
 import sys
 
 from mpu_lab import distributed, launch, training
+
+# Checked by the launcher before torchrun starts (read from this source, not imported).
+PRECHECK = "mpu_lab.training.arguments:check_launch_args"
 
 
 @launch.entrypoint

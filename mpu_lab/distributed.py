@@ -1,6 +1,7 @@
-"""Start ``torch.distributed`` the way every ``launch/`` script and test does.
+"""Start ``torch.distributed`` the way every ``launch/`` script and test does (backend, device,
+timeout: the part of Megatron's ``megatron/training/initialize.py``, ``_initialize_distributed``).
 
-The rule (DESIGN.md, "Runs anywhere"):
+The rule, so the same script runs on a laptop CPU, one shared GPU or one GPU per rank:
 
 * every local rank has a GPU of its own  -> NCCL, ``cuda:LOCAL_RANK``;
 * more local ranks than GPUs (one GPU shared by several ranks) -> gloo, ``cuda:LOCAL_RANK % n``;

@@ -1,15 +1,18 @@
-"""Parallel transformer models, named after Megatron-core's.
+"""Parallel transformer models, named after Megatron-core's ``megatron/core/transformer`` and
+``megatron/core/models/gpt`` (the legacy names of ``megatron/legacy/model`` stay as aliases).
 
-* :class:`ParallelMLP`, :class:`ParallelAttention` — the two tensor-parallel blocks
-  (Shoeybi et al. 2019, §3, Fig. 3);
-* :class:`ParallelTransformerLayer`, :class:`ParallelTransformer` — pre-LN layers, optionally
-  sequence-parallel (Korthikanti et al. 2022);
+* :class:`MLP` (legacy ``ParallelMLP``), :class:`SelfAttention` (legacy ``ParallelAttention``)
+  — the two tensor-parallel blocks (Shoeybi et al. 2019, §3, Fig. 3);
+* :class:`TransformerLayer`, :class:`TransformerBlock` (legacy ``ParallelTransformerLayer``,
+  ``ParallelTransformer``) — pre-LN layers, optionally sequence-parallel (Korthikanti et al.
+  2022), configured by :class:`TransformerConfig`;
 * :class:`GPTModel` — vocab-parallel embedding, layers, tied vocab-parallel output and loss;
   :func:`build_model_chunks` — one pipeline rank's stages of it, with the one-stage weights;
   :class:`PlainGPT` — its single-process ``torch.nn`` twin with the same parameter names;
-* :mod:`mpu_lab.models.inspect` — the lecture's shape table and the per-layer collective count.
+* :mod:`mpu_lab.models.introspection` — the lecture's shape table and the per-layer collective
+  count (the blocks report their tensors through :mod:`mpu_lab.models.activation_record`).
 """
-from mpu_lab.models.attention import ParallelAttention
+from mpu_lab.models.attention import ParallelAttention, SelfAttention
 from mpu_lab.models.gpt import (
     GPTModel,
     LanguageModelEmbedding,
@@ -17,7 +20,7 @@ from mpu_lab.models.gpt import (
     build_model_chunks,
     pad_vocab_size,
 )
-from mpu_lab.models.inspect import (
+from mpu_lab.models.introspection import (
     count_collectives,
     expected_layer_counts,
     format_collectives,
@@ -25,17 +28,20 @@ from mpu_lab.models.inspect import (
     per_layer_counts,
     shape_table,
 )
-from mpu_lab.models.mlp import ParallelMLP
+from mpu_lab.models.mlp import MLP, ParallelMLP
 from mpu_lab.models.transformer import (
     ParallelTransformer,
     ParallelTransformerLayer,
+    TransformerBlock,
     TransformerConfig,
+    TransformerLayer,
     finalize_model_grads,
 )
 
 __all__ = [
-    "TransformerConfig", "ParallelMLP", "ParallelAttention", "ParallelTransformerLayer",
-    "ParallelTransformer", "GPTModel", "LanguageModelEmbedding", "PlainGPT", "build_model_chunks", "pad_vocab_size",
+    "TransformerConfig", "MLP", "SelfAttention", "TransformerLayer", "TransformerBlock",
+    "ParallelMLP", "ParallelAttention", "ParallelTransformerLayer", "ParallelTransformer",
+    "GPTModel", "LanguageModelEmbedding", "PlainGPT", "build_model_chunks", "pad_vocab_size",
     "finalize_model_grads", "shape_table", "format_shape_table", "count_collectives",
     "per_layer_counts", "expected_layer_counts", "format_collectives",
 ]

@@ -1,4 +1,7 @@
-"""Tensor-parallel causal self-attention (Shoeybi et al. 2019, §3, Fig. 3b).
+"""Tensor-parallel causal self-attention, :class:`SelfAttention` (Megatron-core's
+``core/transformer/attention.py``, class ``SelfAttention``; ``ParallelAttention`` is
+Megatron's legacy name, ``megatron/legacy/model/transformer.py``, kept here as an alias) —
+Shoeybi et al. 2019, §3, Fig. 3b.
 
 Heads are independent, so tensor parallelism gives each rank ``n_H / t`` whole heads: the
 fused QKV projection is column-parallel (each rank computes Q, K and V of its heads only),
@@ -27,17 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from mpu_lab import parallel_state
-from mpu_lab.models import inspect as _inspect
+from mpu_lab.models.activation_record import record
+from mpu_lab.models.transformer_config import TransformerConfig
 from mpu_lab.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
-
-if TYPE_CHECKING:
-    from mpu_lab.models.transformer import TransformerConfig
 
 
 def explicit_causal_attention(q, k, v, dropout_p: float = 0.0):
@@ -47,13 +47,13 @@ def explicit_causal_attention(q, k, v, dropout_p: float = 0.0):
     future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     scores = scores.masked_fill(future, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)              # Score_i
-    _inspect.record("Score", probs, ("B", "n", "L", "L"))
+    record("Score", probs, ("B", "n", "L", "L"))
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
     return torch.matmul(probs, v)                                          # Z_i: [b, n, s, H]
 
 
-class ParallelAttention(torch.nn.Module):
+class SelfAttention(torch.nn.Module):
     """Causal multi-head self-attention over ``n_H / t`` local heads.
 
     ``forward(hidden_states)``: ``[s, b, D]`` (``[s/t, b, D]`` with sequence parallelism) ->
@@ -61,7 +61,7 @@ class ParallelAttention(torch.nn.Module):
     caller's bias-dropout-add.
     """
 
-    def __init__(self, config: "TransformerConfig"):
+    def __init__(self, config: TransformerConfig):
         super().__init__()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         config.check(tp)
@@ -84,9 +84,9 @@ class ParallelAttention(torch.nn.Module):
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_local_heads, 3 * self.head_dim)   # [s, b, n, 3H]
         q, k, v = torch.split(qkv, self.head_dim, dim=-1)       # each [s, b, n, H]
-        _inspect.record("Q", q, ("L", "B", "n", "H"))
-        _inspect.record("K", k, ("L", "B", "n", "H"))
-        _inspect.record("V", v, ("L", "B", "n", "H"))
+        record("Q", q, ("L", "B", "n", "H"))
+        record("K", k, ("L", "B", "n", "H"))
+        record("V", v, ("L", "B", "n", "H"))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))    # [b, n, s, H]
 
         dropout_p = self.attention_dropout if self.training else 0.0
@@ -97,9 +97,12 @@ class ParallelAttention(torch.nn.Module):
                 z = explicit_causal_attention(q, k, v, dropout_p)
             else:
                 z = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        _inspect.record("Z_i", z, ("B", "n", "L", "H"))        # [b, n, s, H]
+        record("Z_i", z, ("B", "n", "L", "H"))        # [b, n, s, H]
         z = z.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)  # [s, b, D/t]
-        _inspect.record("Z", z, ("L", "B", "D/t"))
+        record("Z", z, ("L", "B", "D/t"))
         out, bias = self.linear_proj(z)                         # Out = Z W^O, all-reduced: [s, b, D]
-        _inspect.record("Out", out, ("L", "B", "D"))
+        record("Out", out, ("L", "B", "D"))
         return out, bias
+
+
+ParallelAttention = SelfAttention   # Megatron's legacy name (megatron/legacy/model/transformer.py)

@@ -1,5 +1,9 @@
 """GPT: vocab-parallel embedding + position embedding, parallel transformer layers, and an
-output layer tied to the embedding whose logits stay split along the vocabulary.
+output layer tied to the embedding whose logits stay split along the vocabulary —
+:class:`GPTModel` (Megatron-core's ``core/models/gpt/gpt_model.py``), its embedding
+(``core/models/common/embeddings/language_model_embedding.py``), :func:`build_model_chunks`
+(one pipeline rank's chunks, the model part of Megatron's ``get_model``) and the dense twin
+:class:`PlainGPT`.
 
 Megatron-LM §3, "Input and output embedding": the embedding table ``E`` (``V x D``) is split
 along the vocabulary (rank ``i`` holds rows ``[i V/t, (i+1) V/t)``); the output layer reuses
@@ -25,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from mpu_lab import comm, distributed, parallel_state
-from mpu_lab.models.mlp import ACTIVATIONS
-from mpu_lab.models.transformer import ParallelTransformer, TransformerConfig
+from mpu_lab.models.transformer import TransformerBlock, TransformerLayer
+from mpu_lab.models.transformer_config import ACTIVATIONS, TransformerConfig
+from mpu_lab.pipeline_parallel.partition import stage_layers
 from mpu_lab.tensor_parallel import (
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
@@ -126,8 +131,8 @@ class GPTModel(torch.nn.Module):
         # every tensor-parallel size, so TP=k shards are slices of the TP=1 weights.
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length)
-        self.decoder = ParallelTransformer(config, post_process=post_process,
-                                           num_layers=num_layers, layer_offset=layer_offset)
+        self.decoder = TransformerBlock(config, post_process=post_process,
+                                        num_layers=num_layers, layer_offset=layer_offset)
         self.output_layer_weight = None
         if post_process and not (pre_process and share_embeddings_and_output_weights):
             # A last pipeline stage without the embedding keeps its own copy of the output
@@ -222,8 +227,6 @@ def build_model_chunks(config: TransformerConfig, vocab_size: int, max_sequence_
     :mod:`mpu_lab.parallel_state`'s. The last stage's copy of the tied embedding is built from
     its own draws: call :func:`~mpu_lab.pipeline_parallel.sync_embedding_weights` afterwards.
     """
-    from mpu_lab.models.transformer import ParallelTransformerLayer
-    from mpu_lab.pipeline_parallel.partition import stage_layers
     p = pipeline_model_parallel_size or parallel_state.get_pipeline_model_parallel_world_size()
     r = pipeline_model_parallel_rank if pipeline_model_parallel_rank is not None \
         else parallel_state.get_pipeline_model_parallel_rank()
@@ -243,7 +246,7 @@ def build_model_chunks(config: TransformerConfig, vocab_size: int, max_sequence_
             if stage > 0 and not embedding_drawn:
                 LanguageModelEmbedding(config, vocab_size, max_sequence_length)   # replay, discard
             for n in range(drawn, layers.start):
-                ParallelTransformerLayer(config, n)                              # replay, discard
+                TransformerLayer(config, n)                                      # replay, discard
         chunks.append(GPTModel(config, vocab_size, max_sequence_length, pre_process=stage == 0,
                                post_process=stage == p * v - 1, num_layers=len(layers),
                                layer_offset=layers.start, **gpt_kwargs))

@@ -1,4 +1,6 @@
-"""The tensor-parallel MLP of Megatron-LM (Shoeybi et al. 2019, §3, Fig. 3a).
+"""The tensor-parallel MLP block, :class:`MLP` (Megatron-core's ``core/transformer/mlp.py``,
+class ``MLP``; ``ParallelMLP`` is Megatron's legacy name, ``megatron/legacy/model/transformer.py``,
+kept here as an alias) — Shoeybi et al. 2019, §3, Fig. 3a.
 
     x' = act(x W^1) W^2          W^1: D x F split by columns, W^2: F x D split by rows
 
@@ -16,21 +18,14 @@ the input and output are this rank's ``[s/t, b, h]``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-import torch.nn.functional as F
 
-from mpu_lab.models import inspect as _inspect
+from mpu_lab.models.activation_record import record
+from mpu_lab.models.transformer_config import ACTIVATIONS, TransformerConfig
 from mpu_lab.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-if TYPE_CHECKING:
-    from mpu_lab.models.transformer import TransformerConfig
 
-ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
-
-
-class ParallelMLP(torch.nn.Module):
+class MLP(torch.nn.Module):
     """``h -> ffn_hidden_size -> h`` with column-parallel ``linear_fc1`` and row-parallel
     ``linear_fc2``. ``forward`` returns ``(output, bias)``: the second layer's bias is not
     added (``skip_bias_add``) so the caller adds it together with dropout and the residual,
@@ -54,9 +49,12 @@ class ParallelMLP(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor):
         # hidden_states: [s, b, h] (or [s/t, b, h] with sequence parallelism)
         a, _ = self.linear_fc1(hidden_states)           # A  = x W^1: [s, b, ffn/t]
-        _inspect.record("A", a, ("L", "B", "F/t"))
+        record("A", a, ("L", "B", "F/t"))
         a = self.activation(a)                          # A' = act(A): [s, b, ffn/t]
-        _inspect.record("A'", a, ("L", "B", "F/t"))
+        record("A'", a, ("L", "B", "F/t"))
         out, bias = self.linear_fc2(a)                  # x' = A' W^2, all-reduced: [s, b, h]
-        _inspect.record("x'", out, ("L", "B", "D"))
+        record("x'", out, ("L", "B", "D"))
         return out, bias
+
+
+ParallelMLP = MLP   # Megatron's legacy name (megatron/legacy/model/transformer.py)

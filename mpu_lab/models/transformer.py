@@ -1,4 +1,11 @@
-"""Transformer layer and block, tensor- and sequence-parallel.
+"""Transformer layer and block, tensor- and sequence-parallel: :class:`TransformerLayer` and
+:class:`TransformerBlock` (Megatron-core's ``core/transformer/transformer_layer.py`` and
+``transformer_block.py``; ``ParallelTransformerLayer`` and ``ParallelTransformer`` are
+Megatron's legacy names, ``megatron/legacy/model/transformer.py``, kept here as aliases), and
+:func:`finalize_model_grads`, the sequence-parallel gradient all-reduce (Megatron-core's
+``_allreduce_layernorm_grads`` in ``core/distributed/finalize_model_grads.py``).
+:class:`TransformerConfig` lives in :mod:`~mpu_lab.models.transformer_config` and is
+re-exported here.
 
 One pre-LayerNorm GPT layer (Megatron's ``TransformerLayer``)::
 
@@ -20,97 +27,19 @@ different masks: it runs inside ``get_rng_tracker().fork()``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import math
-from typing import Iterable, List, Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from mpu_lab import comm, parallel_state
-from mpu_lab.models.attention import ParallelAttention
-from mpu_lab.models.mlp import ACTIVATIONS, ParallelMLP
+from mpu_lab import comm, distributed, parallel_state
+from mpu_lab.models.attention import SelfAttention
+from mpu_lab.models.mlp import MLP
+from mpu_lab.models.transformer_config import ACTIVATIONS, TransformerConfig  # noqa: F401  (re-exported)
 from mpu_lab.tensor_parallel import get_rng_tracker
-from mpu_lab.utils import divisors
-
-
-@dataclasses.dataclass
-class TransformerConfig:
-    """The model's shape and options (a subset of Megatron-core's ``TransformerConfig``)."""
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    ffn_hidden_size: Optional[int] = None       # default 4 * hidden_size, as in the lecture
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    activation: str = "gelu"                    # "gelu" (GPT) or "relu" (the lecture's table)
-    sequence_parallel: bool = False
-    layernorm_epsilon: float = 1e-5
-    init_method_std: float = 0.02
-    params_dtype: torch.dtype = torch.float32
-    attention_impl: str = "sdpa"                # "sdpa" or "explicit" (shows the L x L scores)
-
-    def __post_init__(self):
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-
-    # ------------------------------------------------------------------ checks (pure)
-    def check(self, tensor_model_parallel_size: int = 1, seq_length: Optional[int] = None) -> None:
-        """Raise ``ValueError`` naming the numbers when this shape cannot be split ``t`` ways."""
-        t = tensor_model_parallel_size
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if t < 1:
-            raise ValueError(f"tensor_model_parallel_size must be >= 1, got {t}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                f"{self.num_attention_heads} (D = n_H x H needs a whole head dimension H); "
-                f"head counts that divide {self.hidden_size}: "
-                f"{[d for d in divisors(self.hidden_size) if d <= 128]}")
-        if self.num_attention_heads % t:
-            raise ValueError(
-                f"num_attention_heads {self.num_attention_heads} is not divisible by the "
-                f"tensor-parallel size {t}: each rank must hold whole heads (the lecture's "
-                f"d_tp <= n_H, and n_H % d_tp == 0); valid tensor-parallel sizes: "
-                f"{divisors(self.num_attention_heads)}")
-        if self.ffn_hidden_size % t:
-            raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by the "
-                             f"tensor-parallel size {t}: each rank holds ffn_hidden_size / t "
-                             f"columns of fc1; use a multiple of {t} (e.g. "
-                             f"{self.ffn_hidden_size + (-self.ffn_hidden_size) % t}) or a "
-                             f"tensor-parallel size in {divisors(self.ffn_hidden_size)}")
-        if self.sequence_parallel and seq_length is not None and seq_length % t:
-            raise ValueError(
-                f"sequence parallelism splits the sequence over the tensor-parallel group: "
-                f"seq_length {seq_length} is not divisible by the tensor-parallel size {t}; "
-                f"use a multiple of {t} (e.g. {seq_length + (-seq_length) % t})")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, "
-                             f"got {self.activation!r}")
-        if self.attention_impl not in ("sdpa", "explicit"):
-            raise ValueError(f"attention_impl must be 'sdpa' or 'explicit', "
-                             f"got {self.attention_impl!r}")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-
-    # ------------------------------------------------------------------ init methods
-    def init_method(self):
-        """Megatron's ``init_method_normal(std)``: N(0, std^2)."""
-        return functools.partial(torch.nn.init.normal_, mean=0.0, std=self.init_method_std)
-
-    def output_layer_init_method(self):
-        """Megatron's ``scaled_init_method_normal``: N(0, (std / sqrt(2 L))^2) for the layers
-        that write into the residual stream (GPT-2's scaling)."""
-        std = self.init_method_std / math.sqrt(2.0 * self.num_layers)
-        return functools.partial(torch.nn.init.normal_, mean=0.0, std=std)
 
 
 def _layer_norm(config: TransformerConfig) -> torch.nn.LayerNorm:
-    from mpu_lab import distributed
     norm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
                               device=distributed.get_device(), dtype=config.params_dtype)
     for p in norm.parameters():
@@ -129,7 +58,7 @@ def _hidden_dropout_context(config: TransformerConfig, training: bool):
     return contextlib.nullcontext()
 
 
-class ParallelTransformerLayer(torch.nn.Module):
+class TransformerLayer(torch.nn.Module):
     """Pre-LN GPT layer: ``x + attn(LN(x))`` then ``x + mlp(LN(x))``; ``[s, b, h]`` in and out
     (``[s/t, b, h]`` with sequence parallelism). ``layer_number`` (0-based) names the layer in
     the communication counter's tags: ``layer{n}.forward`` / ``layer{n}.backward``."""
@@ -139,9 +68,9 @@ class ParallelTransformerLayer(torch.nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.input_layernorm = _layer_norm(config)
-        self.self_attention = ParallelAttention(config)
+        self.self_attention = SelfAttention(config)
         self.pre_mlp_layernorm = _layer_norm(config)
-        self.mlp = ParallelMLP(config)
+        self.mlp = MLP(config)
 
     def _bias_dropout_add(self, x, bias, residual):
         if bias is not None:
@@ -164,7 +93,7 @@ class ParallelTransformerLayer(torch.nn.Module):
         return comm.tag_backward_output(hidden_states, f"{tag}.backward")
 
 
-class ParallelTransformer(torch.nn.Module):
+class TransformerBlock(torch.nn.Module):
     """A stack of layers plus the final LayerNorm when ``post_process`` (the last pipeline
     stage). ``layer_offset`` numbers this stage's layers globally (pipeline stages)."""
 
@@ -173,7 +102,7 @@ class ParallelTransformer(torch.nn.Module):
         super().__init__()
         n = config.num_layers if num_layers is None else num_layers
         self.layers = torch.nn.ModuleList(
-            [ParallelTransformerLayer(config, layer_offset + i) for i in range(n)])
+            [TransformerLayer(config, layer_offset + i) for i in range(n)])
         self.final_layernorm = _layer_norm(config) if post_process else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -182,6 +111,11 @@ class ParallelTransformer(torch.nn.Module):
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
+
+
+# Megatron's legacy names (megatron/legacy/model/transformer.py)
+ParallelTransformerLayer = TransformerLayer
+ParallelTransformer = TransformerBlock
 
 
 def sequence_parallel_params(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:

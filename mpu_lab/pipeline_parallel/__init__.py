@@ -46,6 +46,8 @@ from mpu_lab.pipeline_parallel.schedules import (
     get_forward_backward_func,
     get_last_schedule_stats,
     get_tensor_shape,
+    model_chunks_of,
+    unwrap_model,
 )
 from mpu_lab.pipeline_parallel.tied_embeddings import (
     allreduce_embedding_grads,
@@ -69,7 +71,7 @@ __all__ = [
     "ScheduleStats", "average_losses_across_microbatches", "forward_backward_no_pipelining",
     "forward_backward_pipelining_gpipe", "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving", "get_forward_backward_func",
-    "get_last_schedule_stats", "get_tensor_shape",
+    "get_last_schedule_stats", "get_tensor_shape", "model_chunks_of", "unwrap_model",
     "allreduce_embedding_grads", "shared_embedding_or_output_weight", "sync_embedding_weights",
     "analytic_bubble", "bubble_share", "measured_bubble", "pipeline_records", "plot_gantt",
     "simulate",

@@ -15,7 +15,8 @@ schedules call :func:`communicate` between steps with the messages
 in that module checks the plan under NCCL's matching rules.
 
 Backends: NCCL sends GPU tensors directly. gloo sends CPU tensors; when a rank's tensors are on
-a GPU that it shares with other ranks (gloo, PITFALLS.md) the message is staged through host
+a GPU that it shares with other ranks (then the backend is gloo: NCCL refuses two ranks on
+one GPU, see :func:`mpu_lab.distributed.choose_backend`) the message is staged through host
 memory here. Activations travel with tag 0 and gradients with tag 1 (gloo matches on tags;
 NCCL matches in posting order, which the plan keeps consistent).
 """

@@ -13,7 +13,8 @@ virtual stage ``k·p + r``. Example, 8 layers, ``p = 2``, ``v = 2``:
 The embedding sits on virtual stage 0 (rank 0, chunk 0), the output layer and the loss on the
 last virtual stage (rank p-1, chunk v-1), as in Megatron's ``pre_process``/``post_process``.
 
-Every check raises ``ValueError`` naming the numbers (DESIGN.md, "Fails loudly, early").
+Every check raises ``ValueError`` naming the numbers and what would be valid, and runs before
+any process starts, so a configuration that cannot work fails early and says why.
 """
 from __future__ import annotations
 

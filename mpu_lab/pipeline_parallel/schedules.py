@@ -80,6 +80,14 @@ def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def model_chunks_of(model) -> List[torch.nn.Module]:
+    """``[model]``, or the chunks of a list / ``ModuleList`` of pipeline model chunks (the
+    one place that says what a "model" argument may be: a module or this rank's chunks)."""
+    if isinstance(model, (list, tuple, torch.nn.ModuleList)):
+        return list(model)
+    return [model]
+
+
 def get_tensor_shape(model_chunk: torch.nn.Module, seq_length: int, micro_batch_size: int):
     """``(s, b, h)`` of the activations between stages, from ``model.config.hidden_size``
     (``s/t`` with sequence parallelism: each tensor-parallel rank holds its block of tokens)."""

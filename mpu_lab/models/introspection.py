@@ -1,9 +1,12 @@
-"""What the labs show about a real forward/backward pass: tensor shapes and collectives.
+"""What the labs show about a real forward/backward pass: the lecture's shape table and the
+per-layer collective count, measured on a :class:`~mpu_lab.models.transformer.TransformerLayer`
+(Megatron-core's ``core/transformer/transformer_layer.py``); the lab's own instruments, with no
+Megatron counterpart.
 
 * :func:`shape_table` — the lecture's table (Q, K, V, Score, Z, Out, A, A', x') for given
-  ``B, L, D, n_H, d_tp``, read off the live tensors of one ``ParallelTransformerLayer`` forward
-  on this rank (the models call :func:`record` at each step; it costs nothing when no
-  recording is active).
+  ``B, L, D, n_H, d_tp``, read off the live tensors of one ``TransformerLayer`` forward on this
+  rank (the blocks call :func:`~mpu_lab.models.activation_record.record` at each step; it
+  costs nothing when no recording is active).
 * :func:`count_collectives` — every collective of a training step, labelled by layer and
   direction (``layer0.forward``, ``layer0.backward``, ``embedding.forward``, ...), with kind,
   group and bytes; :func:`per_layer_counts` summarises it and :func:`expected_layer_counts`
@@ -16,31 +19,13 @@ Both run inside a rank whose groups are initialised (a ``torchrun`` worker such 
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
-_RECORDING: List[Dict[str, Tuple[tuple, tuple]]] = []
-
-
-def record(name: str, tensor: torch.Tensor, dims: Sequence[str] = ()) -> None:
-    """Remember ``tensor``'s shape (and the meaning of each dimension) under ``name`` if a
-    :func:`record_activations` block is open. The first layer to record a name wins."""
-    if _RECORDING and name not in _RECORDING[-1]:
-        _RECORDING[-1][name] = (tuple(tensor.shape), tuple(dims))
-
-
-@contextlib.contextmanager
-def record_activations():
-    """``with record_activations() as shapes:`` -> ``{name: (shape, dims)}`` of the forward."""
-    shapes: Dict[str, Tuple[tuple, tuple]] = {}
-    _RECORDING.append(shapes)
-    try:
-        yield shapes
-    finally:
-        _RECORDING.remove(shapes)
-
+from mpu_lab import comm, distributed, parallel_state
+from mpu_lab.models.activation_record import record, record_activations  # noqa: F401  (re-exported)
+from mpu_lab.models.transformer import TransformerConfig, TransformerLayer, finalize_model_grads
 
 def _batch_first(shape, dims, drop=()):
     """A recorded shape in the lecture's order: ``(B, L, product of the other dimensions)``;
@@ -62,7 +47,7 @@ def shape_table(batch_size: int = 2, seq_length: int = 8, hidden_size: int = 16,
                 activation: str = "relu", ffn_hidden_size: Optional[int] = None) -> List[dict]:
     """The lecture's shape table for one transformer layer on this rank, measured.
 
-    Runs one ``ParallelTransformerLayer`` forward (explicit attention, so the ``L x L`` scores
+    Runs one ``TransformerLayer`` forward (explicit attention, so the ``L x L`` scores
     exist) on ``x`` of ``[L, B, D]`` under the current tensor-parallel group, whose size must
     be ``tensor_model_parallel_size`` (``d_tp``; default: the current size). Each row:
     ``name``, ``computation``, ``lecture`` (the symbolic output shape), ``shape`` (measured,
@@ -70,9 +55,6 @@ def shape_table(batch_size: int = 2, seq_length: int = 8, hidden_size: int = 16,
     put in), ``per_rank`` (how many such tensors this rank holds: ``n_H/d_tp`` for per-head
     rows) and ``live`` (the tensor's own shape and dimension names, sequence-first).
     """
-    from mpu_lab import parallel_state
-    from mpu_lab.models.transformer import ParallelTransformerLayer, TransformerConfig
-
     if not parallel_state.model_parallel_is_initialized():
         if tensor_model_parallel_size not in (None, 1):
             raise RuntimeError(
@@ -90,11 +72,10 @@ def shape_table(batch_size: int = 2, seq_length: int = 8, hidden_size: int = 16,
                                ffn_hidden_size=ffn_hidden_size, activation=activation,
                                attention_impl="explicit")
     config.check(t)
-    from mpu_lab import distributed
     device = distributed.get_device()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        layer = ParallelTransformerLayer(config).eval()
+        layer = TransformerLayer(config).eval()
         x = torch.randn(seq_length, batch_size, hidden_size, device=device)   # [L, B, D]
         with torch.no_grad(), record_activations() as rec:
             layer(x)
@@ -147,9 +128,6 @@ def count_collectives(model: torch.nn.Module, input_ids: torch.Tensor, labels: t
     (global ranks), ``bytes``. The gradient all-reduce of sequence-parallel parameters
     (:func:`~mpu_lab.models.transformer.finalize_model_grads`) is included, tagged
     ``grads.sequence_parallel``."""
-    from mpu_lab import comm
-    from mpu_lab.models.transformer import finalize_model_grads
-
     events = []
     for step in range(steps):
         comm.clear_backward_tag()

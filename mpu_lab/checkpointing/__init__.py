@@ -1,0 +1,88 @@
+"""Distributed checkpoints with resharding, through ``torch.distributed.checkpoint`` (DCP) — the
+lab's version of Megatron's ``megatron/training/checkpointing.py`` and
+``megatron/core/dist_checkpointing``, in four modules: :mod:`~mpu_lab.checkpointing.files`
+(finding and verifying folders, pure), :mod:`~mpu_lab.checkpointing.state_dict` (the sharded
+state dict), :mod:`~mpu_lab.checkpointing.save_load` (save / load, collective) and
+:mod:`~mpu_lab.checkpointing.consolidate` (one ordinary state dict; the command line). This
+package re-exports every name the former single module had.
+
+Each tensor-parallel shard is saved as a ``DTensor`` over the tensor-parallel group
+(``Shard(partition_dim)``): DCP records every shard with its *global* offsets, so a checkpoint
+written at TP=2 can be read at TP=4 or TP=1 — each rank asks for the region it now owns and
+DCP reads the overlapping pieces (the resharding of Megatron's ``dist_checkpointing``).
+
+Pipeline stages save their layers under *global* layer numbers (``decoder.layers.<n>`` with
+``n = layer_offset + i``, not the stage's local ``i``), so the keys are those of the one-stage
+model whatever the pipeline size, and a checkpoint written at PP=2 loads at PP=1 or PP=4 the
+same way. The last stage's copy of the tied embedding (``output_layer_weight``, marked
+``shared``) is not saved: it is loaded from ``embedding.word_embeddings.weight``.
+Replicated tensors (LayerNorms, position embedding, row-parallel biases) are plain tensors;
+DCP writes one copy. Data-parallel replicas hold identical shards; DCP's planner writes each
+once.
+
+A checkpoint folder ``iter_0000100/`` holds DCP's data files and ``.metadata`` (written by
+DCP only after every rank has written its data), then ``mpu_lab_checkpoint.json`` (written
+by rank 0 after DCP returned: the "complete" marker, with the iteration, parallel sizes and
+model shape, and the size and SHA-256 of every file DCP wrote). A folder without both is
+incomplete — an interrupted save — and is never loaded; a file whose size or checksum differs
+from the marker's is reported by name before anything is read (DCP itself keeps no
+checksums: a flipped byte in a tensor would load silently). The parent folder gets Megatron's
+``latest_checkpointed_iteration.txt``.
+
+Test hook: ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION`` makes that rank exit (``os._exit``) inside
+DCP's save of that iteration, right after writing its data file — a rank killed mid-save.
+
+What is saved: ``model.<name>`` (parameters), ``optimizer.<name>.{exp_avg,exp_avg_sq,step}``
+(AdamW state, sharded like the parameter), ``scheduler``, ``iteration``, ``args``, and the RNG
+states per pipeline and tensor-parallel rank (``rng.pp<k>.tp<r>.*``: the default generator and
+the tracker's tensor-parallel stream; all restored when the TP and PP sizes are unchanged;
+otherwise only the default generator of stage 0 / TP rank 0, and the streams are reseeded as
+at start).
+
+Command line::
+
+    python -m mpu_lab.checkpointing info CHECKPOINT
+    python -m mpu_lab.checkpointing consolidate CHECKPOINT model.pt    # one ordinary state_dict
+"""
+from mpu_lab.checkpointing.consolidate import consolidate, gather_model_state_dict, main
+from mpu_lab.checkpointing.files import (
+    _ITER_DIR,
+    MARKER,
+    MODEL_FIELDS,
+    TRACKER,
+    CheckpointError,
+    _complete_siblings,
+    _file_digest,
+    _hint,
+    check_compatible,
+    file_records,
+    find_checkpoint,
+    incomplete_reason,
+    iteration_dir,
+    model_fields,
+    read_checkpoint_info,
+    verify_checkpoint,
+)
+from mpu_lab.checkpointing.save_load import _fault_writer, load_checkpoint, save_checkpoint
+from mpu_lab.checkpointing.state_dict import (
+    _LAYER_NAME,
+    _MESHES,
+    TIED_EMBEDDING,
+    _as_saved,
+    _chunks,
+    _global_shape,
+    _is_split,
+    _jsonable_args,
+    _named_params,
+    _pipeline_union,
+    _rng_state_dict,
+    _tp_mesh,
+    checkpoint_names,
+)
+
+__all__ = [
+    "MARKER", "TRACKER", "MODEL_FIELDS", "TIED_EMBEDDING", "CheckpointError", "iteration_dir",
+    "incomplete_reason", "find_checkpoint", "file_records", "verify_checkpoint",
+    "read_checkpoint_info", "model_fields", "check_compatible", "checkpoint_names",
+    "save_checkpoint", "load_checkpoint", "gather_model_state_dict", "consolidate", "main",
+]

@@ -1,0 +1,235 @@
+"""Saving and loading a :class:`~mpu_lab.training.TrainState` with ``torch.distributed.checkpoint``
+(Megatron's ``save_checkpoint`` / ``load_checkpoint`` of ``megatron/training/checkpointing.py``):
+collective, resharding across tensor- and pipeline-parallel sizes, the completeness marker
+written by rank 0 after DCP returned, every mismatch named before anything is read, and the test
+hook ``MPU_LAB_FAULT_IN_SAVE`` that kills a rank mid-save."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from mpu_lab import distributed, parallel_state
+from mpu_lab.checkpointing.files import (
+    MARKER,
+    TRACKER,
+    CheckpointError,
+    check_compatible,
+    file_records,
+    iteration_dir,
+    model_fields,
+    read_checkpoint_info,
+    verify_checkpoint,
+)
+from mpu_lab.checkpointing.state_dict import (
+    _as_saved,
+    _global_shape,
+    _jsonable_args,
+    _named_params,
+    _pipeline_union,
+    _rng_state_dict,
+    checkpoint_names,
+)
+from mpu_lab.tensor_parallel import get_rng_tracker
+
+
+def _fault_writer(d: pathlib.Path, rank: int, iteration: int):
+    """DCP's default writer, or — when ``MPU_LAB_FAULT_IN_SAVE`` is ``"<rank>:<iteration>"``
+    for this rank and iteration — one that exits the process right after writing this rank's
+    data file, before DCP's metadata: a rank killed mid-save (the reliability tests)."""
+    fault = os.environ.get("MPU_LAB_FAULT_IN_SAVE", "")
+    if fault != f"{rank}:{iteration}":
+        return None
+    from torch.distributed.checkpoint import FileSystemWriter   # heavy: only under the test hook
+
+    class DyingWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            future.wait()
+            print(f"rank {rank}: exiting in the middle of saving {d.name} "
+                  f"(MPU_LAB_FAULT_IN_SAVE={fault})", flush=True)
+            os._exit(3)
+
+    return DyingWriter(str(d))
+
+
+def save_checkpoint(save_dir, state) -> pathlib.Path:
+    """Save ``state`` (a :class:`mpu_lab.training.TrainState`) as
+    ``save_dir/iter_XXXXXXX``. Collective: every rank calls it. Returns the folder."""
+    import torch.distributed.checkpoint as dcp   # heavy (about a second): only when saving
+    it = state.iteration
+    d = iteration_dir(save_dir, it)
+    rank = dist.get_rank()
+    if rank == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / MARKER).unlink(missing_ok=True)   # re-saving: not complete until confirmed again
+    dist.barrier()
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    sd: Dict[str, Any] = {}
+    names = {}
+    for name, p in _named_params(state.model):
+        sd[f"model.{name}"] = _as_saved(p.detach().cpu(), p)
+        names[p] = name
+    has_optimizer = False
+    for p, st in state.optimizer.state.items():
+        if p in names and st:
+            has_optimizer = True
+            name = names[p]
+            sd[f"optimizer.{name}.exp_avg"] = _as_saved(st["exp_avg"].detach().cpu(), p)
+            sd[f"optimizer.{name}.exp_avg_sq"] = _as_saved(st["exp_avg_sq"].detach().cpu(), p)
+            sd[f"optimizer.{name}.step"] = torch.as_tensor(st["step"]).detach().cpu().reshape(())
+    sd.update(_rng_state_dict(f"rng.pp{pp_rank}.tp{tp_rank}"))
+    # Small objects as JSON text: DCP would flatten a dict into one entry per key.
+    sd["scheduler"] = json.dumps(state.scheduler.state_dict())
+    sd["iteration"] = it
+    sd["args"] = json.dumps(_jsonable_args(state.args))
+    dcp.save(sd, checkpoint_id=str(d), storage_writer=_fault_writer(d, rank, it))
+    dist.barrier()
+
+    if rank == 0:
+        args = state.args
+        info = dict(iteration=it, complete=True, format="mpu_lab/dcp-1",
+                    tensor_model_parallel_size=args.tensor_model_parallel_size,
+                    pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                    virtual_pipeline_model_parallel_size=getattr(
+                        args, "virtual_pipeline_model_parallel_size", None),
+                    data_parallel_size=parallel_state.get_data_parallel_world_size(),
+                    sequence_parallel=bool(args.sequence_parallel),
+                    has_optimizer=has_optimizer, model=model_fields(args),
+                    vocab_size=args.vocab_size, seq_length=args.seq_length,
+                    torch_version=torch.__version__,
+                    saved_at=datetime.datetime.now().isoformat(timespec="seconds"),
+                    files=file_records(d))
+        tmp = d / (MARKER + ".tmp")
+        tmp.write_text(json.dumps(info, indent=1))
+        tmp.replace(d / MARKER)
+        tracker = pathlib.Path(save_dir) / TRACKER
+        tracker.with_suffix(".tmp").write_text(str(it))
+        tracker.with_suffix(".tmp").replace(tracker)
+    dist.barrier()
+    return d
+
+
+def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool = True,
+                    args=None) -> Dict[str, Any]:
+    """Load a checkpoint saved at any tensor- and pipeline-parallel size into ``model`` (a
+    module or a list of pipeline model chunks; and ``optimizer``, ``scheduler``). Collective.
+    Returns the marker's info plus ``path``.
+
+    Checks first, naming what is wrong: missing/partial folder, model shape (``args``), and
+    every parameter's global shape against the checkpoint's metadata.
+    """
+    import torch.distributed.checkpoint as dcp   # heavy (about a second): only when loading
+    from torch.distributed.checkpoint import FileSystemReader
+    d = verify_checkpoint(path)
+    info = read_checkpoint_info(d)
+    info["path"] = str(d)
+    if args is not None:
+        check_compatible(info, args)
+    saved = FileSystemReader(str(d)).read_metadata().state_dict_metadata
+
+    sd: Dict[str, Any] = {}
+    targets = []   # (key, buffer, destination tensor)
+    problems: List[str] = []
+
+    def want(key, param, dest):
+        meta = saved.get(key)
+        shape = _global_shape(param, dest.shape)
+        if meta is None:
+            problems.append(f"{key} is not in the checkpoint")
+            return
+        if not hasattr(meta, "size") or tuple(meta.size) != tuple(shape):
+            problems.append(f"{key}: checkpoint shape {tuple(getattr(meta, 'size', ()))}, "
+                            f"model shape {tuple(shape)}")
+            return
+        if key in buffers:   # one rank holding a tensor and its copy: read it once
+            targets.append((key, buffers[key], dest))
+            return
+        buf = torch.empty(dest.shape, dtype=meta.properties.dtype)
+        buffers[key] = buf
+        sd[key] = _as_saved(buf, param)
+        targets.append((key, buf, dest))
+
+    buffers: Dict[str, torch.Tensor] = {}
+    names = {}
+    for name, p, _ in checkpoint_names(model):
+        names[p] = name
+        want(f"model.{name}", p, p.data)
+    held = set(_pipeline_union(sorted(set(names.values()))))
+    extra = sorted(k[len("model."):] for k in saved if k.startswith("model.")
+                   and k[len("model."):] not in held)
+    if extra:
+        problems.append(f"the checkpoint has parameters this model lacks: {extra}")
+    if optimizer is not None:
+        if not info.get("has_optimizer", False):
+            problems.append("the checkpoint has no optimizer state (pass --no-load-optim)")
+        else:
+            for p in [q for g in optimizer.param_groups for q in g["params"]]:
+                st = optimizer.state[p]
+                if not st:   # AdamW creates its state lazily: make it now, then fill it
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                want(f"optimizer.{names[p]}.exp_avg", p, st["exp_avg"])
+                want(f"optimizer.{names[p]}.exp_avg_sq", p, st["exp_avg_sq"])
+                key = f"optimizer.{names[p]}.step"
+                if key in saved and key not in sd:
+                    sd[key] = torch.zeros((), dtype=torch.float32)
+    if problems:
+        raise CheckpointError(f"checkpoint {d} does not fit this model: " + "; ".join(problems))
+
+    same_tp = info.get("tensor_model_parallel_size") == \
+        parallel_state.get_tensor_model_parallel_world_size()
+    same_pp = info.get("pipeline_model_parallel_size", 1) == \
+        parallel_state.get_pipeline_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if any(k.startswith("rng.pp") for k in saved):
+        rng_prefix = f"rng.pp{pp_rank if same_pp else 0}.tp{tp_rank if same_tp else 0}"
+    else:   # written before pipeline parallelism: one stage
+        rng_prefix = f"rng.tp{tp_rank if same_tp else 0}"
+    rng_keys = [k for k in saved if k.startswith(rng_prefix + ".")] if load_rng else []
+    if not (same_tp and same_pp):
+        # The tensor-parallel streams are per rank and cannot be mapped to other sizes: they
+        # are reseeded instead; the default generator is taken from the first stage.
+        rng_keys = [k for k in rng_keys if ".tracker." not in k]
+    for k in rng_keys:
+        sd[k] = torch.empty(saved[k].size, dtype=saved[k].properties.dtype)
+    for k in ("scheduler", "iteration"):
+        sd[k] = None
+
+    dcp.load(sd, checkpoint_id=str(d))
+
+    with torch.no_grad():
+        for key, buf, dest in targets:
+            dest.copy_(buf.to(dest.device))
+    if optimizer is not None:
+        for p in [q for g in optimizer.param_groups for q in g["params"]]:
+            key = f"optimizer.{names[p]}.step"
+            if key in sd:
+                optimizer.state[p]["step"].copy_(sd[key])
+    if scheduler is not None and sd.get("scheduler") is not None:
+        scheduler.load_state_dict(json.loads(sd["scheduler"]))
+    if rng_keys:
+        torch.set_rng_state(sd[f"{rng_prefix}.cpu"])
+        device = distributed.get_device()
+        if device.type == "cuda" and f"{rng_prefix}.cuda" in sd:
+            torch.cuda.set_rng_state(sd[f"{rng_prefix}.cuda"], device)
+        if same_tp and same_pp:
+            tracker = get_rng_tracker()
+            states = tracker.get_states()
+            for name in list(states):
+                cpu = sd.get(f"{rng_prefix}.tracker.{name}.cpu")
+                cuda = sd.get(f"{rng_prefix}.tracker.{name}.cuda")
+                if cpu is not None:
+                    states[name] = (cpu, cuda if cuda is not None else states[name][1])
+            tracker.set_states(states)
+    info["iteration"] = int(sd["iteration"]) if sd.get("iteration") is not None else info["iteration"]
+    return info

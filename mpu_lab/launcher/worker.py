@@ -1,0 +1,118 @@
+"""The worker side of the launcher, used inside a ``launch/`` script under torchrun:
+:func:`report` hands a JSON-able result back to :func:`mpu_lab.launcher.run`,
+:func:`gather_lines` collects every rank's text on rank 0 in rank order, and :func:`entrypoint`
+decorates a script's ``main`` with torch elastic's ``@record`` plus this lab's failure records
+(precise failure time, ranks that returned, a stack dump on SIGTERM) that the launcher's
+:mod:`~mpu_lab.launcher.diagnosis` reads. The lab's own; Megatron leaves this to torchrun."""
+from __future__ import annotations
+
+import faulthandler
+import functools
+import json
+import os
+import pathlib
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from mpu_lab import comm, distributed
+from mpu_lab.launcher.paths import RESULT_DIR_ENV
+
+
+def report(obj: Any) -> Any:
+    """Hand ``obj`` (JSON-able) back to :func:`run` from inside a worker. Returns ``obj``.
+
+    Without the launcher (a plain ``torchrun`` call) it does nothing, so scripts run either way.
+    A later call replaces an earlier one.
+    """
+    directory = os.environ.get(RESULT_DIR_ENV)
+    if directory:
+        rank = int(os.environ.get("RANK", "0"))
+        path = pathlib.Path(directory) / f"rank{rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(obj))
+        tmp.replace(path)   # atomic: the launcher never reads half a file
+    return obj
+
+
+def gather_lines(text: str):
+    """Every rank's ``text``, in rank order, on rank 0 (``None`` on the others).
+
+    A collective: every rank of the world calls it. Printing what it returns on rank 0 gives
+    deterministic multi-rank output (what nbval compares), unlike ranks printing at will.
+    """
+    device = distributed.get_device()
+    data = torch.tensor(list(text.encode()) or [0], dtype=torch.uint8, device=device)
+    longest = comm.all_reduce(torch.tensor([data.numel()], device=device), op=dist.ReduceOp.MAX)
+    padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    rows = comm.all_gather(padded.unsqueeze(0))                   # [world, longest]
+    if dist.get_rank() != 0:
+        return None
+    return [bytes(row.tolist()).rstrip(b"\0").decode() for row in rows.cpu()]
+
+
+def _dump_stack_on_sigterm(directory: str, rank: int) -> None:
+    """When torchrun (or :func:`kill_tree`) stops this rank with SIGTERM, write where its main
+    thread was to ``stack_rank<r>.txt`` first (``faulthandler``: works even inside a blocked
+    C++ collective), then terminate as SIGTERM would. That is how a failure report can say
+    where a rank that never joined a collective was stuck."""
+    try:
+        f = open(pathlib.Path(directory) / f"stack_rank{rank}.txt", "w")
+        faulthandler.register(signal.SIGTERM, file=f, all_threads=False, chain=True)
+    except (OSError, AttributeError, ValueError, RuntimeError):
+        pass   # no faulthandler.register (Windows) or no result folder: report less
+
+
+def entrypoint(fn):
+    """Decorate a ``launch/`` script's ``main``: torch elastic's ``@record`` (the traceback goes
+    to torchrun's error file) plus a precise failure time, so :func:`run` can tell the rank
+    that failed first from the ranks that failed because a peer died; a record of ranks that
+    returned, and a stack dump of ranks stopped by SIGTERM (where a hung rank was).
+
+    Under torchrun a rank that raised exits at once (``os._exit(1)``, after the error file and
+    the traceback are written): interpreter teardown with a live process group can take a
+    second or block on dead peers, and the job's other ranks wait for it."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        directory = os.environ.get(RESULT_DIR_ENV)
+        rank = int(os.environ.get("RANK", "0"))
+        if directory:
+            _dump_stack_on_sigterm(directory, rank)
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as exc:
+            if directory and not isinstance(exc, SystemExit):
+                info = {"time": time.time(), "rank": rank,
+                        "message": f"{type(exc).__name__}: {exc}",
+                        "traceback": traceback.format_exc()}
+                (pathlib.Path(directory) / f"failed_rank{rank}.json").write_text(json.dumps(info))
+            raise
+        if directory:
+            (pathlib.Path(directory) / f"finished_rank{rank}.json").write_text(
+                json.dumps({"time": time.time(), "rank": rank}))
+        return out
+
+    recorded = record(wrapper)
+
+    @functools.wraps(fn)
+    def exit_promptly(*args, **kwargs):
+        try:
+            return recorded(*args, **kwargs)
+        except SystemExit:
+            raise
+        except BaseException:
+            if "TORCHELASTIC_RUN_ID" not in os.environ:   # called in-process (a test): raise
+                raise
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    return exit_promptly

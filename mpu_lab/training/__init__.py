@@ -1,0 +1,71 @@
+"""Train the small GPT with tensor, sequence, pipeline and data parallelism
+(``launch/train_gpt.py``), split along Megatron's own files: :mod:`~mpu_lab.training.arguments`
+(``megatron/training/arguments.py``: flags, pure checks, the script's pre-check),
+:mod:`~mpu_lab.training.optimizer_param_scheduler` (the learning-rate schedule),
+:mod:`~mpu_lab.training.finalize_model_grads` (``core/distributed/finalize_model_grads.py``:
+data-parallel, sequence-parallel and tied-embedding gradient reductions),
+:mod:`~mpu_lab.training.initialize` (``get_model``, ``setup``, ``get_batch``),
+:mod:`~mpu_lab.training.training` (``megatron/training/training.py``: ``train_step``,
+``train``, ``pretrain``) and :mod:`~mpu_lab.training.dense_twin` (the single-process twin);
+AdamW, clipping and the fp16 loss scale are in :mod:`mpu_lab.optimizer`.
+
+Data parallelism at PP=1 is torch's ``DistributedDataParallel`` on the data-parallel group,
+with a communication hook that routes its bucket all-reduces through :mod:`mpu_lab.comm` so
+they are counted (tag ``grads.data_parallel``). At PP > 1 DDP is not used: it all-reduces
+during the backward of the micro-batch it runs last, and a pipeline schedule runs many
+backwards (of several chunks) between p2p messages, so the gradients are averaged over the
+data-parallel group explicitly, once per step after the schedule — what Megatron's own DDP
+does in ``finish_grad_sync``. Mixed precision is ``torch.autocast`` over fp32 parameters (the
+optimizer always sees fp32), with a dynamic loss scale for ``--fp16`` whose overflow check is
+agreed on by the whole model-parallel group, as in Megatron.
+
+This package re-exports every name the former single module ``mpu_lab.training`` had.
+"""
+# Re-exported because the former module imported them (``training.X`` kept working).
+from mpu_lab.datasets import BYTE_VOCAB_SIZE
+from mpu_lab.distributed import init_single_process
+from mpu_lab.models.gpt import pad_vocab_size
+from mpu_lab.models.transformer import TransformerConfig
+from mpu_lab.optimizer import DynamicLossScaler, build_optimizer, clip_grad_norm
+from mpu_lab.pipeline_parallel import model_chunks_of
+from mpu_lab.timers import StepTimer
+from mpu_lab.training.arguments import (
+    _validate_pipeline,
+    build_parser,
+    check_launch_args,
+    model_config,
+    parse_args,
+    validate_args,
+    vocab_padding_message,
+)
+from mpu_lab.training.dense_twin import train_dense_twin
+from mpu_lab.training.finalize_model_grads import (
+    _ddp_counted_allreduce_hook,
+    allreduce_data_parallel_grads,
+    finalize_grads,
+)
+from mpu_lab.training.initialize import TrainState, get_batch, get_model, setup
+from mpu_lab.training.optimizer_param_scheduler import OptimizerParamScheduler, build_scheduler
+from mpu_lab.training.training import (
+    _autocast,
+    _microbatches,
+    _optimizer_step,
+    _sync,
+    forward_step,
+    masked_mean_loss,
+    pretrain,
+    schedule_timeline_report,
+    train,
+    train_step,
+    train_step_pipelined,
+)
+from mpu_lab.utils import divisors
+
+__all__ = [
+    "build_parser", "parse_args", "validate_args", "check_launch_args", "model_config",
+    "vocab_padding_message", "OptimizerParamScheduler", "build_scheduler", "build_optimizer",
+    "clip_grad_norm", "DynamicLossScaler", "allreduce_data_parallel_grads", "finalize_grads",
+    "TrainState", "model_chunks_of", "get_model", "setup", "get_batch", "train_step",
+    "train_step_pipelined", "forward_step", "masked_mean_loss", "schedule_timeline_report",
+    "train", "pretrain", "train_dense_twin", "init_single_process", "StepTimer",
+]

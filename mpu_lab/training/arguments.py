@@ -1,0 +1,274 @@
+"""The flags of ``launch/train_gpt.py`` and their checks (Megatron's
+``megatron/training/arguments.py``): :func:`build_parser` / :func:`parse_args` with Megatron's
+flag names, :func:`validate_args`, which fills in the derived values (data-parallel size,
+micro-batches, padded vocabulary, pipeline schedule) and is pure — no ``torch.distributed`` —
+so a notebook or the launcher can reject a bad configuration *before* any process starts, with
+a ``ValueError`` naming the numbers; :func:`check_launch_args`, the script's pre-check
+(``PRECHECK`` in ``launch/train_gpt.py``, run by :func:`mpu_lab.launcher.precheck`); and
+:func:`model_config`, the :class:`~mpu_lab.models.transformer.TransformerConfig` of the flags.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional, Sequence
+
+from mpu_lab import checkpointing
+from mpu_lab.datasets import BYTE_VOCAB_SIZE, check_text_file
+from mpu_lab.models.gpt import pad_vocab_size
+from mpu_lab.models.transformer import TransformerConfig
+from mpu_lab.pipeline_parallel import validate_pipeline_args
+from mpu_lab.utils import divisors
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train_gpt.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a small GPT with tensor/sequence/data parallelism (Megatron-style flags).")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-schedule", default=None, metavar="{gpipe,1f1b,interleaved}",
+                   help="pipeline schedule (PP > 1): all-forward-all-backward (GPipe; alias afab), "
+                        "1F1B (alias pipedream-flush), or interleaved 1F1B over virtual stages; "
+                        "default as Megatron: interleaved when "
+                        "--num-layers-per-virtual-pipeline-stage is given, else 1f1b")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per model chunk for the interleaved schedule (Megatron's flag): "
+                        "v = num_layers / PP / this")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="default: --seq-length")
+    g.add_argument("--activation", choices=["gelu", "relu"], default="gelu")
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="Megatron's default is 0.1; 0 keeps runs at different TP sizes equal")
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP size (Megatron)")
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true",
+                   help="synthetic learnable data (the default when --data-path is not given)")
+    g.add_argument("--data-path", default=None, help="a text file, read as bytes (vocab 256)")
+    g.add_argument("--vocab-size", type=int, default=512, help="vocabulary of the mock data")
+    g = p.add_argument_group("batch and schedule")
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro batch size x data-parallel size")
+    g.add_argument("--train-iters", type=int, default=300)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("precision")
+    g.add_argument("--fp16", action="store_true", help="autocast to float16, dynamic loss scale")
+    g.add_argument("--bf16", action="store_true", help="autocast to bfloat16")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--metrics-file", default=None,
+                   help="append one JSON line per logged iteration (rank 0)")
+    g.add_argument("--quiet", action="store_true", help="no per-iteration log lines")
+    g.add_argument("--record-timeline", action="store_true",
+                   help="PP > 1: every rank reports the forward/backward start and end times of "
+                        "its last iteration (launch.report), for a Gantt chart of the real run")
+    g.add_argument("--breakdown", action="store_true",
+                   help="every rank times its steps and the collectives in them and reports "
+                        "the per-step breakdown (compute vs each kind of collective; "
+                        "mpu_lab.perf.measure) under \"breakdown\"; the first step is not timed")
+    g.add_argument("--breakdown-barrier", action="store_true",
+                   help="--breakdown with a barrier before each collective, booked as "
+                        "'wait': separates waiting for peers from the transfer itself")
+    g.add_argument("--breakdown-profile", default=None, metavar="DIR",
+                   help="--breakdown under torch.profiler: each rank writes a Chrome trace of "
+                        "its timed steps to DIR/rank<r>.trace.json and reports its top ops")
+    g.add_argument("--save", default=None, help="folder for iter_XXXXXXX checkpoints")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None,
+                   help="a checkpoint folder, or a folder of iter_XXXXXXX checkpoints (latest)")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    return build_parser().parse_args(None if argv is None else list(map(str, argv)))
+
+
+def check_launch_args(argv: Sequence[str], world_size: int, cwd=None) -> argparse.Namespace:
+    """What ``launcher.run("train_gpt.py", argv, nproc=world_size)`` checks before torchrun
+    starts (the script's ``PRECHECK``): parse, :func:`validate_args`, and a ``--load`` checkpoint's files against the sums
+    recorded at save (:func:`mpu_lab.checkpointing.verify_checkpoint`). Relative paths are
+    taken from ``cwd``, the job's working folder, when given."""
+    args = parse_args(argv)
+    if cwd is not None:
+        for name in ("data_path", "load"):
+            value = getattr(args, name)
+            if value and not os.path.isabs(value):
+                setattr(args, name, os.path.join(str(cwd), value))
+    validate_args(args, world_size)
+    if args.load:
+        checkpointing.verify_checkpoint(args.load)
+    return args
+
+
+def model_config(args) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        activation=args.activation, sequence_parallel=args.sequence_parallel,
+        layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std)
+
+
+def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = True
+                  ) -> argparse.Namespace:
+    """Check ``args`` for a job of ``world_size`` ranks and fill in the derived values
+    (``data_parallel_size``, ``num_micro_batches``, ``padded_vocab_size``, ...).
+
+    Pure: no ``torch.distributed``, so it runs in the notebook before ``torchrun`` starts.
+    Raises ``ValueError`` naming the numbers and what would be valid. Returns ``args``.
+    """
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tensor-model-parallel-size {tp} and --pipeline-model-parallel-size "
+                         f"{pp} must be >= 1")
+    if world_size % (tp * pp):
+        if pp == 1:
+            valid = f"with {world_size} ranks valid tensor-parallel sizes are {divisors(world_size)}"
+        elif world_size % pp == 0:
+            valid = (f"with {world_size} ranks and {pp} pipeline stages valid tensor-parallel "
+                     f"sizes are {divisors(world_size // pp)}")
+        else:
+            valid = (f"{pp} pipeline stages do not divide {world_size} ranks: valid "
+                     f"pipeline-parallel sizes are {divisors(world_size)}")
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor x pipeline parallel size "
+            f"{tp} x {pp} = {tp * pp}; {valid}")
+    dp = world_size // (tp * pp)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "train_iters", "log_interval"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    model_config(args).check(tp, args.seq_length)
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.max_position_embeddings < args.seq_length:
+        raise ValueError(f"--max-position-embeddings {args.max_position_embeddings} is smaller "
+                         f"than --seq-length {args.seq_length}: the position table needs a row "
+                         f"per position; use >= {args.seq_length} (or leave it out: default "
+                         f"--seq-length)")
+
+    mbs = args.micro_batch_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    gbs = args.global_batch_size
+    if gbs < 1 or gbs % (mbs * dp):
+        raise ValueError(
+            f"--global-batch-size {gbs} must be a multiple of micro batch size x data-parallel "
+            f"size = {mbs} x {dp} = {mbs * dp} (global batch = micro batch x micro-batches x "
+            f"DP); e.g. {mbs * dp}, {2 * mbs * dp} or {4 * mbs * dp}")
+    args.data_parallel_size = dp
+    args.num_micro_batches = gbs // (mbs * dp)
+    args.world_size = world_size
+    _validate_pipeline(args)
+
+    if args.fp16 and args.bf16:
+        raise ValueError("--fp16 and --bf16 exclude each other: pick one")
+    if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        raise ValueError(f"need 0 <= --min-lr ({args.min_lr}) <= --lr ({args.lr}) and --lr > 0")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_decay_iters < 1:
+        raise ValueError(f"--lr-decay-iters must be >= 1, got {args.lr_decay_iters}")
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise ValueError(f"give --lr-warmup-fraction ({args.lr_warmup_fraction}) or "
+                             f"--lr-warmup-iters ({args.lr_warmup_iters}), not both")
+        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+            raise ValueError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+        args.lr_warmup_steps = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    else:
+        args.lr_warmup_steps = args.lr_warmup_iters
+    if not 0 <= args.lr_warmup_steps <= args.lr_decay_iters:
+        raise ValueError(f"the warmup ({args.lr_warmup_steps} iterations) must be in "
+                         f"[0, --lr-decay-iters {args.lr_decay_iters}]")
+    if args.clip_grad < 0 or args.weight_decay < 0:
+        raise ValueError(f"--clip-grad ({args.clip_grad}) and --weight-decay "
+                         f"({args.weight_decay}) must be >= 0")
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        raise ValueError(f"--save-interval {args.save_interval} needs --save DIR and a value >= 1")
+
+    if args.data_path:
+        check_text_file(args.data_path, args.seq_length)
+        args.vocab_size = BYTE_VOCAB_SIZE
+    if args.vocab_size < 2:
+        raise ValueError(f"--vocab-size must be >= 2, got {args.vocab_size} (the mock data "
+                         f"needs at least 2 tokens; {BYTE_VOCAB_SIZE} with --data-path)")
+    if args.make_vocab_size_divisible_by < 1:
+        raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got "
+                         f"{args.make_vocab_size_divisible_by}: the vocabulary is padded to a "
+                         f"multiple of it x TP ({tp}); use 1 for no padding, or Megatron's 128")
+    args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
+
+    if check_load and args.load:
+        # complete and compatible; the files' sums are checked once by check_launch_args
+        # (before torchrun starts) and where they are read (checkpointing.load_checkpoint)
+        path = checkpointing.find_checkpoint(args.load)
+        checkpointing.check_compatible(checkpointing.read_checkpoint_info(path), args)
+    return args
+
+
+def _validate_pipeline(args) -> None:
+    """The pipeline checks (:func:`mpu_lab.pipeline_parallel.validate_pipeline_args`) in terms
+    of this script's flags; fills in ``pipeline_schedule`` and
+    ``virtual_pipeline_model_parallel_size``."""
+    pp, nlv = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    if pp == 1:
+        given = [f for f, v in (("--pipeline-schedule", args.pipeline_schedule),
+                                ("--num-layers-per-virtual-pipeline-stage", nlv)) if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} "
+                             f"--pipeline-model-parallel-size > 1, "
+                             f"got 1 (one stage runs its micro-batches one after the other)")
+        args.virtual_pipeline_model_parallel_size = None
+        return
+    try:
+        pipe = validate_pipeline_args(
+            num_layers=args.num_layers, pipeline_model_parallel_size=pp,
+            global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+            data_parallel_size=args.data_parallel_size, schedule=args.pipeline_schedule,
+            num_layers_per_virtual_pipeline_stage=nlv)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc} [here: --num-layers {args.num_layers}, --pipeline-model-parallel-size {pp}, "
+            f"--num-layers-per-virtual-pipeline-stage {nlv}, --pipeline-schedule "
+            f"{args.pipeline_schedule}, micro-batches per step = --global-batch-size "
+            f"{args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x DP "
+            f"{args.data_parallel_size}) = {args.num_micro_batches}]") from None
+    args.pipeline_schedule = pipe["schedule"]
+    args.virtual_pipeline_model_parallel_size = pipe["virtual_pipeline_model_parallel_size"]
+
+
+def vocab_padding_message(args) -> str:
+    return (f"> padded vocab (size: {args.vocab_size}) with "
+            f"{args.padded_vocab_size - args.vocab_size} dummy tokens (new size: "
+            f"{args.padded_vocab_size}): a multiple of make_vocab_size_divisible_by x TP = "
+            f"{args.make_vocab_size_divisible_by} x {args.tensor_model_parallel_size}, as Megatron does")

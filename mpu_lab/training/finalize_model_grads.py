@@ -1,0 +1,66 @@
+"""The gradient reductions between backward and the optimizer step (Megatron-core's
+``core/distributed/finalize_model_grads.py``): the data-parallel average — torch DDP's bucket
+all-reduce routed through :mod:`mpu_lab.comm` at PP=1 (:func:`_ddp_counted_allreduce_hook`),
+one coalesced all-reduce after the pipeline schedule at PP > 1
+(:func:`allreduce_data_parallel_grads`, what Megatron's DDP does in ``finish_grad_sync``) —,
+the sequence-parallel LayerNorm sums (:func:`mpu_lab.models.finalize_model_grads`, Megatron's
+``_allreduce_layernorm_grads``) and the tied embedding summed over the first and last stage
+(:func:`mpu_lab.pipeline_parallel.allreduce_embedding_grads`); :func:`finalize_grads` runs
+them in that order for both train steps."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from mpu_lab import comm, parallel_state
+from mpu_lab.models.transformer import finalize_model_grads as allreduce_sequence_parallel_grads
+from mpu_lab.pipeline_parallel import allreduce_embedding_grads
+
+
+def _ddp_counted_allreduce_hook(state, bucket):
+    """DDP communication hook: average the bucket over the data-parallel group through
+    :mod:`mpu_lab.comm` (counted, tag ``grads.data_parallel``) instead of DDP's own call."""
+    group, size = state
+    with comm.comm_tag("grads.data_parallel"):
+        reduced = comm.all_reduce(bucket.buffer(), group=group)
+    reduced.div_(size)
+    fut = torch.futures.Future()
+    fut.set_result(reduced)
+    return fut
+
+
+def allreduce_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
+    """Average the gradients over the data-parallel group in one coalesced all-reduce (counted,
+    tag ``grads.data_parallel``): what DDP does at PP=1, done once after the pipeline schedule."""
+    group = parallel_state.get_data_parallel_group()
+    size = comm.group_size(group)
+    if size == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    with comm.comm_tag("grads.data_parallel"):
+        flat = comm.all_reduce(flat, group=group)
+    flat.div_(size)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def finalize_grads(model, data_parallel_params: Optional[Sequence[torch.nn.Parameter]] = None
+                   ) -> None:
+    """Megatron-core's ``finalize_model_grads`` (a different name here: the name
+    :func:`mpu_lab.models.finalize_model_grads` holds its sequence-parallel part). ``model``:
+    the model, or this rank's list of pipeline chunks. ``data_parallel_params`` given (PP > 1,
+    no DDP): their gradients are first averaged over the data-parallel group; at PP=1 DDP has
+    done that during backward. Then the sequence-parallel sums, then the tied embedding over
+    the embedding group (a no-op with one pipeline stage)."""
+    if data_parallel_params is not None:
+        allreduce_data_parallel_grads(data_parallel_params)
+    allreduce_sequence_parallel_grads(model)
+    with comm.comm_tag("grads.embedding"):
+        allreduce_embedding_grads(model)

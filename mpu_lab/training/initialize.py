@@ -1,0 +1,126 @@
+"""Setting a run up (Megatron's ``megatron/training/training.py`` ``get_model`` and
+``setup_model_and_optimizer``, and ``get_batch`` of ``pretrain_gpt.py``): :class:`TrainState`,
+what a run carries from step to step; :func:`get_model`, this rank's part of the GPT;
+:func:`setup`, which initialises the groups and seeds, wraps the model in DDP over the
+data-parallel group at PP=1 (its bucket all-reduces counted through
+:func:`~mpu_lab.training.finalize_model_grads._ddp_counted_allreduce_hook`), builds AdamW, the
+learning-rate schedule and the data and loads a checkpoint; :func:`get_batch`, a
+micro-batch read by tensor-parallel rank 0 and broadcast to its group."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mpu_lab import checkpointing, comm, datasets, distributed, parallel_state
+from mpu_lab.models.gpt import build_model_chunks
+from mpu_lab.optimizer import DynamicLossScaler, build_optimizer
+from mpu_lab.pipeline_parallel import model_chunks_of, sync_embedding_weights
+from mpu_lab.tensor_parallel import broadcast_data, model_parallel_manual_seed
+from mpu_lab.training.arguments import model_config, vocab_padding_message
+from mpu_lab.training.finalize_model_grads import _ddp_counted_allreduce_hook
+from mpu_lab.training.optimizer_param_scheduler import OptimizerParamScheduler, build_scheduler
+
+
+@dataclasses.dataclass
+class TrainState:
+    args: argparse.Namespace
+    model: torch.nn.Module            # the GPTModel (PP > 1: this rank's stage; a ModuleList of
+                                      # its chunks with virtual stages)
+    ddp_model: torch.nn.Module        # what forward goes through (DDP, or the model at DP=1)
+    optimizer: torch.optim.Optimizer
+    scheduler: OptimizerParamScheduler
+    dataset: Any
+    iteration: int = 0               # optimizer steps done
+    scaler: Optional[DynamicLossScaler] = None
+    skipped_iterations: int = 0
+    model_chunks: List[torch.nn.Module] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.model_chunks:
+            self.model_chunks = model_chunks_of(self.model)
+
+
+def get_model(args: argparse.Namespace) -> torch.nn.Module:
+    """This rank's part of the GPT (Megatron's ``get_model``): the whole
+    :class:`~mpu_lab.models.GPTModel` at PP=1; at PP > 1 its pipeline stage, or a
+    ``ModuleList`` of its ``v`` chunks with virtual stages, holding the same weights as the
+    PP=1 model (:func:`~mpu_lab.models.build_model_chunks`), the tied embedding copies made
+    equal over the embedding group. Groups and seeds must be set."""
+    chunks = build_model_chunks(model_config(args), args.padded_vocab_size,
+                                args.max_position_embeddings)
+    if args.pipeline_model_parallel_size > 1:
+        sync_embedding_weights(chunks)
+    return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+
+
+def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> TrainState:
+    """Groups, seeds, model, DDP, optimizer, schedule, data; loads ``args.load`` if given.
+    ``args`` must have been through :func:`validate_args`. ``torch.distributed`` must be up."""
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None))
+    model_parallel_manual_seed(args.seed)
+    device = distributed.get_device()
+    model = get_model(args)
+    ddp_model = model
+    dp = parallel_state.get_data_parallel_world_size()
+    # Data parallelism: torch DDP at PP=1. At PP > 1 the schedule interleaves the backwards of
+    # many micro-batches (and chunks) with p2p messages; DDP would all-reduce during the last
+    # micro-batch's backward, which under 1F1B is not the last backward to run. So there the
+    # gradients are all-reduced explicitly over the data-parallel group once per step, after
+    # the schedule (allreduce_data_parallel_grads), as Megatron's own DDP does in
+    # finish_grad_sync.
+    if dp > 1 and args.pipeline_model_parallel_size == 1:
+        group = parallel_state.get_data_parallel_group()
+        ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
+                        process_group=group)   # GPTModel has no buffers to sync
+        ddp_model.register_comm_hook((group, dp), _ddp_counted_allreduce_hook)
+    optimizer = build_optimizer(model, args)
+    scheduler = build_scheduler(optimizer, args)
+    num_samples = args.global_batch_size * max(args.train_iters, 1)
+    dataset = datasets.build_dataset(args.data_path, num_samples, args.seq_length,
+                                     args.vocab_size, args.seed)
+    state = TrainState(args, model, ddp_model, optimizer, scheduler, dataset,
+                       scaler=DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None)
+    if dist.get_rank() == 0 and args.padded_vocab_size != args.vocab_size:
+        log(vocab_padding_message(args))
+    if args.load:
+        info = checkpointing.load_checkpoint(
+            args.load, model, optimizer=None if args.no_load_optim else optimizer,
+            scheduler=None if args.no_load_optim else scheduler, load_rng=not args.no_load_rng,
+            args=args)
+        state.iteration = info["iteration"]
+        if dist.get_rank() == 0:
+            log(f"> loaded {info['path']} (iteration {info['iteration']}, saved at TP="
+                f"{info['tensor_model_parallel_size']} PP={info.get('pipeline_model_parallel_size', 1)}"
+                f", now TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size})")
+    return state
+
+
+def get_batch(state: TrainState, iteration: int, micro_batch: int) -> Dict[str, torch.Tensor]:
+    """This rank's micro-batch: read by tensor-parallel rank 0, broadcast to its group
+    (Megatron's ``broadcast_data``: the group works on the same tokens)."""
+    args = state.args
+    keys = ["tokens", "labels", "position_ids", "loss_mask"]
+    data = None
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
+        ids = datasets.batch_indices(iteration, micro_batch, args.micro_batch_size,
+                                     parallel_state.get_data_parallel_rank(),
+                                     parallel_state.get_data_parallel_world_size(),
+                                     args.num_micro_batches)
+        batch = datasets.collate([state.dataset[i] for i in ids])
+        batch["loss_mask"] = batch["loss_mask"].long()
+        data = batch
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        with comm.comm_tag("data"):
+            out = broadcast_data(keys, data, torch.int64)
+    else:
+        device = distributed.get_device()
+        out = {k: data[k].to(device) for k in keys}
+    out["loss_mask"] = out["loss_mask"].float()
+    return out

@@ -1,0 +1,279 @@
+"""The training loop (Megatron's ``megatron/training/training.py``): :func:`train_step` — the
+micro-batches' forward and backward passes (gradient accumulation; DDP all-reduces during the
+last one), the gradient reductions, fp16 loss-scale check, TP-aware clipping and the optimizer
+step — or, with ``--pipeline-model-parallel-size`` > 1, :func:`train_step_pipelined`, where the
+micro-batches go through the stages under
+:func:`~mpu_lab.pipeline_parallel.get_forward_backward_func` (GPipe, 1F1B or interleaved) with
+:func:`forward_step`; both reduce the loss with :func:`masked_mean_loss` and
+:func:`_average_over_data_parallel` and return :func:`_step_output`'s dict. :func:`train` is the
+loop, logging JSON lines (``--metrics-file``) and saving checkpoints; :func:`pretrain` parses,
+validates, sets up and trains. Mixed precision is ``torch.autocast`` over fp32 parameters."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mpu_lab import checkpointing, comm, distributed, parallel_state
+from mpu_lab.optimizer import clip_grad_norm
+from mpu_lab.pipeline_parallel import (
+    average_losses_across_microbatches,
+    get_forward_backward_func,
+    get_last_schedule_stats,
+    unwrap_model,
+)
+from mpu_lab.timers import StepTimer
+from mpu_lab.training.arguments import parse_args, validate_args
+from mpu_lab.training.finalize_model_grads import finalize_grads
+from mpu_lab.training.initialize import TrainState, get_batch, setup
+
+
+def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's loss: the mean of the per-token loss over ``loss_mask``, in fp32 (both
+    train steps; the pipeline schedule's ``loss_func``)."""
+    return (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
+
+
+def _average_over_data_parallel(loss: torch.Tensor) -> torch.Tensor:
+    """The global batch's loss from this replica's mean over its micro-batches: the mean over
+    the data-parallel group (tag ``logging``)."""
+    dp_group = parallel_state.get_data_parallel_group()
+    if comm.group_size(dp_group) > 1:
+        with comm.comm_tag("logging"):
+            loss = comm.all_reduce(loss, group=dp_group) / comm.group_size(dp_group)
+    return loss
+
+
+def _step_output(state: TrainState, loss, grad_norm: float, lr: float, skipped: bool
+                 ) -> Dict[str, float]:
+    """What a train step returns (and :func:`train` logs)."""
+    out = dict(lm_loss=float(loss), grad_norm=grad_norm, lr=lr, skipped=skipped)
+    if state.scaler:
+        out["loss_scale"] = state.scaler.scale
+    return out
+
+
+def _autocast(args, device):
+    if args.bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if args.fp16:
+        return torch.autocast(device_type=device.type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def _optimizer_step(args, state, params):
+    """Unscale (fp16), clip over the model-parallel group, step, advance the schedule.
+
+    Returns ``(lr, grad_norm, skipped)``; ``grad_norm`` is NaN when fp16 overflow skipped
+    the step.
+    """
+    mp_group = parallel_state.get_model_parallel_group()
+    skipped = False
+    if state.scaler:
+        skipped = state.scaler.unscale_and_check(params, mp_group)
+        state.scaler.update(skipped)
+    lr = state.scheduler.lr_for_next_step()
+    grad_norm = float("nan")
+    if not skipped:
+        grad_norm = clip_grad_norm(params, args.clip_grad, mp_group)
+        state.optimizer.step()
+    else:
+        state.skipped_iterations += 1
+    state.scheduler.step()
+    state.iteration += 1
+    return lr, grad_norm, skipped
+
+
+def train_step(state: TrainState) -> Dict[str, float]:
+    """One iteration (``state.iteration`` is 0-based on entry, incremented on exit)."""
+    if state.args.pipeline_model_parallel_size > 1:
+        return train_step_pipelined(state)
+    args, model, ddp_model = state.args, state.model, state.ddp_model
+    device = distributed.get_device()
+    model.train()
+    state.optimizer.zero_grad(set_to_none=True)
+    M = args.num_micro_batches
+    scale = state.scaler.scale if state.scaler else 1.0
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for m in range(M):
+        batch = get_batch(state, state.iteration, m)
+        sync = contextlib.nullcontext()
+        if ddp_model is not model and m < M - 1:
+            sync = ddp_model.no_sync()   # accumulate locally; all-reduce on the last micro-batch
+        with sync:
+            with _autocast(args, device):
+                losses = ddp_model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+            loss = masked_mean_loss(losses, batch["loss_mask"])     # mean over this micro-batch
+            (loss * (scale / M)).backward()
+        comm.clear_backward_tag()
+        loss_sum += loss.detach()
+    finalize_grads(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    lr, grad_norm, skipped = _optimizer_step(args, state, params)
+    # Loss of the global batch: mean over micro-batches, then over the data-parallel group.
+    loss = _average_over_data_parallel(loss_sum / M)
+    return _step_output(state, loss, grad_norm, lr, skipped)
+
+
+def _microbatches(state: TrainState, iteration: int, chunk) -> Iterator[Optional[Dict[str, torch.Tensor]]]:
+    """One chunk's data iterator for one iteration: a micro-batch for each forward. Only the
+    chunks with the embedding (tokens) or the loss (labels, mask) read data; the others get
+    ``None`` (Megatron's ``get_batch`` on middle stages)."""
+    needs_data = chunk.pre_process or chunk.post_process
+    for m in range(state.args.num_micro_batches):
+        yield get_batch(state, iteration, m) if needs_data else None
+
+
+def forward_step(state: TrainState, data_iterator, model):
+    """Megatron's ``forward_step_func`` for the pipeline schedules: one micro-batch through
+    one model chunk; returns ``(output_tensor, loss_func)``. The first stage feeds tokens, the
+    last one labels; ``loss_func`` turns the per-token loss into this micro-batch's mean over
+    ``loss_mask`` (the schedule divides by the number of micro-batches)."""
+    batch = next(data_iterator)
+    chunk = unwrap_model(model)
+    labels = batch["labels"] if chunk.post_process else None
+    with _autocast(state.args, distributed.get_device()):
+        if chunk.pre_process:
+            output = model(batch["tokens"], batch["position_ids"], labels=labels)
+        else:
+            output = model(labels=labels)   # input from set_input_tensor
+
+    def loss_func(per_token_loss):
+        loss = masked_mean_loss(per_token_loss, batch["loss_mask"])
+        return loss, {"lm_loss": loss.detach()}
+
+    return output, loss_func
+
+
+
+def train_step_pipelined(state: TrainState) -> Dict[str, float]:
+    """One iteration with pipeline parallelism (Megatron's ``train_step`` with
+    ``get_forward_backward_func()``): the schedule runs the forwards and backwards of all
+    micro-batches over the stages; then the gradients are finished — data-parallel average,
+    sequence-parallel LayerNorm sums, the tied embedding summed over the first and last stage
+    — clipped over the model-parallel group and applied. The loss lives on the last stage; it
+    is broadcast over the pipeline so every rank returns it."""
+    args, chunks = state.args, state.model_chunks
+    device = distributed.get_device()
+    for chunk in chunks:
+        chunk.train()
+    state.optimizer.zero_grad(set_to_none=True)
+    scale = state.scaler.scale if state.scaler else 1.0
+    iterators = [_microbatches(state, state.iteration, chunk) for chunk in chunks]
+    forward_backward = get_forward_backward_func(args.pipeline_schedule)
+    store = forward_backward(
+        forward_step_func=functools.partial(forward_step, state),
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False,
+        grad_scale_func=(lambda loss: loss * scale) if state.scaler else None)
+    comm.clear_backward_tag()
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    finalize_grads(chunks, data_parallel_params=params)
+    lr, grad_norm, skipped = _optimizer_step(args, state, params)
+    # The loss of the global batch: on the last stage the mean over micro-batches, averaged
+    # over the data-parallel group; then sent from the last stage to the whole pipeline.
+    loss = torch.zeros((), dtype=torch.float32, device=device)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        loss += average_losses_across_microbatches(store)["lm_loss"]
+        loss = _average_over_data_parallel(loss)
+    with comm.comm_tag("logging"):
+        loss = comm.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                              group=parallel_state.get_pipeline_model_parallel_group())
+    return _step_output(state, loss, grad_norm, lr, skipped)
+
+
+def schedule_timeline_report() -> Dict[str, Any]:
+    """This rank's pipeline coordinates and the records of its last schedule run
+    (:func:`~mpu_lab.pipeline_parallel.get_last_schedule_stats`), JSON-able, for
+    ``launch.report``; :func:`~mpu_lab.pipeline_parallel.timeline.pipeline_records` turns the
+    ranks' reports into the Gantt chart's input. ``{}`` when no schedule has run."""
+    stats = get_last_schedule_stats()
+    if stats is None:
+        return {}
+    return dict(pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
+                data_parallel_rank=parallel_state.get_data_parallel_rank(),
+                stats=stats.as_dict())
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(state: TrainState, train_iters: Optional[int] = None,
+          log: Callable[[str], None] = print) -> List[Dict[str, Any]]:
+    """Run to ``train_iters`` (default ``args.train_iters``) optimizer steps; return the
+    metrics of each logged iteration (the same dicts as the ``--metrics-file`` lines)."""
+    args = state.args
+    end = args.train_iters if train_iters is None else train_iters
+    device = distributed.get_device()
+    rank0 = dist.get_rank() == 0
+    metrics_out = open(args.metrics_file, "a") if (args.metrics_file and rank0) else None
+    tokens_per_iteration = args.global_batch_size * args.seq_length
+    logged: List[Dict[str, Any]] = []
+    window_losses, window_start = [], None
+    timer = None
+    if getattr(args, "breakdown", False) or getattr(args, "breakdown_barrier", False) \
+            or getattr(args, "breakdown_profile", None):
+        # train_gpt.py --breakdown: time each step and its collectives (mpu_lab.perf.measure)
+        timer = state.step_timer = StepTimer(device, barrier=args.breakdown_barrier,
+                                             profile_dir=args.breakdown_profile)
+    try:
+        _sync(device)
+        window_start = time.perf_counter()
+        while state.iteration < end:
+            step = timer.time_step(train_step, state) if timer else train_step(state)
+            window_losses.append(step["lm_loss"])
+            it = state.iteration
+            if it % args.log_interval == 0 or it == end:
+                _sync(device)
+                now = time.perf_counter()
+                dt = (now - window_start) / len(window_losses)
+                record = dict(iteration=it, lm_loss=sum(window_losses) / len(window_losses),
+                              grad_norm=step["grad_norm"], lr=step["lr"], iteration_time_s=dt,
+                              tokens_per_s=tokens_per_iteration / dt,
+                              consumed_samples=it * args.global_batch_size,
+                              skipped_iterations=state.skipped_iterations)
+                if "loss_scale" in step:
+                    record["loss_scale"] = step["loss_scale"]
+                logged.append(record)
+                if metrics_out:
+                    metrics_out.write(json.dumps(record) + "\n")
+                    metrics_out.flush()
+                if rank0 and not args.quiet:
+                    log(f" iteration {it:8d}/{end:8d} | consumed samples: {record['consumed_samples']:9d}"
+                        f" | elapsed time per iteration (ms): {dt * 1e3:8.1f} | learning rate: "
+                        f"{step['lr']:.3E} | lm loss: {record['lm_loss']:.6E} | grad norm: "
+                        f"{step['grad_norm']:.3f} | tokens/s: {record['tokens_per_s']:.0f}")
+                window_losses = []
+                window_start = time.perf_counter()
+            if args.save and args.save_interval and it % args.save_interval == 0:
+                checkpointing.save_checkpoint(args.save, state)
+                window_start = time.perf_counter()
+        if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
+            checkpointing.save_checkpoint(args.save, state)
+    finally:
+        if metrics_out:
+            metrics_out.close()
+    return logged
+
+
+def pretrain(argv: Optional[Sequence[str]] = None, args: Optional[argparse.Namespace] = None,
+             log: Callable[[str], None] = print):
+    """Parse, validate, set up and train in a process that ``torch.distributed`` already runs
+    in (a torchrun worker; groups are (re)initialised from the flags). Returns
+    ``(metrics, state)``."""
+    if args is None:
+        args = parse_args(argv)
+    validate_args(args, dist.get_world_size())
+    state = setup(args, log=log)
+    return train(state, log=log), state
