@@ -5,7 +5,7 @@
         --ops all_reduce all_gather --min-bytes 1M --max-bytes 1G --iters 20 --dtype bfloat16
 
 From a notebook: ``mpu_lab.launch.run("bench_bandwidth.py", [...], nproc=4).results[0]["rows"]``
-and ``mpu_lab.perf.measure.format_bandwidth(rows)``.
+and ``mpu_lab.perf.bandwidth.format_bandwidth(rows)``.
 
 Every call goes through :mod:`mpu_lab.comm`, the functions the model uses, so the times include
 what they add (a fresh output tensor per call; on gloo with CUDA tensors, the copy through host
@@ -13,7 +13,7 @@ memory). Per op and size ``S`` (the whole array, nccl-tests' convention): ``warm
 calls, then ``iters`` timed ones between two synchronisations; each rank's mean time is
 averaged over the ranks (nccl-tests' default ``-a 1``); ``algbw = S / t`` and
 ``busbw = algbw x factor`` with the factors of nccl-tests' doc/PERFORMANCE.md
-(:func:`mpu_lab.perf.measure.busbw`). The first call of each size is checked against the
+(:func:`mpu_lab.perf.bandwidth.busbw`). The first call of each size is checked against the
 expected values (the ``wrong`` count must be 0). A benchmark that prints figures, not a test.
 """
 import argparse
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mpu_lab import comm, distributed, launch
-from mpu_lab.perf import measure
+from mpu_lab.perf import bandwidth
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -32,8 +32,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="bench_bandwidth.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ops", nargs="+", default=list(measure.COLLECTIVES),
-                   help=f"collectives to time, of {', '.join(measure.COLLECTIVES)}")
+    p.add_argument("--ops", nargs="+", default=list(bandwidth.COLLECTIVES),
+                   help=f"collectives to time, of {', '.join(bandwidth.COLLECTIVES)}")
     p.add_argument("--min-bytes", default="4K", help="smallest whole-array size S (e.g. 1K)")
     p.add_argument("--max-bytes", default="4M", help="largest S (e.g. 64M, 1G)")
     p.add_argument("--factor", type=int, default=4, help="size multiplier from one row to the next")
@@ -42,12 +42,12 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = p.parse_args(argv)
     for op in args.ops:
-        if op not in measure.COLLECTIVES:
-            p.error(f"--ops: unknown collective {op!r}; valid: {', '.join(measure.COLLECTIVES)}")
+        if op not in bandwidth.COLLECTIVES:
+            p.error(f"--ops: unknown collective {op!r}; valid: {', '.join(bandwidth.COLLECTIVES)}")
     if args.iters < 1 or args.warmup < 0:
         p.error(f"--iters ({args.iters}) must be >= 1 and --warmup ({args.warmup}) >= 0")
     try:
-        args.sizes = measure.message_sizes(args.min_bytes, args.max_bytes, args.factor)
+        args.sizes = bandwidth.message_sizes(args.min_bytes, args.max_bytes, args.factor)
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -82,7 +82,7 @@ def sync(device):
 def bench(op, size, args, info):
     n, dtype, device = info.world_size, DTYPES[args.dtype], info.device
     element_size = torch.empty((), dtype=dtype).element_size()
-    numel, whole = measure.collective_numel(op, size, n, element_size)
+    numel, whole = bandwidth.collective_numel(op, size, n, element_size)
     x = torch.full((numel,), info.rank + 1.0, dtype=dtype, device=device)
     wrong = int(not torch.equal(call(op, x), expected(op, numel, n, info.rank, dtype, device)))
     for _ in range(args.warmup):
@@ -97,7 +97,7 @@ def bench(op, size, args, info):
     totals = comm.all_reduce(torch.tensor([mine, wrong], dtype=torch.float64, device=device))
     t = float(totals[0]) / n
     return dict(op=op, size_bytes=whole, ranks=n, dtype=args.dtype, time_s=t,
-                algbw=measure.algbw(whole, t), busbw=measure.busbw(op, whole, t, n),
+                algbw=bandwidth.algbw(whole, t), busbw=bandwidth.busbw(op, whole, t, n),
                 wrong=int(totals[1]))
 
 
@@ -108,11 +108,11 @@ def main(argv=None):
     rows = [bench(op, size, args, info) for op in args.ops for size in args.sizes]
     notes = []
     if info.backend == "gloo" and "reduce_scatter" in args.ops:
-        notes.append(measure.GLOO_REDUCE_SCATTER_NOTE)
+        notes.append(bandwidth.GLOO_REDUCE_SCATTER_NOTE)
     if info.rank == 0:
         print(f"# {info.world_size} ranks, backend {info.backend}, device {info.device.type}, "
               f"{args.dtype}, {args.iters} timed calls per size after {args.warmup} warm-up")
-        print(measure.format_bandwidth(rows))
+        print(bandwidth.format_bandwidth(rows))
         print(f"# wrong results: {sum(r['wrong'] for r in rows)}")
         for note in notes:
             print(f"# note: {note}")

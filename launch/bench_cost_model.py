@@ -24,8 +24,9 @@ Steps:
    the run during which some task waited for a CPU (Linux pressure-stall information,
    /proc/pressure/cpu): our ranks fit the cores, so anything well above 0 is other processes,
    and the ratio then says more about them than about the model.
-3. Predict the same configuration with mpu_lab.perf.predict_iteration on the calibrated cluster
-   and print measured, predicted and their ratio. The issue's target: within ±30 %.
+3. Predict the same configuration with mpu_lab.perf.cost_model.predict_iteration on the
+   calibrated cluster and print measured, predicted and their ratio. The issue's target:
+   within ±30 %.
 
 What the model leaves out here (so sizes are chosen where matmuls dominate): Python and
 per-op dispatch overhead (~10 µs per op, a few hundred ops per layer and step), the optimizer's
@@ -48,9 +49,13 @@ import os
 import sys
 import time
 
-from mpu_lab import launch
+import torch
+import torch.distributed as dist
+
+from mpu_lab import comm, distributed, launch
 from mpu_lab.perf import calibrate
 from mpu_lab.perf.calibrate import TrainConfig
+from mpu_lab.perf.cost_model import ring_all_reduce_factor
 
 # Two ranks each (one thread each on a 2-core machine): a single rank with two OpenMP threads
 # slows down erratically when other processes share the cores (spinning thread barriers).
@@ -124,11 +129,6 @@ def build_configs(args):
 @launch.entrypoint
 def worker(args):
     """One rank of the calibration job: all ranks time at the same moment, as in training."""
-    import torch
-    import torch.distributed as dist
-
-    from mpu_lab import comm, distributed
-    from mpu_lab.perf.model import ring_all_reduce_factor
     info = distributed.init(backend="gloo", device="cpu")
     sets = json.loads(args.shape_sets) if args.shape_sets else [[[1, 1024, 256, 1024]]]
     dist.barrier()

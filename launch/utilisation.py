@@ -5,7 +5,7 @@ where each rank's step goes (the pictures of lab 08), from the command line.
     python launch/utilisation.py --nproc 8 --hidden 1024 --heads 16 --seq-length 512 --out runs/util
 
 This is a driver, not a torchrun script: it starts the two ``launch/train_gpt.py --breakdown``
-jobs itself (``mpu_lab.perf.measure.profile_training``) while a thread samples every rank
+jobs itself (``mpu_lab.perf.runs.profile_training``) while a thread samples every rank
 (psutil: is its main thread running or runnable, or ``--metric cpu``: its CPU use), or GPU use
 through NVML where there are GPUs. It prints each rank's mean utilisation, how busy the whole
 machine was (other processes make the figures slower and noisier), the step breakdown per
@@ -42,26 +42,28 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # imported here, after the argument check: torch and matplotlib take seconds to load
     from mpu_lab import viz
-    from mpu_lab.perf import calibrate, measure
+    from mpu_lab.perf.breakdown import format_breakdown
+    from mpu_lab.perf.calibrate import TrainConfig
+    from mpu_lab.perf.runs import format_utilisation, profile_training, training_flags
     shape = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                  seq_length=args.seq_length, global_batch_size=args.global_batch,
                  train_iters=args.steps)
     n = args.nproc
-    configs = {f"bad: PP={n}, 1 micro-batch": calibrate.TrainConfig(
+    configs = {f"bad: PP={n}, 1 micro-batch": TrainConfig(
                    pp=n, micro_batch_size=args.global_batch, **shape),
-               f"good: DP={n}": calibrate.TrainConfig(
+               f"good: DP={n}": TrainConfig(
                    dp=n, micro_batch_size=args.global_batch // n, **shape)}
     runs = {}
     for label, tc in configs.items():
-        runs[label] = measure.profile_training(measure.training_flags(tc), n, label,
-                                               interval_s=args.interval, barrier=args.barrier,
-                                               cpu_metric=args.metric)
+        runs[label] = profile_training(training_flags(tc), n, label, interval_s=args.interval,
+                                       barrier=args.barrier, cpu_metric=args.metric)
         run = runs[label]
         print(f"{label}: {run.step_s * 1e3:.1f} ms per step (median), job {run.elapsed_s:.1f} s")
-    print(measure.format_utilisation(runs))
+    print(format_utilisation(runs))
     for label, run in runs.items():
-        print(f"\n{label}\n{measure.format_breakdown(run.reports)}")
+        print(f"\n{label}\n{format_breakdown(run.reports)}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [viz.save_figure(viz.plot_utilisation({k: r.utilisation for k, r in runs.items()},

@@ -1,11 +1,20 @@
 """Performance: the analytic cost model of model-parallel training and the tools that measure it.
 
-- :mod:`mpu_lab.perf.model` — FLOPs, communication volume, pipeline bubble, memory per GPU.
+- :mod:`mpu_lab.perf.cost_model` — FLOPs, communication volume, pipeline bubble, memory per GPU,
+  time per iteration (Narayanan et al. 2021, Korthikanti et al. 2022); pure Python.
 - :mod:`mpu_lab.perf.explorer` — enumerate and rank (t, p, d, m) for a model on a cluster.
-- :mod:`mpu_lab.perf.calibrate` — fit on published runs; calibrate and check on this machine.
-- :mod:`mpu_lab.perf.measure` — step-time breakdown, collective bandwidth, utilisation sampling.
+- :mod:`mpu_lab.perf.published_runs` — fit on published runs and predict the others.
+- :mod:`mpu_lab.perf.calibrate` — calibrate on this machine and check against real runs.
+- :mod:`mpu_lab.perf.bandwidth` — collective bandwidth as nccl-tests reports it.
+- :mod:`mpu_lab.perf.breakdown` — where a training step's time goes, per rank.
+- :mod:`mpu_lab.perf.utilisation` — how busy each rank is over time.
+- :mod:`mpu_lab.perf.runs` — a profiled training run next to the cost model's prediction.
+- :mod:`mpu_lab.perf.activation_memory` — what one layer's autograd keeps, against the paper.
+
+``mpu_lab.perf.model`` and ``mpu_lab.perf.measure`` are temporary aliases of the old modules.
 """
-from mpu_lab.perf.model import *  # noqa: F401,F403
+from mpu_lab.perf.cost_model import *  # noqa: F401,F403
+from mpu_lab.perf.bandwidth import algbw, bus_factor, busbw  # noqa: F401
 from mpu_lab.perf.explorer import Exploration, diagnose, explore  # noqa: F401
-from mpu_lab.perf.measure import (  # noqa: F401
-    StepTimer, Utilisation, UtilisationSampler, algbw, bus_factor, busbw)
+from mpu_lab.perf.utilisation import Utilisation, UtilisationSampler  # noqa: F401
+from mpu_lab.timers import StepTimer  # noqa: F401

@@ -1,164 +1,38 @@
-"""Calibrate the cost model: on published runs (one efficiency per GPU generation) and on this
-machine (a matmul and an all-reduce measurement), and compare predictions with measurements.
+"""Calibrate the cost model on this machine, and check its predictions against real training runs.
 
-Published runs (``published_runs.yaml``)::
-
-    runs = load_published_runs()
-    table = published_runs_comparison()          # fit on one run per GPU, predict the others
-    print(format_published_comparison(table))
-
-This machine::
+This machine: one short ``torchrun`` job (:func:`calibrate_ranks`) times each rank's matmuls
+(:func:`layer_matmul_shapes`, the GEMMs of one layer, Narayanan et al. 2021 §3), the
+memory-bound element-wise ops and a gloo all-reduce (ring model, Patarasuk & Yuan 2009), and
+:func:`cpu_cluster` turns that into a :class:`~mpu_lab.perf.cost_model.Cluster`::
 
     cluster = cpu_cluster(nproc=2)        # a 2-rank torchrun job times matmuls and an all-reduce
     predict_iteration(model, cfg, cluster, dtype_bytes=4, grad_bytes=4)
 
-``launch/bench_cost_model.py`` runs small ``train_gpt.py`` configurations and prints measured vs
-predicted step times with :func:`measure_vs_predict`.
+:class:`TrainConfig` is one small ``launch/train_gpt.py`` run; :func:`measure_vs_predict`
+measures such runs and predicts them (``launch/bench_cost_model.py`` prints the table).
+The published runs and the efficiency fitted on them are in :mod:`mpu_lab.perf.published_runs`
+(re-exported here for now).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import pathlib
 import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mpu_lab.perf.model import (CLUSTERS, Cluster, ModelShape, ParallelConfig,
-                                IterationPrediction, predict_iteration)
+import torch
+import torch.nn.functional as F
 
-PUBLISHED_RUNS_PATH = pathlib.Path(__file__).with_name("published_runs.yaml")
-DEFAULT_CALIBRATION_RUNS = {"a100": "GPT 1T", "h100": "GPT-3 175B (96 H100)"}
-
-
-# --------------------------------------------------------------------------- published runs
-def load_published_runs(path: Optional[os.PathLike] = None) -> dict:
-    """The YAML file as a dict: ``sources``, ``clusters`` (gpu → preset key) and ``runs``."""
-    import yaml
-    with open(path or PUBLISHED_RUNS_PATH) as f:
-        return yaml.safe_load(f)
-
-
-def run_inputs(run: dict, clusters: Optional[Dict[str, str]] = None
-               ) -> Tuple[ModelShape, ParallelConfig, Cluster]:
-    """(ModelShape, ParallelConfig, Cluster preset) for one entry of ``runs``."""
-    m, par = run["model"], run["parallel"]
-    model = ModelShape(num_layers=m["num_layers"], hidden_size=m["hidden_size"],
-                       num_attention_heads=m["num_attention_heads"],
-                       seq_length=m["seq_length"], vocab_size=m["vocab_size"], name=run["name"])
-    tp, pp, n = par["tp"], par["pp"], par["num_gpus"]
-    if n % (tp * pp):
-        raise ValueError(f"{run['name']}: {n} GPUs are not divisible by tp {tp} x pp {pp}")
-    cfg = ParallelConfig(
-        tp=tp, pp=pp, dp=n // (tp * pp), micro_batch_size=par["micro_batch_size"],
-        global_batch_size=par["global_batch_size"], virtual_stages=par.get("virtual_stages", 1),
-        sequence_parallel=par.get("sequence_parallel", False),
-        recompute=par.get("recompute", "none"),
-        flash_attention=par.get("flash_attention", False),
-        distributed_optimizer=par.get("distributed_optimizer", False),
-        overlap_grad_reduce=par.get("overlap_grad_reduce", False),
-        overlap_tp_comm=par.get("overlap_tp_comm", False),
-        overlap_p2p_comm=par.get("overlap_p2p_comm", False))
-    preset = (clusters or {"a100": "dgx-a100-80gb", "h100": "dgx-h100"})[run["gpu"]]
-    return model, cfg, CLUSTERS[preset]
-
-
-def reported_tflops(run: dict, cluster: Cluster) -> float:
-    """The run's reported throughput in TFLOP/s per GPU, in its own FLOP convention."""
-    rep = run["reported"]
-    if rep["metric"] == "mfu":
-        return rep["mfu"] * cluster.peak_flops / 1e12
-    return float(rep["tflops_per_gpu"])
-
-
-def predicted_tflops(prediction: IterationPrediction, metric: str) -> float:
-    """The prediction in the run's convention: with recomputation FLOPs (Narayanan et al.) or
-    model FLOPs only (MFU)."""
-    if metric == "mfu":
-        return prediction.model_tflops_per_gpu
-    return prediction.hardware_tflops_per_gpu
-
-
-def fit_matmul_efficiency(run: dict, lo: float = 0.05, hi: float = 1.0, iters: int = 50,
-                          ignore: Sequence[str] = ()) -> float:
-    """The ``matmul_efficiency`` at which the model reproduces ``run``'s reported throughput
-    (bisection; predicted throughput grows with the efficiency)."""
-    model, cfg, cluster = run_inputs(run)
-    target = reported_tflops(run, cluster)
-    metric = run["reported"]["metric"]
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        got = predicted_tflops(predict_iteration(model, cfg, cluster.replace(
-            matmul_efficiency=mid), ignore=ignore), metric)
-        lo, hi = (mid, hi) if got < target else (lo, mid)
-    return round((lo + hi) / 2, 4)
-
-
-def published_runs_comparison(calibrate_on: Optional[Dict[str, str]] = None,
-                              data: Optional[dict] = None, ignore: Sequence[str] = ()
-                              ) -> List[dict]:
-    """Fit one matmul efficiency per GPU generation on one run each (``calibrate_on``: gpu →
-    run name), hold it fixed, and predict every run. One dict per run: name, gpu, t, p, d, m,
-    v, reported and predicted TFLOP/s per GPU (the run's convention), the relative error,
-    the fitted efficiency, whether the row was the calibration run, and the predicted
-    breakdown shares. ``ignore``: effects left out of the model (fit and predictions alike)."""
-    data = data or load_published_runs()
-    calibrate_on = calibrate_on or DEFAULT_CALIBRATION_RUNS
-    by_name = {r["name"]: r for r in data["runs"]}
-    for gpu, name in calibrate_on.items():
-        if name not in by_name:
-            raise ValueError(f"calibration run {name!r} for {gpu} is not in the data; "
-                             f"runs: {sorted(by_name)}")
-    eff = {gpu: fit_matmul_efficiency(by_name[name], ignore=ignore)
-           for gpu, name in calibrate_on.items()}
-    rows = []
-    for run in data["runs"]:
-        if run["gpu"] not in eff:
-            continue
-        model, cfg, cluster = run_inputs(run)
-        pred = predict_iteration(model, cfg, cluster.replace(matmul_efficiency=eff[run["gpu"]]),
-                                 ignore=ignore)
-        reported = reported_tflops(run, cluster)
-        predicted = predicted_tflops(pred, run["reported"]["metric"])
-        rows.append(dict(
-            name=run["name"], gpu=run["gpu"], t=cfg.tp, p=cfg.pp, d=cfg.dp, m=cfg.m, v=cfg.v,
-            gpus=cfg.num_gpus, metric=run["reported"]["metric"],
-            reported_tflops=round(reported, 1), predicted_tflops=round(predicted, 1),
-            error=round(predicted / reported - 1, 4), efficiency=eff[run["gpu"]],
-            calibration=run["name"] == calibrate_on[run["gpu"]],
-            shares={k: round(v, 3) for k, v in pred.shares().items()},
-            memory_gb=round(pred.memory_gb, 1), fits=pred.fits))
-    return rows
-
-
-def effect_ablation(calibrate_on: Optional[Dict[str, str]] = None) -> List[dict]:
-    """Which modelled effects the published-runs fit needs: refit without each one (and with
-    all of them) and report the worst error over the predicted runs, per GPU generation."""
-    from mpu_lab.perf.model import EFFECTS
-    out = []
-    for ignore in [()] + [(e,) for e in EFFECTS]:
-        rows = published_runs_comparison(calibrate_on, ignore=ignore)
-        entry = dict(left_out=ignore[0] if ignore else "nothing")
-        for gpu in sorted({r["gpu"] for r in rows}):
-            errs = [r["error"] for r in rows if r["gpu"] == gpu and not r["calibration"]]
-            entry[f"worst_{gpu}"] = round(max(errs, key=abs), 3)
-        out.append(entry)
-    return out
-
-
-def format_published_comparison(rows: Sequence[dict]) -> str:
-    """A fixed-width text table of :func:`published_runs_comparison` (deterministic)."""
-    head = (f"{'run':<24}{'GPUs':>6}{'t':>3}{'p':>4}{'d':>5}{'m':>5}{'v':>3}"
-            f"{'reported':>10}{'predicted':>11}{'error':>8}  note")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        note = f"fitted here (eff {r['efficiency']:.3f})" if r["calibration"] else ""
-        lines.append(f"{r['name']:<24}{r['gpus']:>6}{r['t']:>3}{r['p']:>4}{r['d']:>5}{r['m']:>5}"
-                     f"{r['v']:>3}{r['reported_tflops']:>10.1f}{r['predicted_tflops']:>11.1f}"
-                     f"{100 * r['error']:>7.1f}%  {note}")
-    return "\n".join(lines)
-
+from mpu_lab import launch, training
+from mpu_lab.models.gpt import pad_vocab_size
+from mpu_lab.perf.bandwidth import allreduce_fit
+from mpu_lab.perf.cost_model import Cluster, ModelShape, ParallelConfig, predict_iteration
+from mpu_lab.perf.published_runs import (  # noqa: F401  (temporary re-export, old home)
+    DEFAULT_CALIBRATION_RUNS, PUBLISHED_RUNS_PATH, effect_ablation, fit_matmul_efficiency,
+    format_published_comparison, load_published_runs, predicted_tflops,
+    published_runs_comparison, reported_tflops, run_inputs)
 
 # --------------------------------------------------------------------------- this machine
 def _best_time(fn, repeats: int) -> float:
@@ -175,7 +49,6 @@ def _best_time(fn, repeats: int) -> float:
 
 
 def _with_threads(threads: Optional[int], fn):
-    import torch
     old = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -203,7 +76,6 @@ def calibrate_matmul(shapes: Sequence[Tuple[int, int, int, int]] = ((1, 1024, 25
     :func:`layer_matmul_shapes` of the model being predicted — with ``threads`` torch threads
     (pass the count each rank gets: mpu_lab.launch sets OMP_NUM_THREADS = cores / ranks).
     Total FLOPs over the sum of the best times of each shape."""
-    import torch
     dt = getattr(torch, dtype)
 
     def measure():
@@ -224,10 +96,7 @@ def calibrate_memory_bandwidth(numel: int = 1 << 21, threads: Optional[int] = No
     on ``numel`` fp32 values, total bytes read and written over total time. On a GPU these ops
     are bound by memory bandwidth; on a CPU the transcendental ones (GeLU, softmax) run 3-5x
     slower than an add, so timing only an add would overstate the figure the model's
-    memory-bound term (:data:`mpu_lab.perf.model.ELEMENTWISE_PASSES`) divides by."""
-    import torch
-    import torch.nn.functional as F
-
+    memory-bound term (:data:`mpu_lab.perf.cost_model.ELEMENTWISE_PASSES`) divides by."""
     def measure():
         x, y = torch.randn(numel // hidden, hidden), torch.randn(numel // hidden, hidden)
         z = torch.randn(numel // scores, scores)
@@ -245,8 +114,6 @@ def calibrate_allreduce(nproc: int = 2, min_bytes: str = "4K", max_bytes: str = 
 
     The smallest message's time is taken as the latency; the bandwidth comes from the largest:
     ``busbw = 2(n-1)/n · S / (t - latency)`` — the ring model :func:`predict_iteration` uses."""
-    from mpu_lab import launch
-    from mpu_lab.perf.measure import allreduce_fit
     job = launch.run("bench_bandwidth.py", ["--ops", "all_reduce", "--min-bytes", min_bytes,
                                             "--max-bytes", max_bytes, "--factor", "4"],
                      nproc=nproc, show="none", timeout_s=timeout_s)
@@ -264,7 +131,6 @@ def calibrate_ranks(nproc: int = 2,
     ``matmul_flops`` (first set), ``matmul_flops_sets`` (one per set) and
     ``memory_bandwidth``, and ``latency_s`` and ``busbw`` (ring model:
     ``2(n-1)/n · S / (t - latency)``)."""
-    from mpu_lab import launch
     args = ["--worker"]
     if shape_sets:
         args += ["--shape-sets", json.dumps([[list(x) for x in shapes] for shapes in shape_sets])]
@@ -316,9 +182,11 @@ class TrainConfig:
         return f"t={self.tp} p={self.pp} d={self.dp} h={self.hidden_size} L={self.num_layers}"
 
     def shapes(self) -> Tuple[ModelShape, ParallelConfig]:
-        # train_gpt.py pads the vocabulary to a multiple of 128·t (Megatron's rule)
-        mult = 128 * self.tp
-        vocab = -(-self.vocab_size // mult) * mult
+        # the vocabulary train_gpt.py builds from these flags: padded to a multiple of
+        # make_vocab_size_divisible_by x t (Megatron's rule; the training arguments' default)
+        args = training.parse_args(self.argv())
+        vocab = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
+                               args.tensor_model_parallel_size)
         model = ModelShape(self.num_layers, self.hidden_size, self.num_attention_heads,
                            self.seq_length, vocab)
         cfg = ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp,
@@ -363,7 +231,6 @@ def measure_step_time(tc: TrainConfig, skip: int = 4, timeout_s: float = 180
     does when nothing else runs), ``median``, and ``cpu_pressure`` — the share of the run during
     which some task waited for a CPU (:func:`cpu_pressure_us`; None if unknown). Our own ranks
     fit the cores here, so pressure means other processes were competing."""
-    from mpu_lab import launch
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "metrics.jsonl")
         p0, t0 = cpu_pressure_us(), time.perf_counter()

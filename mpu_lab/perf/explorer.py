@@ -1,6 +1,6 @@
 """Which (t, p, d, m) should I use? Enumerate every valid split of a model over N GPUs, predict
-each with :func:`mpu_lab.perf.model.predict_iteration`, rank them, and say in plain words what is
-wrong with the bad ones — the answer to "why is my utilisation low".
+each with :func:`mpu_lab.perf.cost_model.predict_iteration`, rank them, and say in plain words
+what is wrong with the bad ones — the answer to "why is my utilisation low".
 
     >>> from mpu_lab.perf import ModelShape, DGX_A100_80GB
     >>> from mpu_lab.perf.explorer import explore
@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Sequence
 
-from mpu_lab.perf.model import (Cluster, IterationPrediction, ModelShape, ParallelConfig,
-                                RECOMPUTE_MODES, bubble_fraction, group_crosses_nodes,
-                                predict_iteration)
+from mpu_lab.perf.cost_model import (Cluster, IterationPrediction, ModelShape, ParallelConfig,
+                                     RECOMPUTE_MODES, bubble_fraction, group_crosses_nodes,
+                                     predict_iteration)
 from mpu_lab.utils import divisors
 
 __all__ = ["Candidate", "Exploration", "enumerate_configs", "explore", "diagnose",

@@ -1,0 +1,207 @@
+"""Closed-form counts of the cost model: parameters, FLOPs, pipeline bubble, bytes moved, memory.
+
+Each function's docstring names its source:
+
+* Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM" (arXiv:2104.04473): parameter count and FLOPs — the ``72 B s L h²`` form without
+  and the ``96 B s L h²`` form with recomputation (§5.1) —, pipeline bubble (§2.2),
+  tensor-parallel communication (§3.3), scatter/gather of pipeline messages (§4.1).
+* Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+  (arXiv:2205.05198): activation memory per layer (§4, Table 2;
+  :mod:`mpu_lab.perf.cost_model.activations`), in-flight micro-batches of 1F1B and interleaved
+  schedules (§4.2.3), selective recomputation (§5).
+* Rajbhandari et al. 2020, "ZeRO" (arXiv:1910.02054) §3.1: mixed-precision Adam keeps 16 bytes
+  per parameter.
+* Patarasuk & Yuan 2009 / NCCL's performance notes: a ring all-reduce moves 2(n-1)/n of the
+  message through every GPU's link.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+from mpu_lab.perf.cost_model.activations import activation_memory_per_layer
+from mpu_lab.perf.cost_model.inputs import RECOMPUTE_MODES, ModelShape, ParallelConfig
+
+__all__ = ["BYTES_PER_PARAM_ADAM", "parameter_count", "parameters_per_gpu", "flops_per_token",
+           "model_flops_per_iteration", "hardware_flops_per_iteration", "bubble_fraction",
+           "ring_all_reduce_factor", "tp_comm_per_layer", "pipeline_p2p_bytes",
+           "dp_allreduce_bytes", "in_flight_microbatches", "memory_per_gpu"]
+
+BYTES_PER_PARAM_ADAM = 16        # ZeRO §3.1: fp16 weight 2 + fp16 grad 2 + fp32 copy, m, v 12
+
+
+def parameter_count(model: ModelShape) -> int:
+    """Parameters of a GPT (Narayanan et al. 2021 §5.1):
+    ``P = 12 L h² (1 + 13/(12h) + (V + s)/(12 L h))``.
+
+    Per layer: QKV and output projections 4h² + 4h, the MLP 2·h·ffn + ffn + h, two layer norms
+    4h (= 12h² + 13h for ffn = 4h); plus word and position embeddings (V + s)·h. Like the paper
+    it leaves out the final layer norm (2h) and counts the tied output layer once.
+    """
+    h, f = model.h, model.ffn
+    per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+    return model.L * per_layer + (model.V + model.s) * h
+
+
+def parameters_per_gpu(model: ModelShape, cfg: ParallelConfig, stage: str = "first") -> float:
+    """Parameters one GPU holds: its L/p layers split t ways, plus the word embedding (split t
+    ways, on the first stage and — tied weights, Megatron keeps a copy — on the last) and the
+    position embedding (first stage). Layer norms and biases of the row-parallel layers are
+    replicated, treated here as split (a <0.1 % error)."""
+    h, f = model.h, model.ffn
+    per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+    n = model.L / cfg.pp * per_layer / cfg.tp
+    if stage == "first" or cfg.pp == 1:
+        n += model.V * h / cfg.tp + model.s * h
+    elif stage == "last":
+        n += model.V * h / cfg.tp
+    return n
+
+
+def flops_per_token(model: ModelShape) -> Dict[str, float]:
+    """Matmul FLOPs per token, forward pass (Narayanan et al. 2021 §5.1, generalised to ffn).
+
+    One layer: QKV + output projection 2·4h², MLP 2·2h·ffn, attention scores QKᵀ and the
+    weighted sum of values 2·2·s·h (the full s×s product, as the paper counts it); logits 2hV.
+    """
+    layer = 2 * (4 * model.h ** 2 + 2 * model.h * model.ffn) + 4 * model.s * model.h
+    return dict(layer=float(layer), attention_core=4.0 * model.s * model.h,
+                logits=2.0 * model.h * model.V)
+
+
+def model_flops_per_iteration(model: ModelShape, global_batch_size: int) -> float:
+    """Model FLOPs of one iteration (forward + backward = 3 × forward, no recomputation):
+    ``72 B s L h² (1 + s/(6h) + V/(12 L h))`` for ffn = 4h — Narayanan et al. 2021 §5.1 without
+    the recomputation pass, i.e. 6N + 12·L·h·s per token (N without embeddings, plus 6hV for the
+    logits). MFU counts these (Korthikanti et al. 2022 §6)."""
+    f = flops_per_token(model)
+    return 3.0 * global_batch_size * model.s * (model.L * f["layer"] + f["logits"])
+
+
+def hardware_flops_per_iteration(model: ModelShape, global_batch_size: int,
+                                 recompute: str = "none") -> float:
+    """FLOPs the GPUs really execute: model FLOPs plus recomputation.
+
+    ``full``: one more forward of every layer — Narayanan et al. 2021 §5.1's
+    ``96 B s L h² (1 + s/(6h) + V/(16 L h))`` (8N + 16·L·h·s per token); the paper's reported
+    TFLOP/s count these. ``selective``: one more attention core (QKᵀ and the weighted sum),
+    Korthikanti et al. 2022 §5.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    f = flops_per_token(model)
+    extra = {"none": 0.0, "selective": f["attention_core"], "full": f["layer"]}[recompute]
+    tokens = global_batch_size * model.s
+    return model_flops_per_iteration(model, global_batch_size) + tokens * model.L * extra
+
+
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Pipeline bubble relative to the ideal compute time: ``(p-1)/m`` for GPipe and 1F1B, and
+    ``(p-1)/(v·m)`` for the interleaved schedule with v model chunks per GPU (Narayanan et al.
+    2021 §2.2.1–2.2.2). Its share of the whole iteration is ``(p-1)/(v·m + p-1)``."""
+    for name, value in (("p", p), ("m", m), ("v", v)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return (p - 1) / (v * m)
+
+
+def ring_all_reduce_factor(n: int) -> float:
+    """Bytes each GPU sends per byte of message in a ring all-reduce: ``2(n-1)/n`` (a
+    reduce-scatter then an all-gather, each ``(n-1)/n``; nccl-tests' busbw factor)."""
+    if n < 1:
+        raise ValueError(f"group size must be >= 1, got {n}")
+    return 2 * (n - 1) / n
+
+
+def _collectives_per_layer(cfg: ParallelConfig) -> int:
+    # Narayanan et al. 2021 §3.3 / Fig. 4: the f and g of the MLP and attention blocks give two
+    # all-reduces in the forward pass and two in the backward; recomputing the forward
+    # (full recomputation) runs the forward's two again. With sequence parallelism each
+    # all-reduce becomes an all-gather + reduce-scatter pair of the same total volume
+    # (Korthikanti et al. 2022 §4.2.2), so counting all-reduce equivalents covers both.
+    return 4 + (2 if cfg.recompute == "full" else 0)
+
+
+def tp_comm_per_layer(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2
+                      ) -> Dict[str, float]:
+    """Tensor-parallel traffic of one layer for one micro-batch, per GPU (Narayanan et al. 2021
+    §3.3): ``count`` all-reduces (or AG + RS pairs) of ``b·s·h`` elements each, and ``bytes``
+    each GPU sends in total: count × 2(t-1)/t × b·s·h × dtype_bytes."""
+    count = _collectives_per_layer(cfg) if cfg.tp > 1 else 0
+    message = cfg.b * model.s * model.h * dtype_bytes
+    return dict(count=count, message_bytes=float(message),
+                bytes=count * ring_all_reduce_factor(cfg.tp) * message)
+
+
+def pipeline_p2p_bytes(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2) -> float:
+    """Bytes one stage boundary carries per micro-batch in one direction: the ``b·s·h``
+    activation, each of the t tensor-parallel ranks sending 1/t of it (the scatter/gather
+    optimisation, Narayanan et al. 2021 §4.1; with sequence parallelism it is already split)."""
+    if cfg.pp == 1:
+        return 0.0
+    return cfg.b * model.s * model.h * dtype_bytes / cfg.tp
+
+
+def dp_allreduce_bytes(model: ModelShape, cfg: ParallelConfig, grad_bytes: int = 2) -> float:
+    """Bytes each GPU sends in the data-parallel gradient all-reduce of one iteration:
+    ``2(d-1)/d × params_per_gpu × grad_bytes`` (ring all-reduce; with the distributed optimizer
+    a reduce-scatter of gradients plus an all-gather of parameters moves the same)."""
+    return ring_all_reduce_factor(cfg.dp) * parameters_per_gpu(model, cfg) * grad_bytes
+
+
+def in_flight_microbatches(cfg: ParallelConfig) -> float:
+    """Micro-batches whose activations the first stage holds at its peak: GPipe all m; 1F1B
+    min(p, m) (Narayanan et al. 2021 §2.2.1); interleaved 1F1B p·(1 + (p-1)/(p·v)) micro-batch
+    equivalents of a full stage (Korthikanti et al. 2022 §4.2.3)."""
+    if cfg.schedule == "gpipe":
+        return float(cfg.m)
+    if cfg.v > 1:
+        return cfg.p * (1 + (cfg.p - 1) / (cfg.p * cfg.v))
+    return float(min(cfg.p, cfg.m))
+
+
+def _layer_activation_bytes(model: ModelShape, cfg: ParallelConfig, stored: bool) -> float:
+    """Korthikanti Table 2 for one layer and one micro-batch. ``stored``: what the backward
+    keeps (recomputation shrinks it); otherwise what the forward writes (for traffic)."""
+    sp = cfg.sequence_parallel
+    full = activation_memory_per_layer(model.s, cfg.b, model.h, model.a, cfg.tp, sp)
+    no_scores = full - _score_bytes(model, cfg)
+    if stored and cfg.recompute == "full":
+        # only the layer's input survives: 2sbh bytes, split t ways with sequence parallelism
+        return 2 * model.s * cfg.b * model.h / (cfg.tp if sp else 1)
+    if cfg.flash_attention or (stored and cfg.recompute == "selective"):
+        return no_scores
+    return full
+
+
+def _score_bytes(model: ModelShape, cfg: ParallelConfig) -> float:
+    # the 5as²b/t of Table 2: softmax output, its dropout mask and the dropout's output
+    return 5 * model.a * model.s * model.s * cfg.b / cfg.tp
+
+
+def memory_per_gpu(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2
+                   ) -> Dict[str, float]:
+    """Bytes on the busiest GPU (the first pipeline stage), by kind.
+
+    Weights, gradients and optimizer states of mixed-precision Adam: 16 bytes per parameter
+    (ZeRO, Rajbhandari et al. 2020 §3.1: fp16 weight 2 + fp16 gradient 2 + fp32 weight,
+    momentum and variance 12); the distributed optimizer divides the 12 by d. Activations:
+    Korthikanti et al. 2022 Table 2 (16-bit; scaled by dtype_bytes/2) per layer × L/p layers ×
+    the schedule's in-flight micro-batches (1F1B keeps up to p on stage 0, §4.2.3); with full
+    recomputation one layer's full activations are live again during its backward, counted
+    once. Not counted: the embedding and logits activations, temporary buffers, fragmentation.
+    """
+    n = parameters_per_gpu(model, cfg, "first")
+    weights, grads = dtype_bytes * n, dtype_bytes * n
+    optimizer = (BYTES_PER_PARAM_ADAM - 2 * dtype_bytes) * n
+    if cfg.distributed_optimizer:
+        optimizer /= cfg.dp
+    layers_per_stage = model.L / cfg.pp
+    scale = dtype_bytes / 2             # Table 2 counts 16-bit activations
+    activations = (_layer_activation_bytes(model, cfg, stored=True) * layers_per_stage
+                   * in_flight_microbatches(cfg)) * scale
+    if cfg.recompute == "full":
+        activations += _layer_activation_bytes(model, cfg, stored=False) * scale
+    return dict(weights=weights, gradients=grads, optimizer=optimizer, activations=activations,
+                total=weights + grads + optimizer + activations)
+

@@ -1,0 +1,239 @@
+"""How busy each rank is over time: samples of a ``torchrun`` job, and the ideal picture.
+
+* :class:`UtilisationSampler` — for every ``torchrun`` worker (found in the launcher's process
+  tree) whether it is running or runnable, or its CPU use (psutil); GPU utilisation through
+  NVML where there is a GPU; :func:`run_with_utilisation` wraps :func:`mpu_lab.launch.run` in
+  one. :func:`mpu_lab.viz.plot_utilisation` draws the result as one row per rank.
+* :func:`schedule_utilisation` — what a perfect machine would show for a pipeline schedule
+  (the 1F1B and GPipe schedules of Narayanan et al. 2021 §2.2, simulated by
+  :mod:`mpu_lab.pipeline_parallel.timeline`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from mpu_lab import launch
+from mpu_lab.launch import descendants
+from mpu_lab.pipeline_parallel.timeline import simulate
+
+__all__ = ["Utilisation", "schedule_utilisation", "UtilisationSampler", "run_with_utilisation"]
+
+
+@dataclasses.dataclass
+class Utilisation:
+    """Samples of how busy each rank was: ``values[rank][i]`` at ``times[i]`` (``time.time()``),
+    NaN where the rank's process did not exist (yet). ``kind`` is ``"cpu"`` (percent of one
+    core, psutil; above 100 when a rank runs several threads), ``"runnable"`` (100 when the
+    rank's main thread was running or waiting for a core at the sample, 0 when it was blocked,
+    e.g. in a collective: what the rank *wanted* to do, whatever other processes took) or
+    ``"gpu"`` (NVML's percent of time a kernel ran on the rank's GPU); ``"schedule"`` for the
+    ideal pictures of :func:`schedule_utilisation`. ``machine[i]``: the whole machine's CPU
+    use, percent of all its ``cores`` (every process, not only the job's: it shows contention).
+    """
+    kind: str
+    interval_s: float
+    times: List[float]
+    values: Dict[int, List[float]]
+    cores: int
+    machine: List[float] = dataclasses.field(default_factory=list)
+
+    def crop(self, start: float, end: float) -> "Utilisation":
+        """The samples between ``start`` and ``end`` (e.g. :func:`training_window`)."""
+        keep = [i for i, t in enumerate(self.times) if start <= t <= end]
+        return Utilisation(self.kind, self.interval_s, [self.times[i] for i in keep],
+                           {r: [v[i] for i in keep] for r, v in self.values.items()}, self.cores,
+                           [self.machine[i] for i in keep] if self.machine else [])
+
+    def mean(self) -> Dict[int, float]:
+        """Per rank, the mean over its valid samples."""
+        out = {}
+        for r, v in sorted(self.values.items()):
+            good = [x for x in v if not math.isnan(x)]
+            out[r] = sum(good) / len(good) if good else float("nan")
+        return out
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def schedule_utilisation(schedule: str, p: int, m: int, v: int = 1, iterations: int = 3,
+                         samples_per_slot: int = 4) -> Utilisation:
+    """The utilisation picture a perfect machine would show: each pipeline rank 100 % busy
+    inside its forward and backward passes and 0 % between them, for ``iterations``
+    back-to-back runs of the logical schedule of lab 06
+    (:func:`mpu_lab.pipeline_parallel.timeline.simulate`; a forward takes one time slot).
+    ``times`` are in slots, sampled ``samples_per_slot`` times per slot (mid-points)."""
+    timeline = simulate(schedule, p, m, v)
+    length = max(float(r[4]) for rank in timeline.records for r in rank)
+    n = int(round(length * samples_per_slot)) * iterations
+    times = [(i + 0.5) / samples_per_slot for i in range(n)]
+    values = {}
+    for rank, records in enumerate(timeline.records):
+        spans = [(float(r[3]), float(r[4])) for r in records]
+        values[rank] = [100.0 if any(a <= t % length < b for a, b in spans) else 0.0 for t in times]
+    return Utilisation("schedule", 1.0 / samples_per_slot, times, values, cores=p)
+
+
+def _worker_rank(proc) -> Optional[int]:
+    """The global rank of a torchrun worker (from the variables torchrun sets for workers
+    only: ``ROLE_RANK`` is not inherited from a notebook), None for anything else."""
+    try:
+        env = proc.environ()
+    except Exception:   # gone, or not ours
+        return None
+    if "ROLE_RANK" not in env or "RANK" not in env:
+        return None
+    return int(env["RANK"])
+
+
+class UtilisationSampler:
+    """Sample, on a background thread of *this* process, how busy the ranks of the
+    ``torchrun`` jobs started from it are:
+
+        with UtilisationSampler(interval_s=0.05) as sampler:
+            job = launch.run("train_gpt.py", flags, nproc=4)
+        util = sampler.result()
+
+    CPU: every ``interval_s`` the worker processes are found among this process's descendants
+    (:func:`mpu_lab.launch.descendants`; a worker is a process with torchrun's ``ROLE_RANK``)
+    and psutil reads, per ``cpu_metric``, their CPU use since the last sample (``"cpu"``) or
+    whether their main thread is running or runnable now (``"runnable"``). GPU (``gpu=True``, or
+    ``"auto"``: where NVML finds one): NVML's utilisation of each rank's GPU, ``LOCAL_RANK``
+    modulo the GPU count as :func:`mpu_lab.distributed.choose_device` assigns them (NVML
+    numbers GPUs by PCI bus; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA agrees).
+    """
+
+    def __init__(self, interval_s: float = 0.05, gpu="auto", root_pid: Optional[int] = None,
+                 cpu_metric: str = "cpu"):
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        if gpu not in ("auto", True, False):
+            raise ValueError(f"gpu must be 'auto', True or False, got {gpu!r}")
+        if cpu_metric not in ("cpu", "runnable"):
+            raise ValueError(f"cpu_metric must be 'cpu' or 'runnable', got {cpu_metric!r}")
+        self.interval_s = interval_s
+        self.root_pid = os.getpid() if root_pid is None else root_pid
+        self._gpu_handles = self._open_nvml() if gpu else []
+        if gpu is True and not self._gpu_handles:
+            raise ValueError("gpu=True but NVML finds no GPU here; use gpu='auto' or False")
+        self.kind = "gpu" if self._gpu_handles else cpu_metric
+        self.times: List[float] = []
+        self.values: Dict[int, List[float]] = {}
+        self.machine: List[float] = []
+        self._procs: Dict[int, Any] = {}         # pid -> psutil.Process of a worker
+        self._rank_of: Dict[int, int] = {}       # pid -> rank
+        self._local_rank: Dict[int, int] = {}    # rank -> local rank
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @staticmethod
+    def _open_nvml() -> list:
+        try:
+            import pynvml   # nvidia-ml-py
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+            return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        except Exception:   # no library, no driver or no GPU: CPU sampling
+            return []
+
+    def _refresh(self):
+        import psutil      # optional dependency, only where a job is sampled
+        for pid in descendants(self.root_pid):
+            if pid in self._rank_of or pid in self._procs:
+                continue
+            try:
+                proc = psutil.Process(pid)
+            except psutil.Error:
+                continue
+            rank = _worker_rank(proc)
+            if rank is None:
+                # Not a worker. A process forked a moment ago may still carry its parent's
+                # environment (before exec): look again later unless it has settled.
+                try:
+                    settled = time.time() - proc.create_time() > 2.0
+                except psutil.Error:
+                    settled = True
+                if settled:
+                    self._rank_of[pid] = -1
+                continue
+            try:
+                parent = proc.ppid()
+            except psutil.Error:
+                continue
+            if self._rank_of.get(parent, -1) == rank:   # a child of the worker (same RANK)
+                self._rank_of[pid] = -1
+                continue
+            self._rank_of[pid] = rank
+            self._procs[pid] = proc
+            try:
+                self._local_rank[rank] = int(proc.environ().get("LOCAL_RANK", rank))
+                proc.cpu_percent(None)           # the first call only starts the clock
+            except psutil.Error:
+                pass
+
+    def _sample(self):
+        import psutil
+        now = time.time()
+        row: Dict[int, float] = {}
+        if self._gpu_handles:
+            import pynvml
+            util = [pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._gpu_handles]
+            for rank, local in self._local_rank.items():
+                row[rank] = float(util[local % len(util)])
+        else:
+            for pid, proc in list(self._procs.items()):
+                try:
+                    if self.kind == "runnable":   # the main thread's state (R: running or queued)
+                        running = proc.status() == psutil.STATUS_RUNNING
+                        row[self._rank_of[pid]] = 100.0 if running else 0.0
+                    else:
+                        row[self._rank_of[pid]] = proc.cpu_percent(None)
+                except psutil.Error:
+                    del self._procs[pid]
+        self.times.append(now)
+        self.machine.append(psutil.cpu_percent(None))
+        for rank in set(row) | set(self.values):
+            column = self.values.setdefault(rank, [math.nan] * (len(self.times) - 1))
+            column.append(row.get(rank, math.nan))
+
+    def _loop(self):
+        tick = 0
+        while not self._stop.is_set():
+            if tick % 10 == 0 or not self._procs:
+                self._refresh()
+            self._sample()
+            tick += 1
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self):
+        import psutil
+        psutil.cpu_percent(None)                 # start the machine-wide clock
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="utilisation")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return False
+
+    def result(self) -> Utilisation:
+        return Utilisation(self.kind, self.interval_s, list(self.times),
+                           {r: list(v) for r, v in sorted(self.values.items())},
+                           os.cpu_count() or 1, list(self.machine))
+
+
+def run_with_utilisation(script, args: Sequence = (), nproc: int = 2, interval_s: float = 0.05,
+                         gpu="auto", cpu_metric: str = "cpu", **run_kwargs):
+    """:func:`mpu_lab.launch.run` with a :class:`UtilisationSampler` around it; returns
+    ``(job, utilisation)``."""
+    with UtilisationSampler(interval_s=interval_s, gpu=gpu, cpu_metric=cpu_metric) as sampler:
+        job = launch.run(script, args, nproc=nproc, **run_kwargs)
+    return job, sampler.result()
+
