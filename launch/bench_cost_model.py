@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from mpu_lab import comm, distributed, launch
-from mpu_lab.perf import calibrate
+from mpu_lab.perf import calibrate, published_runs
 from mpu_lab.perf.calibrate import TrainConfig
 from mpu_lab.perf.cost_model import ring_all_reduce_factor
 
@@ -187,7 +187,8 @@ def main(argv=None):
           f"{time.perf_counter() - t0:.0f} s in all; load average after: {load}")
     if args.published:
         print()
-        print(calibrate.format_published_comparison(calibrate.published_runs_comparison()))
+        print(published_runs.format_published_comparison(
+            published_runs.published_runs_comparison()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
