@@ -1,0 +1,69 @@
+"""The labs' exercises: each ``check_*`` function says whether an answer is right.
+
+A check prints one verdict line and returns a :class:`Verdict`, true when the answer is right
+and false when it is wrong or missing (the labs ship with ``answer = None``). The expected
+value is never hard-coded: it is computed from :mod:`mpu_lab` itself (the pure rank-group
+math, the shard arithmetic of :mod:`mpu_lab.labkit.viz`), so a check stays right for any
+parameters an instructor picks. One module per lab (:mod:`~mpu_lab.labkit.exercises.lab01` ...
+``lab08``), the live-world checks of labs 02-04 in
+:mod:`~mpu_lab.labkit.exercises.playground`, what they share in
+:mod:`~mpu_lab.labkit.exercises.common`; every public name is importable from here.
+
+    >>> check_group_of_rank([2, 6, 10, 14], rank=6, family="dp", world_size=32, tp=4, pp=2)
+    Right: rank 6's dp group is [2, 6, 10, 14].
+    Verdict(True)
+"""
+from mpu_lab.labkit.exercises.common import EMPTY, RIGHT, WRONG, Verdict, summarize
+from mpu_lab.labkit.exercises.lab01 import check_crossing_count, check_group_of_rank
+from mpu_lab.labkit.exercises.lab02 import check_column_weight_shape, check_strided_rows
+from mpu_lab.labkit.exercises.lab03 import (
+    MLP_ALL_REDUCES,
+    check_mlp_all_reduces,
+    check_row_weight_shape,
+)
+from mpu_lab.labkit.exercises.lab04 import (
+    check_all_reduce_of_ranks,
+    check_gather_split,
+    check_megatron_expectations,
+    gather_split_expected,
+    group_sum_of_ranks,
+)
+from mpu_lab.labkit.exercises.lab05 import (
+    check_activation_memory_mib,
+    check_layer_collectives,
+    check_layer_shape,
+    check_tensor_parallel_sizes,
+    lecture_shapes,
+    valid_tensor_parallel_sizes,
+)
+from mpu_lab.labkit.exercises.lab06 import check_bubble_share, check_peak_in_flight
+from mpu_lab.labkit.exercises.lab07 import check_micro_batches, check_padded_vocab
+from mpu_lab.labkit.exercises.lab08 import (
+    check_best_config,
+    check_dominant_communication,
+    check_min_microbatches,
+)
+from mpu_lab.labkit.exercises.playground import (
+    check_copy_to_grad,
+    check_reduce_from,
+    check_reduce_scatter_to_sequence,
+    copy_to_grad_expected,
+    reduce_from_expected,
+    reduce_scatter_sequence_expected,
+)
+
+__all__ = [
+    "RIGHT", "WRONG", "EMPTY", "Verdict", "summarize",
+    "check_group_of_rank", "check_crossing_count",
+    "check_column_weight_shape", "check_strided_rows",
+    "check_row_weight_shape", "MLP_ALL_REDUCES", "check_mlp_all_reduces",
+    "group_sum_of_ranks", "gather_split_expected", "check_all_reduce_of_ranks",
+    "check_gather_split", "check_megatron_expectations",
+    "lecture_shapes", "check_layer_shape", "valid_tensor_parallel_sizes",
+    "check_tensor_parallel_sizes", "check_layer_collectives", "check_activation_memory_mib",
+    "check_bubble_share", "check_peak_in_flight",
+    "check_micro_batches", "check_padded_vocab",
+    "check_best_config", "check_min_microbatches", "check_dominant_communication",
+    "copy_to_grad_expected", "reduce_from_expected", "reduce_scatter_sequence_expected",
+    "check_copy_to_grad", "check_reduce_from", "check_reduce_scatter_to_sequence",
+]

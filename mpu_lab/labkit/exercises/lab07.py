@@ -1,0 +1,34 @@
+"""Lab 07's checks: the micro-batches of a launch line, and Megatron's padded vocabulary."""
+from __future__ import annotations
+
+from typing import Any
+
+from mpu_lab.labkit.exercises.common import Verdict, _as_int, _unanswered, _verdict
+from mpu_lab.labkit.gpt_runs import derived
+from mpu_lab.models import pad_vocab_size
+
+
+def check_micro_batches(answer: Any, gpt_args: str, world_size: int) -> Verdict:
+    """Micro-batches each data-parallel replica runs per iteration for a launch line."""
+    if _unanswered(answer, "the number of micro-batches per iteration"):
+        return Verdict(False)
+    d = derived(gpt_args, world_size)
+    return _verdict(_as_int(answer) == d["num_micro_batches"],
+                    f"DP = {world_size} / (TP x PP) = {d['data_parallel_size']}, so "
+                    f"{d['num_micro_batches']} micro-batch(es) = global batch / (micro batch x DP).",
+                    f"{answer!r} is not it. Hint: first DP = world size / (TP x PP); then "
+                    f"global batch = micro batch x micro-batches x DP.")
+
+
+def check_padded_vocab(answer: Any, vocab_size: int, divisible_by: int, tp: int) -> Verdict:
+    """The vocabulary Megatron pads ``vocab_size`` to at tensor-parallel size ``tp``."""
+    if _unanswered(answer, "the padded vocabulary size"):
+        return Verdict(False)
+    expected = pad_vocab_size(vocab_size, divisible_by, tp)
+    return _verdict(_as_int(answer) == expected,
+                    f"{expected} = the next multiple of {divisible_by} x {tp} = "
+                    f"{divisible_by * tp}; each rank holds {expected // tp} rows of the embedding.",
+                    f"{answer!r} is not it. Hint: round {vocab_size} up to a multiple of "
+                    f"--make-vocab-size-divisible-by x TP, so every rank holds the same number "
+                    f"of whole rows.")
+

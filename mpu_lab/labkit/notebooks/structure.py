@@ -1,0 +1,133 @@
+"""Structure checks of the committed notebooks, no kernel: what would break nbval, papermill or a
+learner (stored errors, unexecuted cells, broken links, missing objectives or footer...)."""
+from __future__ import annotations
+
+import pathlib
+import re
+from typing import List
+
+from mpu_lab.labkit import REPO_ROOT
+from mpu_lab.labkit.notebooks.selection import _parameter_cells, notebook_paths
+
+# A notebook cell holds at most a few lines of logic: longer code belongs in mpu_lab, where the
+# tests reach it and a learner reads it as one named function.
+MAX_LOGIC_LINES = 10
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+def _output_problems(nb) -> List[str]:
+    problems = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                problems.append(f"cell {i} stores an error output ({out.get('ename')})")
+            text = out.get("text", "") or out.get("data", {}).get("text/plain", "")
+            if isinstance(text, list):
+                text = "".join(text)
+            if _TRACEBACK in text:
+                problems.append(f"cell {i} prints a traceback")
+    return problems
+
+
+def _logic_lines(source: str) -> int:
+    return sum(1 for line in source.splitlines()
+               if line.strip() and not line.strip().startswith(("#", "%")))
+
+
+def heading_anchors(nb) -> List[str]:
+    """The anchors JupyterLab and nbconvert give a notebook's headings (spaces become ``-``)."""
+    anchors = []
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                m = re.match(r"^#{1,6}\s+(.*?)\s*$", line)
+                if m:
+                    anchors.append(m.group(1).replace(" ", "-"))
+    return anchors
+
+
+def _links_ok(path: pathlib.Path, text: str) -> List[str]:
+    """Relative links (and their ``#anchors`` into notebooks) that lead nowhere."""
+    import nbformat
+
+    bad = []
+    for target in _LINK.findall(text):
+        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            continue  # web links and in-page anchors
+        file_part, _, anchor = target.partition("#")
+        linked = path.parent / file_part
+        if file_part and not linked.exists():
+            bad.append(target)
+        elif anchor and linked.suffix == ".ipynb":
+            if anchor not in heading_anchors(nbformat.read(linked, as_version=4)):
+                bad.append(target)
+    return bad
+
+
+def structure_problems(root=REPO_ROOT) -> List[str]:
+    """What would break nbval, papermill or a learner, notebook by notebook (no kernel)."""
+    import nbformat
+
+    problems = []
+    for path in notebook_paths(root):
+        name = path.relative_to(root)
+        try:
+            nb = nbformat.read(path, as_version=4)
+            nbformat.validate(nb)
+        except Exception as exc:
+            problems.append(f"{name}: not a valid notebook ({exc})")
+            continue
+        if "widgets" in nb.metadata:
+            problems.append(f"{name}: saved widget state in metadata.widgets")
+        if "papermill" in nb.metadata:
+            problems.append(f"{name}: papermill metadata left in (run it through clean())")
+        if nb.metadata.get("kernelspec", {}).get("name") != "python3":
+            problems.append(f"{name}: kernelspec is not python3")
+        problems += [f"{name}: {p}" for p in _output_problems(nb)]
+        is_lab = path.parent.name == "labs"
+        params = _parameter_cells(nb)
+        if is_lab and len(params) != 1:
+            problems.append(f"{name}: {len(params)} cells tagged 'parameters' (need exactly one)")
+        code_seen = False
+        for i, cell in enumerate(nb.cells):
+            tags = cell.get("metadata", {}).get("tags", [])
+            if cell.cell_type == "markdown":
+                problems += [f"{name}: cell {i} links to missing {t}"
+                             for t in _links_ok(path, cell.source)]
+                continue
+            if cell.cell_type != "code":
+                continue
+            code_seen = True
+            if cell.get("outputs") and cell.get("execution_count") is None:
+                problems.append(f"{name}: cell {i} has outputs but no execution_count")
+            if cell.get("execution_count") is None and "parameters" not in tags and cell.source.strip():
+                problems.append(f"{name}: cell {i} was not executed")
+            if "parameters" not in tags and _logic_lines(cell.source) > MAX_LOGIC_LINES:
+                problems.append(f"{name}: cell {i} has {_logic_lines(cell.source)} lines of logic "
+                                f"(at most {MAX_LOGIC_LINES}; move it into mpu_lab)")
+            if "interact" in cell.source and "nbval-ignore-output" not in tags:
+                problems.append(f"{name}: cell {i} is interactive but not tagged nbval-ignore-output")
+            if "elapsed_s" in cell.source and "nbval-ignore-output" not in tags:
+                problems.append(f"{name}: cell {i} prints a timing but is compared by nbval")
+        if is_lab:
+            first = nb.cells[0] if nb.cells else None
+            if (first is None or first.cell_type != "markdown"
+                    or "learning objectives" not in first.source.lower()):
+                problems.append(f"{name}: the first cell must state the learning objectives")
+            last = nb.cells[-1] if nb.cells else None
+            footer = last.source if last is not None and last.cell_type == "markdown" else ""
+            for word in ("Previous", "Home", "Next"):
+                if word not in footer:
+                    problems.append(f"{name}: footer (last cell) lacks a {word!r} link")
+            sources = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+            if "launch.run(" not in sources:
+                problems.append(f"{name}: no torchrun job (mpu_lab.launch.run)")
+            if not re.search(r"\bcheck_\w+\(", sources):
+                problems.append(f"{name}: no exercise check (check_...)")
+            if not code_seen:
+                problems.append(f"{name}: no code cells")
+    return problems
+

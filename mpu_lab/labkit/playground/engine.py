@@ -1,0 +1,107 @@
+"""The engine side of a playground world: functions that run inside the ipyparallel engines.
+
+The controller sends them by reference (ipyparallel pickles a function as its code plus the
+name of its module; the engine imports this module and runs the code with its globals), so
+everything they use lives here, and every engine imports this module and the modules it
+imports (torch, :mod:`mpu_lab.tensor_parallel`) when the first function arrives.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import linecache
+import os
+import pickle
+import re
+import traceback
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import mpu_lab
+from mpu_lab import comm, distributed, parallel_state, tensor_parallel
+from mpu_lab.tensor_parallel import mappings
+
+_TIMEOUT_TEXT = re.compile(r"timed out|timeout", re.I)
+
+
+def _engine_setup(env: Dict[str, str]) -> int:
+    """Put torchrun's variables in this engine's environment. Returns the engine's PID. (The
+    heavy modules, torch and mpu_lab.tensor_parallel, came with this module when the engine
+    unpickled this function: before any collective timeout runs.)"""
+    os.environ.update(env)
+    return os.getpid()
+
+
+def _engine_init(backend: str, timeout_s: float, tp: int, pp: int, port: Optional[int] = None):
+    """(Re)initialise the default group and Megatron's groups; fill the cell namespace."""
+    from IPython import get_ipython      # the engine's kernel (ipyparallel, an optional extra)
+
+    if dist.is_initialized():    # a restart: the old group may be broken (timed out)
+        with contextlib.suppress(Exception):
+            parallel_state.destroy_model_parallel()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
+    info = distributed.init(backend=backend, timeout_s=timeout_s)
+    parallel_state.initialize_model_parallel(tp, pp)
+    dist.barrier()               # connect the pairs now, so the first cell is quick
+    names = dict(torch=torch, dist=dist, np=np, mpu_lab=mpu_lab, comm=comm,
+                 distributed=distributed, parallel_state=parallel_state,
+                 tensor_parallel=tensor_parallel, rank=info.rank, world_size=info.world_size,
+                 device=info.device)
+    names.update({n: getattr(mappings, n) for n in dir(mappings)
+                  if n.endswith("_region") and not n.startswith("_")})
+    get_ipython().user_ns.update(names)
+    return {"backend": info.backend, "device": str(info.device)}
+
+
+def _engine_values(expr: str):
+    """``expr`` evaluated in the engine's namespace, a tensor turned into nested lists."""
+    from IPython import get_ipython      # the engine's kernel (ipyparallel, an optional extra)
+    return _as_values(eval(expr, get_ipython().user_ns))
+
+
+def _run_on_engine(what, args=(), kwargs=None, rank: int = 0) -> dict:
+    """Run a function, or a code string in the engine's namespace (its last expression is the
+    value, as in IPython), capturing stdout/stderr; never raise, so every rank reports."""
+    out, err = io.StringIO(), io.StringIO()
+    reply: Dict[str, Any] = {"value": None}
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            if callable(what):
+                reply["value"] = what(*args, **(kwargs or {}))
+            else:
+                from IPython import get_ipython   # the engine's kernel (optional extra)
+                namespace = get_ipython().user_ns
+                filename = f"<rank {rank} cell>"
+                linecache.cache[filename] = (len(what), None, what.splitlines(True), filename)
+                tree = ast.parse(what, filename)
+                last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+                exec(compile(tree, filename, "exec"), namespace)
+                if last is not None:
+                    expr = ast.Expression(last.value)
+                    reply["value"] = eval(compile(expr, filename, "eval"), namespace)
+    except BaseException as exc:    # noqa: BLE001 -- reported to the notebook, rank-labelled
+        tb = exc.__traceback__.tb_next if exc.__traceback__ else None   # drop this frame
+        reply["error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        reply["traceback"] = "".join(traceback.format_exception(type(exc), exc, tb))
+        # gloo and NCCL report a timed-out collective as a RuntimeError (DistBackendError)
+        reply["timed_out"] = isinstance(exc, RuntimeError) and bool(_TIMEOUT_TEXT.search(str(exc)))
+    try:
+        pickle.dumps(reply["value"])
+    except Exception:                # an unpicklable value comes back as its repr
+        reply["value"] = repr(reply["value"])
+    reply["stdout"], reply["stderr"] = out.getvalue(), err.getvalue()
+    return reply
+
+
+def _as_values(value):
+    """A tensor (any device, with or without grad) as nested lists of floats."""
+    if hasattr(value, "detach"):
+        return value.detach().float().cpu().tolist()
+    return value

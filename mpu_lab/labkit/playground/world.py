@@ -1,0 +1,331 @@
+"""A running playground world (:class:`World`): ipyparallel engines as the ranks of one
+``torch.distributed`` world, seen from the notebook (the controller side), and the registry of
+started worlds (:func:`current_world`; all are stopped when the interpreter exits)."""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from mpu_lab import launch, parallel_state
+from mpu_lab.labkit.playground.engine import (
+    _engine_init,
+    _engine_setup,
+    _engine_values,
+    _run_on_engine,
+)
+from mpu_lab.labkit.playground.errors import (
+    HEADING,
+    PlaygroundError,
+    RankOutput,
+    _problem,
+    _raise_for,
+)
+from mpu_lab.labkit.viz.collectives import plot_collective
+
+DEFAULT_TIMEOUT_S = 15.0      # collective timeout: a stuck cell answers in seconds, not minutes
+START_TIMEOUT_S = 180.0       # engines registering with the controller on a busy machine
+_WORLDS: List["World"] = []   # started and not stopped (stopped at exit)
+_CURRENT: Optional["World"] = None   # the world %%ranks talks to
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_world_args(world_size, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                     backend="auto", timeout_s=DEFAULT_TIMEOUT_S) -> None:
+    """Raise ``ValueError`` naming the numbers before any process starts."""
+    parallel_state.check_sizes(world_size, tensor_model_parallel_size,
+                               pipeline_model_parallel_size)
+    limit = launch.max_ranks()
+    if world_size > limit:
+        raise ValueError(f"world_size {world_size} is more ranks than this machine starts "
+                         f"({limit}, launch.max_ranks(); MPU_LAB_MAX_RANKS overrides)")
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and world_size > _gpu_count():
+        raise ValueError(f"backend 'nccl' needs one GPU per rank: world_size {world_size} but "
+                         f"{_gpu_count()} GPU(s) visible; use 'auto' or 'gloo'")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+
+
+class World:
+    """A running playground world; made by :func:`start_world`."""
+
+    def __init__(self, world_size: int, tensor_model_parallel_size: int = 1,
+                 pipeline_model_parallel_size: int = 1, backend: str = "auto",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S):
+        check_world_args(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
+                         backend, timeout_s)
+        self.world_size = world_size
+        self.tp, self.pp = tensor_model_parallel_size, pipeline_model_parallel_size
+        self.requested_backend, self.timeout_s = backend, float(timeout_s)
+        self.start_timeout_s = start_timeout_s
+        self.cluster = self.client = None
+        self.engine_ids: List[int] = []
+        self.pids: List[int] = []
+        self.controller_pid: Optional[int] = None
+        self.backend = self.device = None
+        self.broken = ""            # why the group is unusable ("" when fine)
+        self.timings: Dict[str, float] = {}
+
+    # -- life cycle
+    def _start_engines(self) -> None:
+        import ipyparallel as ipp    # optional (the labs extra): only when a world starts
+        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        # engines import mpu_lab from this checkout, like torchrun jobs
+        path = os.pathsep.join(p for p in (str(launch.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+        t0 = time.perf_counter()
+        self.cluster = ipp.Cluster(n=self.world_size, log_level=40, shutdown_atexit=True)
+        _WORLDS.append(self)
+        self.cluster.start_controller_sync()
+        # ipyparallel registered its own exit handler just now; run ours first (atexit is
+        # last-in first-out), while the engines' nannies are still findable as descendants.
+        atexit.unregister(_stop_all)
+        atexit.register(_stop_all)
+        self.cluster.start_engines_sync(self.world_size, environment=env)
+        self.client = self.cluster.connect_client_sync()
+        self.client.wait_for_engines(self.world_size, timeout=self.start_timeout_s,
+                                     interactive=False)   # no progress bar in the notebook
+        self.timings["engines_registered_s"] = time.perf_counter() - t0
+        self.controller_pid = self.cluster.controller.process.pid
+        self.engine_ids = sorted(self.client.ids)[: self.world_size]
+        port = _free_port()
+        replies = [self.client[e].apply_async(_engine_setup, {
+            "RANK": str(r), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "MPU_LAB_TIMEOUT_S": str(self.timeout_s)})
+            for r, e in enumerate(self.engine_ids)]
+        self.pids = [a.get(timeout=self.start_timeout_s) for a in replies]
+        self.timings["engine_start_s"] = time.perf_counter() - t0
+
+    def _init_group(self, new_port: bool = False) -> None:
+        t0 = time.perf_counter()
+        port = _free_port() if new_port else None
+        replies = [self.client[e].apply_async(_engine_init, self.requested_backend,
+                                              self.timeout_s, self.tp, self.pp, port)
+                   for e in self.engine_ids]
+        infos = [a.get(timeout=self.start_timeout_s + self.timeout_s) for a in replies]
+        self.backend, self.device = infos[0]["backend"], [i["device"] for i in infos]
+        self.broken = ""
+        self.timings["group_init_s"] = time.perf_counter() - t0
+
+    def start(self) -> "World":
+        """Start the engines and the groups; this world becomes the one ``%%ranks`` uses."""
+        global _CURRENT
+        try:
+            self._start_engines()
+            self._init_group()
+        except BaseException:
+            self.stop()
+            raise
+        _CURRENT = self
+        return self
+
+    def stop(self) -> None:
+        """End every engine and the controller (idempotent)."""
+        global _CURRENT
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.close()
+        # SIGTERM the whole process tree at once (engines, their nannies, the controller and
+        # its schedulers; ipyparallel's own stop waits on each engine in turn), SIGKILL what
+        # outlives a second (an engine takes ~1.6 s to exit cleanly, its nanny ~2 s more, and
+        # neither holds anything worth keeping), then let the cluster remove its files.
+        _kill_leftovers(self.process_tree(), grace_s=1.0)
+        if self.cluster is not None:
+            with contextlib.suppress(Exception):
+                self.cluster.stop_cluster_sync()
+        self.cluster = self.client = None
+        if self in _WORLDS:
+            _WORLDS.remove(self)
+        if _CURRENT is self:
+            _CURRENT = None
+
+    def process_tree(self) -> List[int]:
+        """PIDs of the engines, the controller and all their descendants (nannies, schedulers)."""
+        import psutil
+        roots = self.pids + ([self.controller_pid] if self.controller_pid else [])
+        if self.cluster is not None:    # also engines that never reported their PID
+            with contextlib.suppress(Exception):
+                roots += [launcher.pid for engine_set in self.cluster.engines.values()
+                          for launcher in engine_set.launchers.values()]
+                roots.append(self.cluster.controller.process.pid)
+        found = list(dict.fromkeys(p for p in roots if p))
+        for pid in roots:
+            with contextlib.suppress(psutil.Error):
+                found += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        return list(dict.fromkeys(found))
+
+    @property
+    def running(self) -> bool:
+        return self.client is not None
+
+    def restart(self, hard: bool = False) -> "World":
+        """Make the world usable again after a timeout or a stuck rank, in one call.
+
+        Soft (default): every engine destroys its process group and joins a new one on a new
+        port (about a second); Python state in the engines is kept. If an engine does not
+        answer (still stuck in a cell), or with ``hard=True``, the engines are replaced.
+        """
+        if self.running and not hard and all(not q for q in self._queues()):
+            try:
+                self._init_group(new_port=True)
+                return self
+            except Exception:      # noqa: BLE001 -- fall back to fresh engines
+                pass
+        self.stop()
+        return self.start()
+
+    def _queues(self) -> List[int]:
+        status = self.client.queue_status(targets=self.engine_ids)
+        return [status[e]["queue"] + status[e].get("tasks", 0) for e in self.engine_ids]
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        if self.broken:
+            state = "needs restart()"
+        return (f"World(world_size={self.world_size}, tp={self.tp}, pp={self.pp}, "
+                f"backend={self.backend!r}, {state})")
+
+    # -- running cells
+    def _ranks(self, ranks: Optional[Sequence[int]]) -> List[int]:
+        if ranks is None:
+            return list(range(self.world_size))
+        chosen = sorted({int(r) for r in ranks})
+        bad = [r for r in chosen if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"ranks {bad} are not in this world (ranks 0..{self.world_size - 1})")
+        return chosen
+
+    def execute(self, fn_or_code: Union[str, Callable], *args, ranks=None,
+                **kwargs) -> List[RankOutput]:
+        """Run on ``ranks`` (default: all) and return each rank's :class:`RankOutput`, rank
+        order, without raising for a failing rank (see :meth:`run`)."""
+        if not self.running:
+            raise PlaygroundError("this world is stopped: start a new one with start_world(...)")
+        if self.broken:
+            raise PlaygroundError(f"{self.broken}; call world.restart() first")
+        chosen = self._ranks(ranks)
+        if isinstance(fn_or_code, str):
+            args, kwargs = (), {}
+        replies = [self.client[self.engine_ids[r]].apply_async(
+            _run_on_engine, fn_or_code, args, kwargs, r) for r in chosen]
+        try:
+            got = [a.get() for a in replies]
+        except KeyboardInterrupt:
+            with contextlib.suppress(Exception):
+                self.cluster.signal_engines_sync(signal.SIGINT)
+            self.broken = "a cell was interrupted while the ranks ran it"
+            raise
+        outputs = [RankOutput(r, g["value"], g["stdout"], g["stderr"], g.get("error", ""),
+                              g.get("traceback", ""), g.get("timed_out", False))
+                   for r, g in zip(chosen, got)]
+        waiting = [o.rank for o in outputs if o.timed_out]
+        if waiting:
+            self.broken = (f"a collective timed out on ranks {waiting}, and gloo/NCCL closes a "
+                           f"timed-out group")
+        return outputs
+
+    def run(self, fn_or_code: Union[str, Callable], *args, ranks=None, **kwargs) -> List[Any]:
+        """Run a function (``fn(*args, **kwargs)``) or a code string on every rank (or on
+        ``ranks``) and return the values in rank order (one per rank run).
+
+        A code string runs in the engine's namespace, which holds ``torch``, ``dist``, ``np``,
+        the :mod:`mpu_lab` modules, the tensor-parallel ``*_region`` functions, ``rank``,
+        ``world_size`` and ``device``; its value is its last expression. Raises
+        :class:`RankError` (every failing rank's traceback) or :class:`CollectiveTimeout`.
+        """
+        outputs = self.execute(fn_or_code, *args, ranks=ranks, **kwargs)
+        _raise_for(outputs, self)
+        return [o.value for o in outputs]
+
+    def show(self, fn_or_code: Union[str, Callable], *args, ranks=None, **kwargs) -> None:
+        """Run like :meth:`run` and print each rank's stdout (and value, or traceback) under a
+        ``--- rank N ---`` heading, in rank order; stderr goes to stderr. What ``%%ranks`` does."""
+        try:
+            outputs = self.execute(fn_or_code, *args, ranks=ranks, **kwargs)
+        except PlaygroundError as exc:
+            print(f"playground: {exc}")
+            return
+        for o in outputs:
+            print(HEADING.format(o.rank) + (f" raised {o.error.splitlines()[0]}" if o.error else ""))
+            if o.stdout:
+                print(o.stdout, end="" if o.stdout.endswith("\n") else "\n")
+            if o.error:
+                print(o.traceback, end="")
+            elif o.value is not None:
+                print(repr(o.value))
+            if o.stderr:
+                print(f"rank {o.rank} (stderr): {o.stderr}", end="", file=sys.stderr)
+        problem = _problem(outputs, self)
+        if problem:
+            print(problem)
+
+    # -- pictures
+    def values(self, expr: str, ranks=None) -> List[Any]:
+        """``expr`` evaluated on each rank, tensors as (nested) lists of floats: for pictures."""
+        return self.run(_engine_values, expr, ranks=ranks)   # lists: the notebook needs no torch
+
+    def groups(self, family: str = "tp") -> List[List[int]]:
+        """The rank lists of one group family of this world (``"tp"``, ``"dp"``, ``"pp"``...)."""
+        return parallel_state.generate_rank_groups(self.world_size, self.tp, self.pp)[family]
+
+    def picture(self, title: str, before: str, after: str, family: str = "tp"):
+        """Each rank's ``before`` and ``after`` (names or expressions on the ranks) side by side,
+        one column per rank, the ``family`` groups marked
+        (:func:`mpu_lab.labkit.viz.plot_collective`)."""
+        return plot_collective(title, self.values(before), self.values(after),
+                                   groups=self.groups(family))
+
+
+def _kill_leftovers(pids: Sequence[int], grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL, whatever of ``pids`` outlived the cluster's own shutdown."""
+    import psutil
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def current_world() -> World:
+    """The world ``%%ranks`` runs on: the last one :func:`start_world` started."""
+    if _CURRENT is None or not _CURRENT.running:
+        raise PlaygroundError("no playground world is running: world = playground.start_world(4)")
+    return _CURRENT
+
+
+def _stop_all() -> None:
+    for world in list(_WORLDS):
+        world.stop()
+

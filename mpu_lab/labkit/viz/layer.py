@@ -1,0 +1,141 @@
+"""Lab 05: one transformer layer under tensor parallelism, and its activation memory.
+
+:func:`plot_transformer_layer` draws ``f`` and ``g`` (or the sequence-parallel all-gather and
+reduce-scatter) around both blocks of a layer; :func:`plot_activation_memory` puts
+Korthikanti et al.'s terms next to this package's, measured (:mod:`mpu_lab.models.memory`).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyBboxPatch
+
+from mpu_lab.labkit.viz.style import _arrow, _block, _figure, _styled, rank_colors
+from mpu_lab.models import memory
+
+
+def _op(ax, x, y, text, sub, width=0.8):
+    ax.add_patch(FancyBboxPatch((x - width / 2, y - 0.32), width, 0.64,
+                                boxstyle="round,pad=0.02,rounding_size=0.1",
+                                facecolor="#fff2cc", edgecolor="#8a6d00", linewidth=1.2))
+    ax.text(x, y, text, ha="center", va="center", fontsize=9 if len(text) > 2 else 13,
+            fontweight="bold")
+    ax.text(x, y - 0.42, sub, ha="center", va="top", fontsize=7)
+
+
+def _layer_block(ax, tp: int, sequence_parallel: bool, block: str) -> None:
+    """One row of :func:`plot_transformer_layer`: LN -> f -> t lanes of 3 ops -> g -> + x."""
+    colors = rank_colors(tp)
+    lane = 0.8
+    top = lane * tp
+    mid = top / 2
+    rows = "s/t" if sequence_parallel else "s"
+    if block == "attention":
+        lanes = [("x W^QKV_{i}  (col.)", "[s, b, 3h/t]"), ("softmax(Q K^T / sqrt(H)) V", "n_H/t heads"),
+                 ("Z_{i} W^O_{i}  (row)", "[s, b, h] partial")]
+    else:
+        lanes = [("x W^1_{i}  (col.)", "[s, b, 4h/t]"), ("GeLU", "elementwise"),
+                 ("A'_{i} W^2_{i}  (row)", "[s, b, h] partial")]
+    f_name, f_sub = (("AG", "all-gather along s\nbwd: reduce-scatter") if sequence_parallel
+                     else ("f", "fwd: identity\nbwd: all-reduce"))
+    g_name, g_sub = (("RS", "reduce-scatter along s\nbwd: all-gather") if sequence_parallel
+                     else ("g", "fwd: all-reduce\nbwd: identity"))
+    _block(ax, 0.0, mid - 0.3, 1.0, 0.6, "#d9d9d9", f"x\n[{rows}, b, h]", fontsize=8)
+    _arrow(ax, (1.0, mid), (1.3, mid))
+    _block(ax, 1.3, mid - 0.3, 0.9, 0.6, "#e8e8e8", f"LayerNorm\n[{rows}, b, h]", fontsize=7.5)
+    _arrow(ax, (2.2, mid), (2.5, mid))
+    _op(ax, 2.9, mid, f_name, f_sub)
+    for r in range(tp):
+        y = top - (r + 0.5) * lane
+        _arrow(ax, (3.3, mid), (3.7, y))
+        x = 3.7
+        for k, (text, sub) in enumerate(lanes):
+            label = text.replace("{i}", str(r))
+            _block(ax, x, y - 0.27, 1.9, 0.54, colors[r], f"{label}\n{sub}", fontsize=7)
+            if k < len(lanes) - 1:
+                _arrow(ax, (x + 1.9, y), (x + 2.15, y))
+            x += 2.15
+        _arrow(ax, (x - 0.25, y), (10.35, mid))
+    _op(ax, 10.75, mid, g_name, g_sub)
+    _arrow(ax, (11.15, mid), (11.45, mid))
+    _block(ax, 11.45, mid - 0.3, 1.0, 0.6, "#d9d9d9", f"+ x\n[{rows}, b, h]", fontsize=8)
+    ax.set_xlim(-0.1, 12.55)
+    ax.set_ylim(_layer_block_bottom(tp), top + 0.05)
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def _layer_block_bottom(tp: int) -> float:
+    """Lowest y of a :func:`_layer_block` drawing (the captions under f and g)."""
+    return min(0.0, 0.4 * tp - 0.9) - 0.05
+
+
+@_styled
+def plot_transformer_layer(tp: int = 2, sequence_parallel: bool = False) -> Figure:
+    """One GPT layer under tensor parallelism (Megatron-LM Fig. 3; Korthikanti et al. Fig. 5
+    with ``sequence_parallel``): the attention block and the MLP block, one lane per
+    tensor-parallel rank, with the two collectives of each block."""
+    panel = 0.8 * tp + 0.05 - _layer_block_bottom(tp)       # drawing units; ~0.93 inch each
+    fig = _figure(12.5, 2 * (0.93 * panel + 0.4))
+    axes = fig.subplots(2, 1)
+    for ax, block in zip(axes, ("attention", "mlp")):
+        _layer_block(ax, tp, sequence_parallel, block)
+    if sequence_parallel:
+        titles = (f"Attention block, t = {tp}, sequence parallel: LayerNorm on the rank's s/t "
+                  f"tokens; all-gather before the QKV projection, reduce-scatter after W^O",
+                  "MLP block: all-gather before fc1, reduce-scatter after fc2 "
+                  "(4 collectives forward, 4 backward per layer)")
+    else:
+        titles = (f"Attention block, t = {tp}: each rank computes n_H/t whole heads; f before "
+                  f"the column-parallel QKV, g after the row-parallel W^O",
+                  "MLP block: f before fc1 (column), g after fc2 (row): "
+                  "2 all-reduces forward and 2 backward per layer")
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, loc="left", fontsize=9.5)
+    fig.tight_layout()
+    return fig
+
+
+_CATEGORY_COLORS = ("#c44e52", "#4c72b0", "#dd8452", "#8172b3", "#937860")
+
+
+@_styled
+def plot_activation_memory(rows: Sequence[dict], s: int, b: int, h: int) -> Figure:
+    """Activation bytes per layer on one rank, in units of ``s b h``: for each configuration
+    the paper's terms (16-bit, hatched) next to this package's (fp32, dropout 0), stacked by
+    kind, and a black bar at the measured total (:mod:`mpu_lab.models.memory`)."""
+    sbh = s * b * h
+    fig = _figure(10.5, 4.2)
+    ax = fig.add_subplot()
+    width = 0.36
+    labelled = set()
+    for i, row in enumerate(rows):
+        for j, (key, hatch) in enumerate((("paper_terms", "//"), ("model_terms", None))):
+            x = i + (j - 0.5) * (width + 0.04)
+            bottom = 0.0
+            for c, color in zip(memory.CATEGORIES, _CATEGORY_COLORS):
+                height = sum(v for _, cat, v in row[key] if cat == c) / sbh
+                if height:
+                    ax.bar(x, height, width, bottom=bottom, color=color, hatch=hatch,
+                           edgecolor="white", linewidth=0.6,
+                           label=c if c not in labelled else None)
+                    labelled.add(c)
+                bottom += height
+            ax.text(x, bottom + 1, f"{bottom:.1f}", ha="center", va="bottom", fontsize=8)
+        measured = row["measured"] / sbh
+        x = i + 0.5 * (width + 0.04)
+        ax.plot([x - width / 2, x + width / 2], [measured, measured], color="black", linewidth=2.5,
+                label="measured (saved-tensor hooks)" if i == 0 else None)
+    names = [memory.config_name(r) for r in rows]
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{n}\npaper 16-bit | mpu_lab fp32" for n in names])
+    ax.set_ylabel("bytes per layer / (s b h)")
+    ax.set_ylim(0, max(max(memory.total(r["model_terms"]), r["paper"]) for r in rows) / sbh * 1.15)
+    ax.legend(fontsize=7.5, loc="upper right", frameon=False)
+    ax.set_title(f"Activation memory of one layer on one rank (s={s}, b={b}, h={h}); hatched: "
+                 f"Korthikanti et al. 2022, solid: this package", loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig

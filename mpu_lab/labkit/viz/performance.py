@@ -1,0 +1,202 @@
+"""Lab 08: where the time goes — utilisation, step-time breakdowns, bandwidth, the cost model.
+
+:func:`plot_utilisation` (one heat row per rank), :func:`plot_step_breakdown` (stacked
+milliseconds per step by category), :func:`plot_bandwidth` (bus bandwidth against message
+size), :func:`plot_published_runs` (the cost model against published runs) and
+:func:`plot_exploration` (the explorer's verdict per ``(t, p)``).
+"""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from mpu_lab.labkit.viz.style import _figure, _styled, group_colors
+from mpu_lab.perf.measure import categories
+
+
+# One colour per step-time category (mpu_lab.perf.measure.CATEGORY_ORDER): computation green,
+# tensor-parallel collectives blues, data-parallel orange, pipeline p2p red, the rest greys.
+BREAKDOWN_COLORS = {
+    "compute": "#55a868", "tp all_reduce": "#1f4e79", "tp all_gather": "#4c72b0",
+    "tp reduce_scatter": "#7fa7d6", "tp broadcast": "#b3cde3", "dp all_reduce": "#dd8452",
+    "pp p2p": "#c44e52", "other": "#999999", "wait (barrier)": "#dddddd",
+}
+
+
+@_styled
+def plot_utilisation(runs: Dict[str, object], title: str = "", vmax: float = 100.0,
+                     xlabel: str = "seconds") -> Figure:
+    """Utilisation over time, one heat row per rank, one panel per run side by side
+    (``label: mpu_lab.perf.measure.Utilisation``, e.g. cropped to the training window).
+    Time is counted from each run's first sample; white where a rank had not started. Under
+    CPU sampling a last row shows the whole machine (percent of all cores, every process)."""
+    fig = _figure(5.4 * len(runs) + 0.8, 0.42 * max(len(u.values) + 1 for u in runs.values()) + 1.5)
+    fig.set_layout_engine("constrained")
+    axes = fig.subplots(1, len(runs), squeeze=False)[0]
+    mesh = None
+    for ax, (label, util) in zip(axes, runs.items()):
+        ranks = sorted(util.values)
+        if not util.times or not ranks:
+            ax.set_title(f"{label}: no samples", loc="left")
+            continue
+        t = np.asarray(util.times) - util.times[0]
+        half = np.diff(t).mean() / 2 if len(t) > 1 else util.interval_s / 2
+        edges = np.concatenate([[t[0] - half], (t[:-1] + t[1:]) / 2, [t[-1] + half]])
+        rows = [util.values[r] for r in ranks]
+        means = util.mean()
+        labels = [f"rank {r} ({means[r]:.0f}%)" for r in ranks]
+        if util.kind in ("cpu", "runnable") and len(util.machine) == len(t):
+            rows.append(util.machine)
+            labels.append(f"machine ({np.mean(util.machine):.0f}% of {util.cores})")
+        data = np.ma.masked_invalid(np.asarray(rows, dtype=float))
+        mesh = ax.pcolormesh(edges, np.arange(len(rows) + 1), data, cmap="viridis", vmin=0,
+                             vmax=vmax, shading="flat")
+        ax.set_yticks(np.arange(len(rows)) + 0.5)
+        ax.set_yticklabels(labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel(xlabel)
+        ax.set_title(label, loc="left")
+    if mesh is not None:
+        kind = next(iter(runs.values())).kind
+        label = {"gpu": "GPU utilisation %", "cpu": "CPU %: ranks of one core",
+                 "runnable": "running or runnable %"}.get(kind, "busy %")
+        fig.colorbar(mesh, ax=list(axes), fraction=0.03, pad=0.01, label=label)
+    if title:
+        fig.suptitle(title, x=0.01, ha="left")
+    return fig
+
+
+@_styled
+def plot_step_breakdown(runs: Dict[str, Sequence[dict]], title: str = "") -> Figure:
+    """Where each rank's step time goes: one stacked bar per rank (milliseconds per step by
+    category, from ``train_gpt.py --breakdown``), one panel per run (``label: reports``),
+    sharing the time axis."""
+    rows = sum(len(r) for r in runs.values())
+    fig = _figure(9.5, 0.32 * rows + 1.0 * len(runs) + 0.8)
+    fig.set_layout_engine("constrained")
+    axes = fig.subplots(len(runs), 1, squeeze=False, sharex=True,
+                        gridspec_kw={"height_ratios": [len(r) for r in runs.values()]})[:, 0]
+    cats = categories([r for reports in runs.values() for r in reports])
+    for ax, (label, reports) in zip(axes, runs.items()):
+        left = np.zeros(len(reports))
+        for cat in cats:
+            ms = np.array([r["parts"].get(cat, 0.0) * 1e3 for r in reports])
+            ax.barh(np.arange(len(reports)), ms, left=left, label=cat,
+                    color=BREAKDOWN_COLORS.get(cat, "#cccccc"), edgecolor="white", linewidth=0.5)
+            left += ms
+        ax.set_yticks(np.arange(len(reports)))
+        ax.set_yticklabels([f"rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}, "
+                            f"dp {r['dp_rank']})" for r in reports], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(label, loc="left")
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[-1].set_xlabel("milliseconds per step")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, frameon=False, fontsize=7, ncol=min(len(cats), 5),
+               loc="outside lower left")
+    if title:
+        fig.suptitle(title, x=0.01, ha="left")
+    return fig
+
+
+@_styled
+def plot_bandwidth(rows: Sequence[dict], title: str = "") -> Figure:
+    """Bus bandwidth (GB/s) against message size, one line per collective
+    (rows of ``launch/bench_bandwidth.py``)."""
+    fig = _figure(7.0, 3.4)
+    ax = fig.add_subplot()
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    for op, color in zip(ops, group_colors(len(ops))):
+        mine = [r for r in rows if r["op"] == op]
+        ax.plot([r["size_bytes"] for r in mine], [r["busbw"] / 1e9 for r in mine], marker="o",
+                color=color, label=op)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title(title, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+@_styled
+def plot_published_runs(rows: Sequence[dict], band: float = 0.15, title: str = "") -> Figure:
+    """Published runs, predicted vs reported (rows of
+    :func:`mpu_lab.perf.calibrate.published_runs_comparison`): left, both TFLOP/s per GPU per
+    run; right, the relative error against a ``±band`` corridor. Calibration runs are hatched."""
+    fig = _figure(10.5, 0.32 * len(rows) + 1.4)
+    fig.set_layout_engine("constrained")
+    left, right = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [1.6, 1]})
+    y = np.arange(len(rows))
+    colors = dict(zip(dict.fromkeys(r["gpu"] for r in rows), group_colors(4)))
+    left.barh(y - 0.2, [r["reported_tflops"] for r in rows], height=0.4, color="#bbbbbb",
+              label="reported")
+    left.barh(y + 0.2, [r["predicted_tflops"] for r in rows], height=0.4,
+              color=[colors[r["gpu"]] for r in rows], label="predicted",
+              hatch=[("//" if r["calibration"] else "") for r in rows])
+    left.set_yticks(y)
+    left.set_yticklabels([r["name"] if f"{r['gpus']} " in r["name"]
+                          else f"{r['name']} ({r['gpus']} {r['gpu'].upper()})" for r in rows],
+                         fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("TFLOP/s per GPU")
+    left.legend(frameon=False, fontsize=8, loc="lower right")
+    right.axvspan(-100 * band, 100 * band, color="#dddddd", label=f"±{band:.0%}")
+    right.axvline(0, color="#333333", linewidth=1)
+    right.barh(y, [100 * r["error"] for r in rows], color=[colors[r["gpu"]] for r in rows],
+               hatch=[("//" if r["calibration"] else "") for r in rows])
+    right.set_xlabel("predicted / reported - 1 (%)")
+    right.legend(frameon=False, fontsize=8, loc="lower right")
+    for ax in (left, right):
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    if title:
+        fig.suptitle(title, x=0.01, ha="left")
+    return fig
+
+
+_CAUSE_COLORS = {"compute": "#55a868", "tp_comm": "#1f4e79", "pp_p2p": "#c44e52",
+                 "bubble": "#f2b5b5", "dp_comm": "#dd8452", "optimizer": "#999999"}
+
+
+@_styled
+def plot_exploration(result, title: str = "") -> Figure:
+    """The explorer's verdict per (t, p) (:func:`mpu_lab.perf.explore`): for each pair its
+    fastest micro-batch size, the predicted seconds per iteration split by cause, fastest on
+    top; configurations that do not fit in memory are hatched and labelled OOM, the others
+    carry the explorer's flags."""
+    best = {}
+    for c in result.candidates:                  # already ranked: the first of a pair is its best
+        best.setdefault((c.config.tp, c.config.pp), c)
+    picks = sorted(best.values(), key=lambda c: (not c.fits, c.prediction.total_s))
+    fig = _figure(10.0, 0.28 * len(picks) + 1.3)
+    fig.set_layout_engine("constrained")
+    ax = fig.add_subplot()
+    y = np.arange(len(picks))
+    left = np.zeros(len(picks))
+    for cause, color in _CAUSE_COLORS.items():
+        secs = np.array([c.prediction.breakdown()[cause] for c in picks])
+        ax.barh(y, secs, left=left, color=color, label=cause.replace("_", " "),
+                hatch=[("" if c.fits else "//") for c in picks], edgecolor="white", linewidth=0.3)
+        left += secs
+    for i, c in enumerate(picks):
+        note = c.short_flags() or "ok"
+        ax.text(left[i], i, f" {note}", va="center", fontsize=7)
+    ax.set_yticks(y)
+    ax.set_yticklabels([f"t={c.config.tp} p={c.config.pp} d={c.config.dp} b={c.config.b}"
+                        for c in picks], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, left.max() * 1.25)
+    ax.set_xlabel("predicted seconds per iteration")
+    handles, names = ax.get_legend_handles_labels()
+    fig.legend(handles, names, frameon=False, fontsize=7, ncol=6, loc="outside lower left")
+    ax.set_title(title, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return fig
