@@ -3,7 +3,7 @@ losses, and the lecture's ``GPT_ARGS`` launch line.
 
 * :func:`gpt_flags` — the small GPT's Megatron-style flags; :func:`command_line` — the
   ``torchrun`` line that runs them by hand;
-* :func:`train` — one ``torchrun`` job through :func:`mpu_lab.launch.run`, checked in this
+* :func:`train` — one ``torchrun`` job through :func:`mpu_lab.launcher.run`, checked in this
   process first (:func:`mpu_lab.training.validate_args`), optionally with a live loss plot
   (:class:`mpu_lab.labkit.viz.LiveLossPlot`, redrawn from the ``--metrics-file`` as rank 0
   logs each iteration); returns a :class:`TrainRun` with the loss of every iteration;
@@ -25,7 +25,7 @@ import re
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mpu_lab import checkpointing, launch, training
+from mpu_lab import checkpointing, launcher, training
 from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.labkit.viz.losses import LiveLossPlot
 
@@ -198,7 +198,7 @@ def train(flags: Sequence, nproc: int, label: Optional[str] = None, live: bool =
     else:
         flags.append("--quiet")
     try:
-        job = launch.run("train_gpt.py", flags, nproc=nproc, show="none", env=env,
+        job = launcher.run("train_gpt.py", flags, nproc=nproc, show="none", env=env,
                          timeout_s=timeout_s, on_line=on_line)
     finally:
         if metrics_file:
@@ -209,7 +209,7 @@ def train(flags: Sequence, nproc: int, label: Optional[str] = None, live: bool =
     return run
 
 
-def from_job(job: "launch.LaunchResult", label: str) -> TrainRun:
+def from_job(job: "launcher.LaunchResult", label: str) -> TrainRun:
     """A :class:`TrainRun` from a finished ``launch.run("train_gpt.py", ...)`` job, whose ranks
     each reported ``{"metrics": [...], "iteration": n}``."""
     metrics = job.results[0]["metrics"]

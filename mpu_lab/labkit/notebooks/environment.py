@@ -13,7 +13,7 @@ def environment(nranks: int = 8) -> Dict[str, object]:
     # pytest loads this package as its nbval plugin (which would cost every run seconds).
     import torch
 
-    from mpu_lab import distributed, launch
+    from mpu_lab import distributed, launcher
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     forced = os.environ.get("MPU_LAB_BACKEND", "auto")
@@ -21,7 +21,7 @@ def environment(nranks: int = 8) -> Dict[str, object]:
     info = {
         "python": platform.python_version(), "torch": torch.__version__,
         "cpu_cores": os.cpu_count(), "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
-        "backend_for_ranks": backend, "ranks": nranks, "max_ranks": launch.max_ranks(),
+        "backend_for_ranks": backend, "ranks": nranks, "max_ranks": launcher.max_ranks(),
     }
     for module in ("ipywidgets", "matplotlib", "papermill", "nbval"):
         try:

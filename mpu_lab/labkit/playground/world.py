@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from mpu_lab import launch, parallel_state
+from mpu_lab import launcher, parallel_state
 from mpu_lab.labkit.playground.engine import (
     _engine_init,
     _engine_setup,
@@ -51,7 +51,7 @@ def check_world_args(world_size, tensor_model_parallel_size=1, pipeline_model_pa
     """Raise ``ValueError`` naming the numbers before any process starts."""
     parallel_state.check_sizes(world_size, tensor_model_parallel_size,
                                pipeline_model_parallel_size)
-    limit = launch.max_ranks()
+    limit = launcher.max_ranks()
     if world_size > limit:
         raise ValueError(f"world_size {world_size} is more ranks than this machine starts "
                          f"({limit}, launch.max_ranks(); MPU_LAB_MAX_RANKS overrides)")
@@ -89,7 +89,7 @@ class World:
         import ipyparallel as ipp    # optional (the labs extra): only when a world starts
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
         # engines import mpu_lab from this checkout, like torchrun jobs
-        path = os.pathsep.join(p for p in (str(launch.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        path = os.pathsep.join(p for p in (str(launcher.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         t0 = time.perf_counter()
         self.cluster = ipp.Cluster(n=self.world_size, log_level=40, shutdown_atexit=True)

@@ -112,7 +112,6 @@ def plot_collective(title: str, before: Sequence, after: Sequence,
     return fig
 
 
-
 def _filled(values, n):
     return [float(v) for v in values for _ in range(n)]
 

@@ -15,7 +15,7 @@ from mpu_lab.labkit.viz.performance import plot_utilisation
 from mpu_lab.labkit.viz.rank_groups import plot_group_families
 from mpu_lab.labkit.viz.splits import plot_column_split, plot_fg, plot_row_split
 from mpu_lab.labkit.viz.style import STYLE
-from mpu_lab.perf.measure import schedule_utilisation
+from mpu_lab.perf.utilisation import schedule_utilisation
 
 
 def figure_catalog() -> Dict[str, Callable[[], Figure]]:

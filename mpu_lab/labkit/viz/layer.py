@@ -2,7 +2,7 @@
 
 :func:`plot_transformer_layer` draws ``f`` and ``g`` (or the sequence-parallel all-gather and
 reduce-scatter) around both blocks of a layer; :func:`plot_activation_memory` puts
-Korthikanti et al.'s terms next to this package's, measured (:mod:`mpu_lab.models.memory`).
+Korthikanti et al.'s terms next to this package's, measured (:mod:`mpu_lab.perf.activation_memory`).
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 
 from mpu_lab.labkit.viz.style import _arrow, _block, _figure, _styled, rank_colors
-from mpu_lab.models import memory
+from mpu_lab.perf.activation_memory import config_name
+from mpu_lab.perf.cost_model.activations import CATEGORIES, total
 
 
 def _op(ax, x, y, text, sub, width=0.8):
@@ -104,7 +105,7 @@ _CATEGORY_COLORS = ("#c44e52", "#4c72b0", "#dd8452", "#8172b3", "#937860")
 def plot_activation_memory(rows: Sequence[dict], s: int, b: int, h: int) -> Figure:
     """Activation bytes per layer on one rank, in units of ``s b h``: for each configuration
     the paper's terms (16-bit, hatched) next to this package's (fp32, dropout 0), stacked by
-    kind, and a black bar at the measured total (:mod:`mpu_lab.models.memory`)."""
+    kind, and a black bar at the measured total (:mod:`mpu_lab.perf.activation_memory`)."""
     sbh = s * b * h
     fig = _figure(10.5, 4.2)
     ax = fig.add_subplot()
@@ -114,7 +115,7 @@ def plot_activation_memory(rows: Sequence[dict], s: int, b: int, h: int) -> Figu
         for j, (key, hatch) in enumerate((("paper_terms", "//"), ("model_terms", None))):
             x = i + (j - 0.5) * (width + 0.04)
             bottom = 0.0
-            for c, color in zip(memory.CATEGORIES, _CATEGORY_COLORS):
+            for c, color in zip(CATEGORIES, _CATEGORY_COLORS):
                 height = sum(v for _, cat, v in row[key] if cat == c) / sbh
                 if height:
                     ax.bar(x, height, width, bottom=bottom, color=color, hatch=hatch,
@@ -127,11 +128,11 @@ def plot_activation_memory(rows: Sequence[dict], s: int, b: int, h: int) -> Figu
         x = i + 0.5 * (width + 0.04)
         ax.plot([x - width / 2, x + width / 2], [measured, measured], color="black", linewidth=2.5,
                 label="measured (saved-tensor hooks)" if i == 0 else None)
-    names = [memory.config_name(r) for r in rows]
+    names = [config_name(r) for r in rows]
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([f"{n}\npaper 16-bit | mpu_lab fp32" for n in names])
     ax.set_ylabel("bytes per layer / (s b h)")
-    ax.set_ylim(0, max(max(memory.total(r["model_terms"]), r["paper"]) for r in rows) / sbh * 1.15)
+    ax.set_ylim(0, max(max(total(r["model_terms"]), r["paper"]) for r in rows) / sbh * 1.15)
     ax.legend(fontsize=7.5, loc="upper right", frameon=False)
     ax.set_title(f"Activation memory of one layer on one rank (s={s}, b={b}, h={h}); hatched: "
                  f"Korthikanti et al. 2022, solid: this package", loc="left")

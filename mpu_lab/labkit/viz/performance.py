@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from mpu_lab.labkit.viz.style import _figure, _styled, group_colors
-from mpu_lab.perf.measure import categories
+from mpu_lab.perf.breakdown import categories
 
 
 # One colour per step-time category (mpu_lab.perf.measure.CATEGORY_ORDER): computation green,
@@ -29,7 +29,7 @@ BREAKDOWN_COLORS = {
 def plot_utilisation(runs: Dict[str, object], title: str = "", vmax: float = 100.0,
                      xlabel: str = "seconds") -> Figure:
     """Utilisation over time, one heat row per rank, one panel per run side by side
-    (``label: mpu_lab.perf.measure.Utilisation``, e.g. cropped to the training window).
+    (``label: mpu_lab.perf.utilisation.Utilisation``, e.g. cropped to the training window).
     Time is counted from each run's first sample; white where a rank had not started. Under
     CPU sampling a last row shows the whole machine (percent of all cores, every process)."""
     fig = _figure(5.4 * len(runs) + 0.8, 0.42 * max(len(u.values) + 1 for u in runs.values()) + 1.5)

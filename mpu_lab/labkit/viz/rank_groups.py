@@ -164,12 +164,11 @@ def show_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1
     _display(fig)
 
 
-
 def interactive_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1,
                             order: str = parallel_state.DEFAULT_ORDER, gpus_per_node: int = 8
                             ) -> None:
     """ipywidgets sliders for :func:`show_rank_groups` (world size, t, p, c, order, box size)."""
-    import ipywidgets as widgets
+    import ipywidgets as widgets    # optional (the labs extra): only when the widget is shown
 
     orders = ["tp-cp-dp-pp", "tp-cp-pp-dp", "tp-pp-dp", "dp-tp-pp", "pp-dp-tp"]
     if order not in orders:
