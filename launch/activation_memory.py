@@ -11,13 +11,14 @@ rank reports ``{"tp": t, "rows": [...]}``: for each ``--attention`` implementati
 without and one with SP, each holding the measured bytes, this package's terms and the
 paper's. From a notebook::
 
-    job = mpu_lab.launch.run("activation_memory.py", ["--tp", 2], nproc=2, show="none")
+    job = mpu_lab.launcher.run("activation_memory.py", ["--tp", 2], nproc=2, show="none")
 """
 import argparse
 import sys
 
-from mpu_lab import distributed, launch, parallel_state
-from mpu_lab.models import TransformerConfig, memory
+from mpu_lab import distributed, launcher, parallel_state
+from mpu_lab.models import TransformerConfig
+from mpu_lab.perf import activation_memory as memory
 
 
 def parse(argv):
@@ -34,7 +35,7 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main(argv=None):
     a = parse(argv)
     # a shape that cannot be split fails here, before any communication
@@ -44,12 +45,12 @@ def main(argv=None):
     parallel_state.initialize_model_parallel(a.tp)
     rows = [memory.measured_row(a.seq, a.batch, a.hidden, a.heads, sp, impl, a.activation)
             for impl in a.attention for sp in (False, True)]
-    per_rank = launch.gather_lines(" ".join(str(r["measured"]) for r in rows))
+    per_rank = launcher.gather_lines(" ".join(str(r["measured"]) for r in rows))
     if per_rank is not None and not a.quiet:
         print(memory.format_comparison(rows, a.seq, a.batch, a.hidden, a.heads))
         print("bytes measured on each rank (in the rows' order): "
               + "; ".join(f"rank {i}: {line}" for i, line in enumerate(per_rank)))
-    launch.report({"tp": a.tp, "rows": rows})
+    launcher.report({"tp": a.tp, "rows": rows})
     distributed.shutdown()
 
 

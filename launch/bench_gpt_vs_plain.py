@@ -73,7 +73,7 @@ def flops_per_token(model, num_layers, hidden, seq) -> float:
 
 def main(argv=None):
     a = parse(argv)
-    from mpu_lab import distributed, launch, parallel_state, training
+    from mpu_lab import distributed, launcher, parallel_state, training
     from mpu_lab.checkpointing import gather_model_state_dict
     from mpu_lab.models import GPTModel, PlainGPT, TransformerConfig
     from mpu_lab.tensor_parallel import model_parallel_manual_seed
@@ -175,7 +175,7 @@ def main(argv=None):
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
-    launch.report(result)
+    launcher.report(result)
     distributed.shutdown()
     return result
 

@@ -6,7 +6,7 @@
 
 Each rank notes when its Python started, when torch was imported, when the process group
 was up and when a first all-reduce finished; the driver prints the slowest rank's times
-since the launch (the moment `mpu_lab.launch.run` started torchrun). This is a benchmark that
+since the launch (the moment `mpu_lab.launcher.run` started torchrun). This is a benchmark that
 prints figures, not a test: the numbers depend on the machine (cores, disk cache, GPUs).
 """
 import os
@@ -20,7 +20,7 @@ def worker():
     t_torch = time.time()
     import torch.distributed as dist
 
-    from mpu_lab import distributed, launch
+    from mpu_lab import distributed, launcher
     info = distributed.init()
     t_init = time.time()
     x = torch.ones(1, device=info.device)
@@ -29,13 +29,13 @@ def worker():
         torch.cuda.synchronize()
     t_first = time.time()
     t0 = float(os.environ.get("MPU_LAB_T0", T_PYTHON))
-    launch.report({"python": T_PYTHON - t0, "torch": t_torch - t0, "init": t_init - t0,
+    launcher.report({"python": T_PYTHON - t0, "torch": t_torch - t0, "init": t_init - t0,
                    "first_collective": t_first - t0, "backend": info.backend})
     distributed.shutdown()
 
 
 def driver(ranks, repeats):
-    from mpu_lab.launch import run
+    from mpu_lab.launcher import run
     print(f"{'ranks':>5} {'python up':>10} {'torch imported':>15} {'group up':>9} "
           f"{'first all-reduce':>17} {'job total':>10}  backend   (seconds since launch, slowest rank; best of {repeats})")
     for n in ranks:

@@ -6,7 +6,7 @@
 Each rank reports ``{"shape_table": [...], "collectives": [...], "per_layer": {...}}``; from a
 notebook::
 
-    job = mpu_lab.launch.run("inspect_gpt.py", ["--tp", "2"], nproc=2, show="none")
+    job = mpu_lab.launcher.run("inspect_gpt.py", ["--tp", "2"], nproc=2, show="none")
     print(mpu_lab.models.format_shape_table(job.results[0]["shape_table"]))
 """
 import argparse
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from mpu_lab import distributed, launch, parallel_state, tensor_parallel
+from mpu_lab import distributed, launcher, parallel_state, tensor_parallel
 from mpu_lab.models import (GPTModel, TransformerConfig, count_collectives, format_collectives,
                             format_shape_table, per_layer_counts, shape_table)
 
@@ -34,7 +34,7 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main(argv=None):
     a = parse(argv)
     config = TransformerConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
@@ -56,7 +56,7 @@ def main(argv=None):
         print(format_shape_table(rows))
         print(f"\ncollectives of one step on rank 0 (sequence_parallel={a.sequence_parallel}):")
         print(format_collectives(events))
-    launch.report({"shape_table": rows, "collectives": events,
+    launcher.report({"shape_table": rows, "collectives": events,
                    "per_layer": per_layer_counts(events)})
     distributed.shutdown()
 

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 --tee 3 launch/linear_options.py --layer column
     torchrun --standalone --nproc-per-node 2 --tee 3 launch/linear_options.py --layer row mlp
 
-From a notebook: ``mpu_lab.launch.run("linear_options.py", ["--layer", "column"], nproc=2)``.
+From a notebook: ``mpu_lab.launcher.run("linear_options.py", ["--layer", "column"], nproc=2)``.
 
 For every variant (``gather_output``, ``skip_bias_add``, a fused weight with ``stride``;
 ``input_is_parallel``; the MLP pair of Megatron-LM §3) each rank builds the layer from the
@@ -12,7 +12,7 @@ batches, and compares output, input gradient and weight gradient with the dense 
 ``F.linear(x, W, b)`` on the master weight (tolerance 1e-6, relative above 1). It counts the
 collectives each pass issues through :mod:`mpu_lab.comm` and prints one line per variant:
 shapes, counts and the verdict, nothing machine-dependent. Results go to
-:func:`mpu_lab.launch.report`.
+:func:`mpu_lab.launcher.report`.
 """
 import argparse
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab import comm, distributed, launch
+from mpu_lab import comm, distributed, launcher
 from mpu_lab import parallel_state as ps
 from mpu_lab import tensor_parallel as tp
 
@@ -187,7 +187,7 @@ def line(res):
             f"{res['matches_dense']}")
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main(argv=None):
     parser = argparse.ArgumentParser(description="parallel linear options vs the dense layer")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world)")
@@ -206,9 +206,9 @@ def main(argv=None):
     for fn, name, kwargs in cases(args.layer, args.stride):
         steps = [fn(args, name, step, **kwargs) for step in range(args.steps)]
         res = dict(steps[0], matches_dense=all(s["matches_dense"] for s in steps), steps=args.steps)
-        print(line(res))   # mpu_lab.launch (or torchrun --tee 3) prefixes the rank
+        print(line(res))   # mpu_lab.launcher (or torchrun --tee 3) prefixes the rank
         results.append(res)
-    launch.report({"rank": dist.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+    launcher.report({"rank": dist.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
                    "tp": t, "cases": results})
     bad = [r["name"] for r in results if not r["matches_dense"]]
     if bad:

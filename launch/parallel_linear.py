@@ -11,7 +11,7 @@ its slice, and compares forward output, input gradient and weight gradient with 
 ``F.linear`` on the master weight. ``--stride 3`` splits a fused weight (as ``[Q; K; V]``):
 rank ``i`` keeps the ``i``-th slice of each of the 3 blocks.
 
-From a notebook: ``mpu_lab.launch.run("parallel_linear.py", ["--tp", "4"], nproc=4).results``.
+From a notebook: ``mpu_lab.launcher.run("parallel_linear.py", ["--tp", "4"], nproc=4).results``.
 """
 import argparse
 import os
@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab import distributed, launch
+from mpu_lab import distributed, launcher
 from mpu_lab import parallel_state as ps
 from mpu_lab import tensor_parallel as tp
 
 TOL = 1e-6
 
 
-gather_lines = launch.gather_lines  # rank-ordered output, shared with the other scripts
+gather_lines = launcher.gather_lines  # rank-ordered output, shared with the other scripts
 
 
 def shard_indices(size, t, r, stride):
@@ -122,7 +122,7 @@ def describe(kind, res, args, t):
     print("\n".join(lines))
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main():
     parser = argparse.ArgumentParser(description="column/row parallel linear vs dense matmul")
     parser.add_argument("--tp", type=int, default=None,
@@ -147,7 +147,7 @@ def main():
     for kind in ("column", "row"):
         results[kind] = run_layer(kind, args)
         describe(kind, results[kind], args, t)
-    launch.report({"rank": dist.get_rank(), "tp": t, **results})
+    launcher.report({"rank": dist.get_rank(), "tp": t, **results})
     if dist.get_rank() == 0:
         print(f"\nall {world} ranks: shards are slices of the master weight; forward and "
               f"gradients match the dense matmul within {TOL:g} (error = max|diff| / "

@@ -2,17 +2,17 @@
 
     torchrun --standalone --nproc-per-node 8 launch/rank_groups.py --tp 2 --pp 2
 
-From a notebook: ``mpu_lab.launch.run("rank_groups.py", ["--tp", 2, "--pp", 2], nproc=8)``.
+From a notebook: ``mpu_lab.launcher.run("rank_groups.py", ["--tp", 2, "--pp", 2], nproc=8)``.
 
 Each rank calls ``initialize_model_parallel`` (every rank creates every group, as
 ``torch.distributed.new_group`` requires), prints one line with its coordinates and its
 tensor / data / pipeline groups, then all-reduces its own rank number over each of those three
 groups: the sums prove the process groups really connect those ranks. It reports
-``parallel_state.describe()`` plus the sums to :func:`mpu_lab.launch.report`.
+``parallel_state.describe()`` plus the sums to :func:`mpu_lab.launcher.report`.
 """
 import torch
 
-from mpu_lab import comm, distributed, launch
+from mpu_lab import comm, distributed, launcher
 from mpu_lab import parallel_state as ps
 from mpu_lab.parallel_state_args import rank_groups_parser
 
@@ -27,7 +27,7 @@ def parse_args(argv=None):
     return rank_groups_parser(description=__doc__.splitlines()[0]).parse_args(argv)
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main(argv=None):
     args = parse_args(argv)
     distributed.init()   # backend: MPU_LAB_BACKEND (auto, gloo, nccl)
@@ -41,7 +41,7 @@ def main(argv=None):
     print(f"rank {info['rank']}: tp_rank {info['tp_rank']}, dp_rank {info['dp_rank']}, "
           f"pp_rank {info['pp_rank']} | tp {groups['tp']} dp {groups['dp']} pp {groups['pp']} "
           f"| all-reduce of ranks over tp {sums['tp']}, dp {sums['dp']}, pp {sums['pp']}")
-    launch.report(dict(info, sums=sums))
+    launcher.report(dict(info, sums=sums))
     distributed.shutdown()
 
 

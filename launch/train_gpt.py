@@ -21,7 +21,7 @@ With the defaults (mock data, 2 layers, hidden 64, 300 iterations) it trains on 
 in under a minute and the loss falls from ~6.2 (log 512) to about 1.7 (the mock
 data's own entropy is 1.2 nats). From a notebook::
 
-    mpu_lab.launch.run("train_gpt.py", ["--tensor-model-parallel-size", "2"], nproc=2)
+    mpu_lab.launcher.run("train_gpt.py", ["--tensor-model-parallel-size", "2"], nproc=2)
 
 returns every rank's logged metrics (every rank reports the same losses; at PP > 1 the last
 stage computes them and sends them to the others). With ``--record-timeline`` each rank also
@@ -51,13 +51,13 @@ Megatron's rule.
 """
 import sys
 
-from mpu_lab import distributed, launch, training
+from mpu_lab import distributed, launcher, training
 
 # Checked by the launcher before torchrun starts (read from this source, not imported).
 PRECHECK = "mpu_lab.training.arguments:check_launch_args"
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main(argv=None):
     args = training.parse_args(argv)
     # Check the flags first (pure): a bad configuration fails here, naming the numbers.
@@ -70,7 +70,7 @@ def main(argv=None):
         result["timeline"] = training.schedule_timeline_report()
     if getattr(state, "step_timer", None) is not None:   # --breakdown[-barrier|-profile]
         result["breakdown"] = state.step_timer.report()
-    launch.report(result)
+    launcher.report(result)
     distributed.shutdown()
 
 

@@ -70,7 +70,7 @@ def init(backend: str = "auto", timeout_s: Optional[float] = None, device: Optio
         raise RuntimeError(
             "RANK / WORLD_SIZE are not set: start this script with torchrun, e.g. "
             "`torchrun --standalone --nproc-per-node 4 script.py`, or from a notebook with "
-            "mpu_lab.launch.run(...)"
+            "mpu_lab.launcher.run(...)"
         )
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)

@@ -17,11 +17,6 @@ import time
 import traceback
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from mpu_lab import comm, distributed
 from mpu_lab.launcher.paths import RESULT_DIR_ENV
 
 
@@ -47,6 +42,12 @@ def gather_lines(text: str):
     A collective: every rank of the world calls it. Printing what it returns on rank 0 gives
     deterministic multi-rank output (what nbval compares), unlike ranks printing at will.
     """
+    # Imported here: the launcher imports only the standard library at import time (the
+    # notebook's driver, tests/mp/tiny_job.py); a worker that gathers lines has torch anyway.
+    import torch
+    import torch.distributed as dist
+
+    from mpu_lab import comm, distributed  # keeps the launcher free of torch at import time
     device = distributed.get_device()
     data = torch.tensor(list(text.encode()) or [0], dtype=torch.uint8, device=device)
     longest = comm.all_reduce(torch.tensor([data.numel()], device=device), op=dist.ReduceOp.MAX)
@@ -79,6 +80,8 @@ def entrypoint(fn):
     Under torchrun a rank that raised exits at once (``os._exit(1)``, after the error file and
     the traceback are written): interpreter teardown with a live process group can take a
     second or block on dead peers, and the job's other ranks wait for it."""
+    from torch.distributed.elastic.multiprocessing.errors import record   # torch: see above
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         directory = os.environ.get(RESULT_DIR_ENV)

@@ -60,7 +60,7 @@ def shape_table(batch_size: int = 2, seq_length: int = 8, hidden_size: int = 16,
             raise RuntimeError(
                 f"shape_table at d_tp={tensor_model_parallel_size} needs "
                 f"{tensor_model_parallel_size} ranks: run it in a torchrun worker "
-                f"(mpu_lab.launch.run('inspect_gpt.py', ['--tp', '{tensor_model_parallel_size}'"
+                f"(mpu_lab.launcher.run('inspect_gpt.py', ['--tp', '{tensor_model_parallel_size}'"
                 f"], nproc={tensor_model_parallel_size})) or call it with d_tp=1 here")
         distributed.init_single_process()
     t = parallel_state.get_tensor_model_parallel_world_size()

@@ -58,7 +58,7 @@ class ScheduleStats:
     messages_received: int
 
     def as_dict(self) -> Dict[str, Any]:
-        """JSON-able (for ``mpu_lab.launch.report``)."""
+        """JSON-able (for ``mpu_lab.launcher.report``)."""
         out = dataclasses.asdict(self)
         out["records"] = [list(r) for r in self.records]
         return out

@@ -143,7 +143,7 @@ def pipeline_records(reports: Sequence[Optional[Dict]], data_parallel_rank: int 
     """One pipeline's wall-clock records out of a real run's per-rank reports.
 
     ``reports``: what the ranks reported, in rank order — e.g. ``job.results`` of
-    ``mpu_lab.launch.run("train_gpt.py", [..., "--record-timeline"], nproc=...)``, where each
+    ``mpu_lab.launcher.run("train_gpt.py", [..., "--record-timeline"], nproc=...)``, where each
     rank's result holds ``"timeline"`` (:func:`mpu_lab.training.schedule_timeline_report`);
     a report may also be that dict itself. Returns ``dict(records, num_microbatches,
     num_model_chunks, schedule, ranks)`` with ``records[k]`` the records of pipeline stage

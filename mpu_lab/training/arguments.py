@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no per-iteration log lines")
     g.add_argument("--record-timeline", action="store_true",
                    help="PP > 1: every rank reports the forward/backward start and end times of "
-                        "its last iteration (launch.report), for a Gantt chart of the real run")
+                        "its last iteration (launcher.report), for a Gantt chart of the real run")
     g.add_argument("--breakdown", action="store_true",
                    help="every rank times its steps and the collectives in them and reports "
                         "the per-step breakdown (compute vs each kind of collective; "

@@ -193,7 +193,7 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
 def schedule_timeline_report() -> Dict[str, Any]:
     """This rank's pipeline coordinates and the records of its last schedule run
     (:func:`~mpu_lab.pipeline_parallel.get_last_schedule_stats`), JSON-able, for
-    ``launch.report``; :func:`~mpu_lab.pipeline_parallel.timeline.pipeline_records` turns the
+    ``launcher.report``; :func:`~mpu_lab.pipeline_parallel.timeline.pipeline_records` turns the
     ranks' reports into the Gantt chart's input. ``{}`` when no schedule has run."""
     stats = get_last_schedule_stats()
     if stats is None:
