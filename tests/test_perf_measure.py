@@ -296,13 +296,47 @@ def test_lab08_checkers(capsys):
 
     gpt39 = perf.ModelShape(48, 8192, 64, 2048, 51200)
     cluster = perf.DGX_A100_80GB.replace(num_nodes=8)
-    best = perf.explore(gpt39, cluster, 64, 512).best.config
-    assert exercises.check_best_config((best.tp, best.pp), gpt39, cluster, 64, 512)
+    accepted = best_pairs_by_brute_force(gpt39, cluster, 64, 512, tol=0.05)
+    # Pinned: t=4, p=4 is fastest; (2, 8), (4, 8) and (8, 2) are within 5 % of it, (8, 4) is not.
+    assert accepted == {(4, 4), (2, 8), (4, 8), (8, 2)}
+    for t in (1, 2, 4, 8, 16, 32, 64):
+        for p in (1, 2, 3, 4, 6, 8, 12, 16, 24, 48):
+            assert bool(exercises.check_best_config((t, p), gpt39, cluster, 64, 512)) == \
+                ((t, p) in accepted), (t, p)
     assert not exercises.check_best_config((16, 4), gpt39, cluster, 64, 512)   # TP across boxes
     assert not exercises.check_best_config((3, 3), gpt39, cluster, 64, 512)    # not valid
     assert not exercises.check_best_config("8,2", gpt39, cluster, 64, 512)
     out = capsys.readouterr().out
     assert "No answer yet" in out and "not a valid (t, p)" in out
+
+
+def best_pairs_by_brute_force(model, cluster, num_gpus, batch, tol):
+    """The (t, p) pairs whose best micro-batch size fits in memory and is predicted within
+    ``tol`` of the fastest fitting configuration — found without the explorer: the valid splits
+    are spelled out here (t divides the heads and the ffn size, p divides the layers,
+    d = N / (t p), b in (1, 2, 4, 8) with B a multiple of b d; sequence parallelism wherever
+    t > 1; selective recomputation, as explore()'s defaults), each is predicted by the cost
+    model, and the ranking rule is: fitting configurations only, least seconds per iteration."""
+    from mpu_lab import perf
+    ffn = 4 * model.hidden_size
+    best_of_pair = {}
+    for t in range(1, num_gpus + 1):
+        for p in range(1, num_gpus // t + 1):
+            if num_gpus % (t * p) or model.num_attention_heads % t or ffn % t \
+                    or model.num_layers % p:
+                continue
+            d = num_gpus // (t * p)
+            for b in (1, 2, 4, 8):
+                if batch % (b * d):
+                    continue
+                cfg = perf.ParallelConfig(tp=t, pp=p, dp=d, micro_batch_size=b,
+                                          global_batch_size=batch, sequence_parallel=t > 1,
+                                          recompute="selective")
+                pred = perf.predict_iteration(model, cfg, cluster)
+                if pred.fits:
+                    best_of_pair[t, p] = min(best_of_pair.get((t, p), math.inf), pred.total_s)
+    fastest = min(best_of_pair.values())
+    return {pair for pair, secs in best_of_pair.items() if secs <= (1 + tol) * fastest}
 
 
 def test_lab08_figures_draw_what_they_are_given():

@@ -106,25 +106,51 @@ def test_split_and_fg_diagrams_build(make):
 
 
 # --------------------------------------------------------------------------- collectives
+# Megatron's default order puts tensor-parallel ranks next to each other: the TP groups are
+# blocks of consecutive ranks. Written out by hand (not from parallel_state), per world size.
+TP_GROUPS = {
+    8: {4: [[0, 1, 2, 3], [4, 5, 6, 7]],
+        2: [[0, 1], [2, 3], [4, 5], [6, 7]]},
+    16: {4: [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+         2: [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]},
+}
+# Per rank, what Megatron's unit tests assert (tests/unit_tests/tensor_parallel/), at the
+# layouts of launch/collectives.py: broadcast_data and gather_split at tp=2 (pp=4), the others
+# at tp=4 (pp=2).
+COPY_SUMS = {8: [6, 6, 6, 6, 22, 22, 22, 22],                          # 0+1+2+3, 4+5+6+7
+             16: [6] * 4 + [22] * 4 + [38] * 4 + [54] * 4}
+BROADCAST_SRC = {8: [0, 0, 2, 2, 4, 4, 6, 6],
+                 16: [0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14]}
+TP4_POSITION = {8: [0, 1, 2, 3, 0, 1, 2, 3], 16: [0, 1, 2, 3] * 4}     # rank % 4
+
+
 def megatron_results(world=8):
     """Per-rank reports shaped like launch/collectives.py's, holding Megatron's values."""
     results = []
     for rank in range(world):
-        def group(name):
-            tp, pp = viz.COLLECTIVE_LAYOUTS[name]
-            (g,) = [g for g in parallel_state.generate_rank_groups(world, tp, pp)["tp"] if rank in g]
-            return g
-        pos = group("sequence").index(rank)
+        (tp4,) = [g for g in TP_GROUPS[world][4] if rank in g]
+        (tp2,) = [g for g in TP_GROUPS[world][2] if rank in g]
+        pos = TP4_POSITION[world][rank]
         results.append({"rank": rank, "tests": {
-            "broadcast": {"src": group("broadcast")[0], "means": [0.0, 1.0]},
-            "copy": {"tp_group": group("copy"), "value": float(sum(group("copy")))},
-            "reduce": {"tp_group": group("reduce"), "value": float(sum(group("reduce")))},
-            "scatter": {"column": group("scatter").index(rank), "shape": [8, 1]},
-            "gather": {"blocks": group("gather")},
-            "gather_split": {"output": [float(r) for r in group("gather_split") for _ in range(8)]},
+            "broadcast": {"src": BROADCAST_SRC[world][rank], "means": [0.0, 1.0]},
+            "copy": {"tp_group": tp4, "value": float(COPY_SUMS[world][rank])},
+            "reduce": {"tp_group": tp4, "value": float(COPY_SUMS[world][rank])},
+            "scatter": {"column": pos, "shape": [8, 1]},
+            "gather": {"blocks": tp4},
+            # gather_split_1d_tensor of (2, 4) tensors filled with their rank: 8 of each
+            "gather_split": {"output": [float(tp2[0])] * 8 + [float(tp2[1])] * 8},
             "sequence": {"rows": [2 * pos, 2 * pos + 2], "reduce_scatter": 4.0 * pos},
         }})
     return results
+
+
+def test_the_hand_written_megatron_values_hold_for_rank_5_of_8():
+    """Spot check of the table above against Megatron's test for one rank, in full."""
+    r5 = megatron_results()[5]["tests"]
+    assert r5["copy"] == {"tp_group": [4, 5, 6, 7], "value": 22.0}
+    assert r5["broadcast"]["src"] == 4 and r5["scatter"]["column"] == 1
+    assert r5["gather_split"]["output"] == [4.0] * 8 + [5.0] * 8
+    assert r5["sequence"] == {"rows": [2, 4], "reduce_scatter": 4.0}
 
 
 def test_megatron_expectations_are_the_6_and_22(capsys):
