@@ -6,7 +6,7 @@ parallelism, against Korthikanti et al. 2022 (lab 05).
 
 Every rank builds one ``ParallelTransformerLayer`` (dropout 0, fp32), runs its forward on its
 part of a batch and counts, through ``torch.autograd.graph.saved_tensors_hooks``, the bytes
-autograd keeps for backward (:mod:`mpu_lab.models.memory`). Rank 0 prints the table; every
+autograd keeps for backward (:mod:`mpu_lab.perf.activation_memory`). Rank 0 prints the table; every
 rank reports ``{"tp": t, "rows": [...]}``: for each ``--attention`` implementation a row
 without and one with SP, each holding the measured bytes, this package's terms and the
 paper's. From a notebook::

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 8 launch/bench_bandwidth.py \
         --ops all_reduce all_gather --min-bytes 1M --max-bytes 1G --iters 20 --dtype bfloat16
 
-From a notebook: ``mpu_lab.launch.run("bench_bandwidth.py", [...], nproc=4).results[0]["rows"]``
+From a notebook: ``mpu_lab.launcher.run("bench_bandwidth.py", [...], nproc=4).results[0]["rows"]``
 and ``mpu_lab.perf.bandwidth.format_bandwidth(rows)``.
 
 Every call goes through :mod:`mpu_lab.comm`, the functions the model uses, so the times include
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed, launch
+from mpu_lab import comm, distributed, launcher
 from mpu_lab.perf import bandwidth
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -101,7 +101,7 @@ def bench(op, size, args, info):
                 wrong=int(totals[1]))
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     info = distributed.init()
@@ -116,7 +116,7 @@ def main(argv=None):
         print(f"# wrong results: {sum(r['wrong'] for r in rows)}")
         for note in notes:
             print(f"# note: {note}")
-    launch.report(dict(rows=rows, notes=notes, world_size=info.world_size, backend=info.backend,
+    launcher.report(dict(rows=rows, notes=notes, world_size=info.world_size, backend=info.backend,
                        device=str(info.device), dtype=args.dtype, iters=args.iters))
     distributed.shutdown()
 

@@ -7,13 +7,13 @@
     # the calibration job it starts (every rank times matmuls, memory and an all-reduce):
     torchrun --standalone --nproc-per-node 2 launch/bench_cost_model.py --worker
 
-Run plainly it is a driver that starts its own torchrun jobs through mpu_lab.launch.run.
+Run plainly it is a driver that starts its own torchrun jobs through mpu_lab.launcher.run.
 
 Steps:
 
 1. Calibrate this machine before and after the runs of each rank count (averaged; the drift
    between the two is printed): the FLOP/s of the model's own layer GEMMs at
-   the thread count each rank gets (mpu_lab.launch gives each of n ranks cores/n threads), the
+   the thread count each rank gets (mpu_lab.launcher gives each of n ranks cores/n threads), the
    memory bandwidth of an elementwise add, and the latency (a small all-reduce right after a
    matmul, as in a layer) and bus bandwidth (4 MiB) of a gloo all-reduce, all in one torchrun
    job whose ranks measure at the same time.
@@ -52,7 +52,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed, launch
+from mpu_lab import comm, distributed, launcher
 from mpu_lab.perf import calibrate, published_runs
 from mpu_lab.perf.calibrate import TrainConfig
 from mpu_lab.perf.cost_model import ring_all_reduce_factor
@@ -126,7 +126,7 @@ def build_configs(args):
     return out
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def worker(args):
     """One rank of the calibration job: all ranks time at the same moment, as in training."""
     info = distributed.init(backend="gloo", device="cpu")
@@ -147,7 +147,7 @@ def worker(args):
         out["latency_s"] = max(after - alone, t_small)
         out["busbw"] = ring_all_reduce_factor(info.world_size) * (4 << 20) / max(
             t_big - t_small, 1e-9)
-    launch.report(out)
+    launcher.report(out)
     distributed.shutdown()
 
 

@@ -18,7 +18,7 @@ environment switches::
 | sequence       | TEST_SEQUENCE       | tp=4, pp=2 | sequence-parallel scatter / gather / reduce-scatter |
 
 With no test selected, all run. Each test asserts Megatron's values, then rank 0 prints one
-line per rank, in rank order. From a notebook, ``mpu_lab.launch.run("collectives.py",
+line per rank, in rank order. From a notebook, ``mpu_lab.launcher.run("collectives.py",
 ["--test", "copy"], nproc=8).results`` returns each rank's values.
 """
 import argparse
@@ -27,7 +27,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from mpu_lab import distributed, launch
+from mpu_lab import distributed, launcher
 from mpu_lab import parallel_state as ps
 from mpu_lab import tensor_parallel as tp
 from mpu_lab.labkit.collective_layouts import COLLECTIVE_LAYOUTS
@@ -36,7 +36,7 @@ from mpu_lab.tensor_parallel import mappings
 WORLD = 8  # both layouts have tp * pp = 8
 
 
-gather_lines = launch.gather_lines  # rank-ordered output, shared with the other scripts
+gather_lines = launcher.gather_lines  # rank-ordered output, shared with the other scripts
 
 
 def fmt(t):
@@ -178,7 +178,7 @@ def selected_tests(argv=None):
     return [n for n in TESTS if n in names]          # table order, each once
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main():
     names = selected_tests()
     world = int(os.environ.get("WORLD_SIZE", "0"))
@@ -198,7 +198,7 @@ def main():
             print("\n".join(lines))
             print(f"{name}: passed on all {len(lines)} ranks")
         ps.destroy_model_parallel()
-    launch.report({"rank": dist.get_rank(), "tests": results})
+    launcher.report({"rank": dist.get_rank(), "tests": results})
     distributed.shutdown()
 
 

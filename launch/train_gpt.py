@@ -33,10 +33,10 @@ reports its last iteration's forward/backward records under ``"timeline"``::
     measured_bubble(tl["records"], tl["num_microbatches"], tl["num_model_chunks"])
 
 With ``--breakdown`` each rank reports where its steps' time went (compute vs each kind of
-collective) under ``"breakdown"``; ``mpu_lab.perf.measure.format_breakdown`` tabulates it::
+collective) under ``"breakdown"``; ``mpu_lab.perf.breakdown.format_breakdown`` tabulates it::
 
-    from mpu_lab.perf import measure
-    print(measure.format_breakdown(measure.breakdowns(job.results)))
+    from mpu_lab.perf import breakdown
+    print(breakdown.format_breakdown(breakdown.breakdowns(job.results)))
 
 ``--breakdown-barrier`` books the wait for the slowest peer apart from each collective;
 ``--breakdown-profile DIR`` also runs the timed steps under ``torch.profiler`` and writes a

@@ -43,7 +43,7 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # imported here, after the argument check: torch and matplotlib take seconds to load
-    from mpu_lab import viz
+    from mpu_lab.labkit import viz
     from mpu_lab.perf.breakdown import format_breakdown
     from mpu_lab.perf.calibrate import TrainConfig
     from mpu_lab.perf.runs import format_utilisation, profile_training, training_flags

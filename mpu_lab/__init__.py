@@ -1,8 +1,18 @@
 """mpu_lab: Megatron-LM's model-parallel unit (MPU), small enough to read and run anywhere.
 
-Modules mirror Megatron-core's names so a learner can jump to the real thing:
-``parallel_state`` (rank groups), ``distributed`` (backend/device choice),
-``tensor_parallel`` (f/g collectives, column/row-parallel layers, vocab-parallel pieces),
-``launch`` (torchrun from a notebook).
+Three parts (``docs/ARCHITECTURE.md`` draws the layers):
+
+* the Megatron mirror, named after Megatron-core's files so a learner can jump to the real
+  thing: ``parallel_state`` (rank groups), ``distributed`` (backend and device),
+  ``comm`` (every collective), ``tensor_parallel``, ``models``, ``pipeline_parallel``,
+  ``optimizer``, ``checkpointing``, ``training``;
+* ``launcher``: a ``launch/`` script under torchrun from a notebook or a test;
+* ``labkit``: pictures, exercises, the live playground and notebook tooling for the labs;
+
+and ``perf``, the cost model and the measurement tools, between the mirror and the lab kit.
 """
+from mpu_lab import _renamed
+
+_renamed.install()   # old module paths (mpu_lab.launch, mpu_lab.viz, ...) still import
+
 __version__ = "0.1.0"

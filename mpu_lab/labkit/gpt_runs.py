@@ -7,7 +7,7 @@ losses, and the lecture's ``GPT_ARGS`` launch line.
   process first (:func:`mpu_lab.training.validate_args`), optionally with a live loss plot
   (:class:`mpu_lab.labkit.viz.LiveLossPlot`, redrawn from the ``--metrics-file`` as rank 0
   logs each iteration); returns a :class:`TrainRun` with the loss of every iteration;
-* :func:`from_job` — the same from a job started with ``launch.run("train_gpt.py", ...)``;
+* :func:`from_job` — the same from a job started with ``launcher.run("train_gpt.py", ...)``;
 * :func:`max_relative_difference`, :func:`print_agreement`, :func:`print_losses` — compare
   runs that should coincide (TP = 1, 2, 4; a run resumed from a resharded checkpoint);
 * :data:`LECTURE_GPT_ARGS`, :func:`gpt_args_from_script`, :func:`print_side_by_side`,
@@ -170,7 +170,7 @@ def _read_metrics(path: str) -> List[dict]:
 
 
 def _redraw(plot, metrics_file: str, rank: Optional[int], text: str) -> None:
-    """``launch.run``'s ``on_line``: when rank 0 logs an iteration, redraw from the file."""
+    """``launcher.run``'s ``on_line``: when rank 0 logs an iteration, redraw from the file."""
     if rank == 0 and "lm loss" in text:
         rows = _read_metrics(metrics_file)
         plot.update([r["iteration"] for r in rows], [r["lm_loss"] for r in rows])
@@ -210,7 +210,7 @@ def train(flags: Sequence, nproc: int, label: Optional[str] = None, live: bool =
 
 
 def from_job(job: "launcher.LaunchResult", label: str) -> TrainRun:
-    """A :class:`TrainRun` from a finished ``launch.run("train_gpt.py", ...)`` job, whose ranks
+    """A :class:`TrainRun` from a finished ``launcher.run("train_gpt.py", ...)`` job, whose ranks
     each reported ``{"metrics": [...], "iteration": n}``."""
     metrics = job.results[0]["metrics"]
     return TrainRun(label, [m["iteration"] for m in metrics], [m["lm_loss"] for m in metrics],

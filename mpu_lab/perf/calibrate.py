@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from mpu_lab import launch, training
+from mpu_lab import launcher, training
 from mpu_lab.models.gpt import pad_vocab_size
 from mpu_lab.perf.bandwidth import allreduce_fit
 from mpu_lab.perf.cost_model import Cluster, ModelShape, ParallelConfig, predict_iteration
@@ -74,7 +74,7 @@ def calibrate_matmul(shapes: Sequence[Tuple[int, int, int, int]] = ((1, 1024, 25
                      dtype: str = "float32") -> float:
     """Measured FLOP/s of a set of (batched) matmuls ``(batch, m, k, n)`` — e.g.
     :func:`layer_matmul_shapes` of the model being predicted — with ``threads`` torch threads
-    (pass the count each rank gets: mpu_lab.launch sets OMP_NUM_THREADS = cores / ranks).
+    (pass the count each rank gets: mpu_lab.launcher sets OMP_NUM_THREADS = cores / ranks).
     Total FLOPs over the sum of the best times of each shape."""
     dt = getattr(torch, dtype)
 
@@ -114,7 +114,7 @@ def calibrate_allreduce(nproc: int = 2, min_bytes: str = "4K", max_bytes: str = 
 
     The smallest message's time is taken as the latency; the bandwidth comes from the largest:
     ``busbw = 2(n-1)/n · S / (t - latency)`` — the ring model :func:`predict_iteration` uses."""
-    job = launch.run("bench_bandwidth.py", ["--ops", "all_reduce", "--min-bytes", min_bytes,
+    job = launcher.run("bench_bandwidth.py", ["--ops", "all_reduce", "--min-bytes", min_bytes,
                                             "--max-bytes", max_bytes, "--factor", "4"],
                      nproc=nproc, show="none", timeout_s=timeout_s)
     return allreduce_fit(job.results[0]["rows"])
@@ -134,7 +134,7 @@ def calibrate_ranks(nproc: int = 2,
     args = ["--worker"]
     if shape_sets:
         args += ["--shape-sets", json.dumps([[list(x) for x in shapes] for shapes in shape_sets])]
-    job = launch.run("bench_cost_model.py", args, nproc=nproc, show="none", timeout_s=timeout_s)
+    job = launcher.run("bench_cost_model.py", args, nproc=nproc, show="none", timeout_s=timeout_s)
     res = job.results
     sets = [sum(r["matmul_flops_sets"][i] for r in res) / nproc
             for i in range(len(res[0]["matmul_flops_sets"]))]
@@ -234,7 +234,7 @@ def measure_step_time(tc: TrainConfig, skip: int = 4, timeout_s: float = 180
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "metrics.jsonl")
         p0, t0 = cpu_pressure_us(), time.perf_counter()
-        launch.run("train_gpt.py", tc.argv(path), nproc=tc.nproc, show="none",
+        launcher.run("train_gpt.py", tc.argv(path), nproc=tc.nproc, show="none",
                    timeout_s=timeout_s)
         p1, t1 = cpu_pressure_us(), time.perf_counter()
         with open(path) as f:

@@ -2,8 +2,8 @@
 
 * :class:`UtilisationSampler` — for every ``torchrun`` worker (found in the launcher's process
   tree) whether it is running or runnable, or its CPU use (psutil); GPU utilisation through
-  NVML where there is a GPU; :func:`run_with_utilisation` wraps :func:`mpu_lab.launch.run` in
-  one. :func:`mpu_lab.viz.plot_utilisation` draws the result as one row per rank.
+  NVML where there is a GPU; :func:`run_with_utilisation` wraps :func:`mpu_lab.launcher.run` in
+  one. :func:`mpu_lab.labkit.viz.plot_utilisation` draws the result as one row per rank.
 * :func:`schedule_utilisation` — what a perfect machine would show for a pipeline schedule
   (the 1F1B and GPipe schedules of Narayanan et al. 2021 §2.2, simulated by
   :mod:`mpu_lab.pipeline_parallel.timeline`).
@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from mpu_lab import launch
-from mpu_lab.launch import descendants
+from mpu_lab import launcher
+from mpu_lab.launcher import descendants
 from mpu_lab.pipeline_parallel.timeline import simulate
 
 __all__ = ["Utilisation", "schedule_utilisation", "UtilisationSampler", "run_with_utilisation"]
@@ -96,11 +96,11 @@ class UtilisationSampler:
     ``torchrun`` jobs started from it are:
 
         with UtilisationSampler(interval_s=0.05) as sampler:
-            job = launch.run("train_gpt.py", flags, nproc=4)
+            job = launcher.run("train_gpt.py", flags, nproc=4)
         util = sampler.result()
 
     CPU: every ``interval_s`` the worker processes are found among this process's descendants
-    (:func:`mpu_lab.launch.descendants`; a worker is a process with torchrun's ``ROLE_RANK``)
+    (:func:`mpu_lab.launcher.descendants`; a worker is a process with torchrun's ``ROLE_RANK``)
     and psutil reads, per ``cpu_metric``, their CPU use since the last sample (``"cpu"``) or
     whether their main thread is running or runnable now (``"runnable"``). GPU (``gpu=True``, or
     ``"auto"``: where NVML finds one): NVML's utilisation of each rank's GPU, ``LOCAL_RANK``
@@ -231,9 +231,9 @@ class UtilisationSampler:
 
 def run_with_utilisation(script, args: Sequence = (), nproc: int = 2, interval_s: float = 0.05,
                          gpu="auto", cpu_metric: str = "cpu", **run_kwargs):
-    """:func:`mpu_lab.launch.run` with a :class:`UtilisationSampler` around it; returns
+    """:func:`mpu_lab.launcher.run` with a :class:`UtilisationSampler` around it; returns
     ``(job, utilisation)``."""
     with UtilisationSampler(interval_s=interval_s, gpu=gpu, cpu_metric=cpu_metric) as sampler:
-        job = launch.run(script, args, nproc=nproc, **run_kwargs)
+        job = launcher.run(script, args, nproc=nproc, **run_kwargs)
     return job, sampler.result()
 

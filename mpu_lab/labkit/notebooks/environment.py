@@ -13,7 +13,7 @@ def environment(nranks: int = 8) -> Dict[str, object]:
     # pytest loads this package as its nbval plugin (which would cost every run seconds).
     import torch
 
-    from mpu_lab import distributed, launcher
+    from mpu_lab import distributed, launcher  # loads torch: only when the check runs
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     forced = os.environ.get("MPU_LAB_BACKEND", "auto")

@@ -123,8 +123,8 @@ def structure_problems(root=REPO_ROOT) -> List[str]:
                 if word not in footer:
                     problems.append(f"{name}: footer (last cell) lacks a {word!r} link")
             sources = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-            if "launch.run(" not in sources:
-                problems.append(f"{name}: no torchrun job (mpu_lab.launch.run)")
+            if "launcher.run(" not in sources:
+                problems.append(f"{name}: no torchrun job (mpu_lab.launcher.run)")
             if not re.search(r"\bcheck_\w+\(", sources):
                 problems.append(f"{name}: no exercise check (check_...)")
             if not code_seen:

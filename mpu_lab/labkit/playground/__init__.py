@@ -6,7 +6,7 @@
     [tensor([6.]), tensor([6.]), tensor([6.]), tensor([6.])]
     >>> world.stop()                                                      # doctest: +SKIP
 
-``launch.run`` starts a fresh ``torchrun`` job per call (the way the labs run whole programs);
+``launcher.run`` starts a fresh ``torchrun`` job per call (the way the labs run whole programs);
 a playground world stays up between cells, so a learner can poke the same process group cell
 after cell. Each engine of an ipyparallel cluster is one rank: it gets torchrun's environment
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, a free ``MASTER_PORT``),

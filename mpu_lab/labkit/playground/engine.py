@@ -26,6 +26,20 @@ from mpu_lab import comm, distributed, parallel_state, tensor_parallel
 from mpu_lab.tensor_parallel import mappings
 
 _TIMEOUT_TEXT = re.compile(r"timed out|timeout", re.I)
+_TORCH_DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"
+
+
+def _waited_in_collective(exc: BaseException) -> bool:
+    """Did this rank fail while it was inside a ``torch.distributed`` call, i.e. had it
+    arrived at the collective? Read from where the rank stood (its traceback), not from the
+    error's wording: the first rank to time out says "Timed out", but its peers may get
+    "Connection closed by peer" a moment later, depending on timing. Both backends raise a
+    RuntimeError (DistBackendError) there."""
+    if not isinstance(exc, RuntimeError):
+        return False
+    frames = [f.f_code.co_filename for f, _ in traceback.walk_tb(exc.__traceback__)]
+    return any(_TORCH_DISTRIBUTED in name for name in frames) or bool(
+        _TIMEOUT_TEXT.search(str(exc)))
 
 
 def _engine_setup(env: Dict[str, str]) -> int:
@@ -90,8 +104,7 @@ def _run_on_engine(what, args=(), kwargs=None, rank: int = 0) -> dict:
         tb = exc.__traceback__.tb_next if exc.__traceback__ else None   # drop this frame
         reply["error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         reply["traceback"] = "".join(traceback.format_exception(type(exc), exc, tb))
-        # gloo and NCCL report a timed-out collective as a RuntimeError (DistBackendError)
-        reply["timed_out"] = isinstance(exc, RuntimeError) and bool(_TIMEOUT_TEXT.search(str(exc)))
+        reply["timed_out"] = _waited_in_collective(exc)
     try:
         pickle.dumps(reply["value"])
     except Exception:                # an unpicklable value comes back as its repr

@@ -54,7 +54,7 @@ def check_world_args(world_size, tensor_model_parallel_size=1, pipeline_model_pa
     limit = launcher.max_ranks()
     if world_size > limit:
         raise ValueError(f"world_size {world_size} is more ranks than this machine starts "
-                         f"({limit}, launch.max_ranks(); MPU_LAB_MAX_RANKS overrides)")
+                         f"({limit}, launcher.max_ranks(); MPU_LAB_MAX_RANKS overrides)")
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and world_size > _gpu_count():

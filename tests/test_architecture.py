@@ -1,0 +1,293 @@
+"""The package's shape, read statically (nothing of mpu_lab is run): the rules of
+docs/ARCHITECTURE.md.
+
+Run as a script for the report behind these checks:
+
+    python tests/test_architecture.py
+
+It prints the import cycles (none), the largest modules, every function-local import of an
+``mpu_lab`` module with its reason, and import-linter's verdict on the layers.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+from typing import Dict, List, Set, Tuple
+
+import grimp
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "mpu_lab"
+MAX_LINES = 450
+MAX_LOCAL_IMPORTS = 10
+# Layers that name their allowed imports exactly (ARCHITECTURE.md: "standard library and
+# torch.distributed only" for parallel_state).
+BOTTOM_LAYERS = {
+    "mpu_lab.utils": set(),
+    "mpu_lab.parallel_state": set(),
+}
+MIRROR = ("mpu_lab.parallel_state", "mpu_lab.distributed", "mpu_lab.comm", "mpu_lab.timers",
+          "mpu_lab.tensor_parallel", "mpu_lab.models", "mpu_lab.pipeline_parallel",
+          "mpu_lab.datasets", "mpu_lab.optimizer", "mpu_lab.checkpointing", "mpu_lab.training")
+
+
+def modules() -> Dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return grimp.build_graph("mpu_lab", cache_dir=None)
+
+
+def import_graph(graph) -> Dict[str, Set[str]]:
+    return {m: {i for i in graph.find_modules_directly_imported_by(m) if i.startswith("mpu_lab")}
+            for m in graph.modules if m.startswith("mpu_lab")}
+
+
+def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+    counter = [0]
+
+    def visit(root: str) -> None:
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def local_imports() -> List[Tuple[str, int, str, str]]:
+    """(module, line, imported, reason) for every ``mpu_lab`` import inside a function; the
+    reason is the comment on the import's line (empty when there is none)."""
+    found = []
+    for name, path in modules().items():
+        text = path.read_text()
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    targets = [node.module or ""] if node.level == 0 else ["mpu_lab(relative)"]
+                else:
+                    continue
+                for target in targets:
+                    if target.startswith("mpu_lab"):
+                        line = lines[node.lineno - 1]
+                        reason = line.split("#", 1)[1].strip() if "#" in line else ""
+                        found.append((name, node.lineno, target, reason))
+    return found
+
+
+def test_no_import_cycle(graph):
+    assert cycles(import_graph(graph)) == []
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    """The check above can fail: a three-module loop and a self-contained pair are found."""
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}}
+    assert cycles(edges) == [["a", "b", "c"], ["e", "f"]]
+
+
+def test_layers_hold_as_import_linter_reads_them():
+    """The layer contract of pyproject.toml ([tool.importlinter]), checked by import-linter."""
+    proc = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import "
+                           "lint_imports; sys.exit(lint_imports(no_cache=True))"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_bottom_layers_import_nothing_of_mpu_lab_above_them(graph):
+    edges = import_graph(graph)
+    for module, allowed in BOTTOM_LAYERS.items():
+        assert edges[module] <= allowed, (module, edges[module])
+    tensor_parallel = {m for m in edges if m.startswith("mpu_lab.tensor_parallel")}
+    below = {"mpu_lab.utils", "mpu_lab.parallel_state", "mpu_lab.distributed", "mpu_lab.comm"}
+    for module in tensor_parallel:
+        assert edges[module] <= below | tensor_parallel, (module, edges[module] - below)
+
+
+def test_the_megatron_mirror_imports_neither_the_lab_kit_nor_perf_nor_the_launcher(graph):
+    edges = import_graph(graph)
+    above = ("mpu_lab.labkit", "mpu_lab.perf", "mpu_lab.launcher")
+    for module, imported in edges.items():
+        if module.startswith(MIRROR):
+            bad = sorted(i for i in imported if i.startswith(above))
+            assert not bad, f"{module} imports {bad}"
+
+
+def test_no_module_is_over_450_lines():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+    assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
+
+
+def test_function_local_mpu_lab_imports_are_few_and_each_gives_its_reason():
+    found = local_imports()
+    assert len(found) <= MAX_LOCAL_IMPORTS, found
+    assert [f for f in found if not f[3]] == []
+
+
+def test_nothing_in_the_repository_imports_an_old_module_path():
+    from mpu_lab._renamed import RENAMED
+    old = re.compile(r"\b(" + "|".join(re.escape(o) for o in RENAMED) + r")\b(?!\.\w)")
+    old_from = re.compile(r"from mpu_lab(\.\w+)* import .*\b(" +
+                          "|".join(o.rsplit(".", 1)[1] for o in RENAMED) + r")\b")
+    offenders = []
+    files = [*ROOT.glob("mpu_lab/**/*.py"), *ROOT.glob("launch/*.py"), *ROOT.glob("tests/**/*.py"),
+             *ROOT.glob("labs/*.ipynb"), ROOT / "Start_Here.ipynb"]
+    for path in files:
+        if path.name in ("_renamed.py", "test_architecture.py"):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if ("import" in code or "load_ext" in code or "-m " in code) and (
+                    old.search(code) or _old_from_import(old_from, code)):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+def _old_from_import(pattern, code: str) -> bool:
+    """``from mpu_lab import viz`` is old; ``from mpu_lab.labkit import viz`` is not."""
+    match = pattern.search(code)
+    if not match:
+        return False
+    package = code.split("from", 1)[1].split("import", 1)[0].strip()
+    names = [n.strip().split(" as ")[0] for n in code.split("import", 1)[1].strip("() \\").split(",")]
+    from mpu_lab._renamed import RENAMED
+    return any(f"{package}.{n}" in RENAMED for n in names)
+
+
+def test_old_module_paths_still_import_their_new_modules():
+    """In a fresh interpreter (nothing imported yet), each old path gives its new module."""
+    code = """
+import importlib
+from mpu_lab._renamed import RENAMED
+for old, new in RENAMED.items():
+    module = importlib.import_module(old)
+    parts = (new,) if isinstance(new, str) else new
+    if isinstance(new, str):
+        assert module is importlib.import_module(new), old
+    for part in parts:
+        public = [n for n in dir(importlib.import_module(part)) if not n.startswith("_")]
+        assert all(hasattr(module, n) for n in public), (old, part)
+print("ok", len(RENAMED))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]
+
+
+def test_nothing_points_outside_the_repository():
+    """Design notes a reader needs live in docs/; no file cites notes that are not here."""
+    outside = re.compile(r"\b(DESIGN|PITFALLS|STYLE)\.md\b|\.\./shared")
+    files = [*ROOT.glob("mpu_lab/**/*.py"), *ROOT.glob("launch/*"), *ROOT.glob("docs/*.md"),
+             *ROOT.glob("labs/*.ipynb"), ROOT / "Start_Here.ipynb", ROOT / "README.md",
+             ROOT / "pyproject.toml", ROOT / "requirements.txt"]
+    hits = [f"{p.relative_to(ROOT)}:{n}" for p in files if p.is_file()
+            for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+            if outside.search(line)]
+    assert hits == []
+
+
+def third_party_imports() -> Set[str]:
+    """Top-level names of every non-standard-library module the package imports anywhere."""
+    names = set()
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n != "mpu_lab"}
+
+
+def _requirement_name(spec: str) -> str:
+    return re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_pyproject_declares_every_third_party_import():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {_requirement_name(d) for d in project["dependencies"]}
+    for extra in project.get("optional-dependencies", {}).values():
+        declared |= {_requirement_name(d) for d in extra}
+    providers = importlib.metadata.packages_distributions()
+    missing = {}
+    for name in sorted(third_party_imports()):
+        dists = {d.lower().replace("_", "-") for d in providers.get(name, [name])}
+        if not dists & declared:
+            missing[name] = sorted(dists)
+    assert missing == {}
+
+
+def report() -> None:
+    graph = grimp.build_graph("mpu_lab", cache_dir=None)
+    print("import cycles:", cycles(import_graph(graph)) or "none")
+    sizes = sorted(((len(p.read_text().splitlines()), n) for n, p in modules().items()),
+                   reverse=True)
+    print(f"{len(sizes)} modules; the largest:")
+    for size, name in sizes[:8]:
+        print(f"  {size:4d}  {name}")
+    found = local_imports()
+    print(f"function-local mpu_lab imports: {len(found)}")
+    for module, line, target, reason in found:
+        print(f"  {module}:{line} imports {target}  # {reason or '(no reason given)'}")
+    proc = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import "
+                           "lint_imports; sys.exit(lint_imports(no_cache=True))"],
+                          cwd=ROOT, capture_output=True, text=True)
+    print("\n".join(l for l in proc.stdout.splitlines() if "KEPT" in l or "BROKEN" in l
+                    or l.startswith("Contracts")))
+
+
+if __name__ == "__main__":
+    report()
