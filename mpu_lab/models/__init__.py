@@ -25,6 +25,7 @@ from mpu_lab.models.introspection import (
     expected_layer_counts,
     format_collectives,
     format_shape_table,
+    lecture_shapes,
     per_layer_counts,
     shape_table,
 )
@@ -39,6 +40,7 @@ from mpu_lab.models.transformer import (
 )
 
 __all__ = [
+    "lecture_shapes",
     "TransformerConfig", "MLP", "SelfAttention", "TransformerLayer", "TransformerBlock",
     "ParallelMLP", "ParallelAttention", "ParallelTransformerLayer", "ParallelTransformer",
     "GPTModel", "LanguageModelEmbedding", "PlainGPT", "build_model_chunks", "pad_vocab_size",

@@ -42,6 +42,20 @@ def _batch_first(shape, dims, drop=()):
     return (b, l, rest)
 
 
+def lecture_shapes(B: int, L: int, D: int, n_H: int, d_tp: int = 1,
+                   ffn: Optional[int] = None) -> dict:
+    """The lecture's table for one rank, ``{name: (shape, how many per rank)}``: the shapes of
+    Q, K, V, Q_i, K_i, V_i, Score_i, Z_i, Z, Out, A, A', x' at tensor-parallel size ``d_tp``
+    (the second table; ``d_tp = 1`` gives the dense one). ``ffn`` defaults to 4D."""
+    F = 4 * D if ffn is None else ffn
+    H, n = D // n_H, n_H // d_tp
+    return {"Q": ((B, L, D // d_tp), 1), "K": ((B, L, D // d_tp), 1), "V": ((B, L, D // d_tp), 1),
+            "Q_i": ((B, L, H), n), "K_i": ((B, L, H), n), "V_i": ((B, L, H), n),
+            "Score_i": ((B, L, L), n), "Z_i": ((B, L, H), n), "Z": ((B, L, D // d_tp), 1),
+            "Out": ((B, L, D), 1), "A": ((B, L, F // d_tp), 1), "A'": ((B, L, F // d_tp), 1),
+            "x'": ((B, L, D), 1)}
+
+
 def shape_table(batch_size: int = 2, seq_length: int = 8, hidden_size: int = 16,
                 num_attention_heads: int = 4, tensor_model_parallel_size: Optional[int] = None,
                 activation: str = "relu", ffn_hidden_size: Optional[int] = None) -> List[dict]:
@@ -86,26 +100,29 @@ def shape_table(batch_size: int = 2, seq_length: int = 8, hidden_size: int = 16,
     act = activation
     rows = []
 
-    def add(name, computation, lecture, key, expected, per_rank=1, per_head=False):
+    lecture_table = lecture_shapes(B, L, D, nH, t, F)   # the expectations: one source
+
+    def add(name, computation, lecture, key, per_head=False):
         shape, dims = rec[key]
+        expected, per_rank = lecture_table[name]
         measured = _batch_first(shape, dims, drop=("n",) if per_head else ())
         rows.append(dict(name=name, computation=computation, lecture=lecture, shape=measured,
                          expected=expected, per_rank=per_rank,
                          live=dict(shape=shape, dims=dims)))
 
-    add("Q", "Q = x W^Q", "B x L x D/d_tp", "Q", (B, L, D // t))
-    add("K", "K = x W^K", "B x L x D/d_tp", "K", (B, L, D // t))
-    add("V", "V = x W^V", "B x L x D/d_tp", "V", (B, L, D // t))
-    add("Q_i", "[Q_1..Q_{n_H/d_tp}] = Partition_-1(Q)", "B x L x H", "Q", (B, L, H), n, True)
-    add("K_i", "[K_1..K_{n_H/d_tp}] = Partition_-1(K)", "B x L x H", "K", (B, L, H), n, True)
-    add("V_i", "[V_1..V_{n_H/d_tp}] = Partition_-1(V)", "B x L x H", "V", (B, L, H), n, True)
-    add("Score_i", "Score_i = softmax(Q_i K_i^T / sqrt(H))", "B x L x L", "Score", (B, L, L), n, True)
-    add("Z_i", "Z_i = Score_i V_i", "B x L x H", "Z_i", (B, L, H), n, True)
-    add("Z", "Z = Merge_-1([Z_1..Z_{n_H/d_tp}])", "B x L x D/d_tp", "Z", (B, L, D // t))
-    add("Out", "Out = Z W^O, then AllReduce(Out)", "B x L x D", "Out", (B, L, D))
-    add("A", "A = Out W^1", f"B x L x {ffn}/d_tp", "A", (B, L, F // t))
-    add("A'", f"A' = {act}(A)", f"B x L x {ffn}/d_tp", "A'", (B, L, F // t))
-    add("x'", "x' = A' W^2, then AllReduce(x')", "B x L x D", "x'", (B, L, D))
+    add("Q", "Q = x W^Q", "B x L x D/d_tp", "Q")
+    add("K", "K = x W^K", "B x L x D/d_tp", "K")
+    add("V", "V = x W^V", "B x L x D/d_tp", "V")
+    add("Q_i", "[Q_1..Q_{n_H/d_tp}] = Partition_-1(Q)", "B x L x H", "Q", True)
+    add("K_i", "[K_1..K_{n_H/d_tp}] = Partition_-1(K)", "B x L x H", "K", True)
+    add("V_i", "[V_1..V_{n_H/d_tp}] = Partition_-1(V)", "B x L x H", "V", True)
+    add("Score_i", "Score_i = softmax(Q_i K_i^T / sqrt(H))", "B x L x L", "Score", True)
+    add("Z_i", "Z_i = Score_i V_i", "B x L x H", "Z_i", True)
+    add("Z", "Z = Merge_-1([Z_1..Z_{n_H/d_tp}])", "B x L x D/d_tp", "Z")
+    add("Out", "Out = Z W^O, then AllReduce(Out)", "B x L x D", "Out")
+    add("A", "A = Out W^1", f"B x L x {ffn}/d_tp", "A")
+    add("A'", f"A' = {act}(A)", f"B x L x {ffn}/d_tp", "A'")
+    add("x'", "x' = A' W^2, then AllReduce(x')", "B x L x D", "x'")
     return rows
 
 

@@ -5,25 +5,8 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from mpu_lab.labkit.exercises.common import Verdict, _as_int_list, _unanswered, _verdict
-from mpu_lab.models import TransformerConfig, expected_layer_counts
+from mpu_lab.models import TransformerConfig, expected_layer_counts, lecture_shapes
 from mpu_lab.perf import activation_memory_per_layer
-
-
-# The lecture's formulas for the table. mpu_lab.models.shape_table carries a second copy (its
-# rows' ``expected``), measured against live tensors; the two are compared by the tests, and the
-# formulas belong below the lab kit, in mpu_lab.models, where shape_table can use them too.
-def lecture_shapes(B: int, L: int, D: int, n_H: int, d_tp: int = 1,
-                   ffn: Optional[int] = None) -> dict:
-    """The lecture's table for one rank, ``{name: (shape, how many per rank)}``: the shapes of
-    Q, K, V, Q_i, K_i, V_i, Score_i, Z_i, Z, Out, A, A', x' at tensor-parallel size ``d_tp``
-    (the second table; ``d_tp = 1`` gives the dense one). ``ffn`` defaults to 4D."""
-    F = 4 * D if ffn is None else ffn
-    H, n = D // n_H, n_H // d_tp
-    return {"Q": ((B, L, D // d_tp), 1), "K": ((B, L, D // d_tp), 1), "V": ((B, L, D // d_tp), 1),
-            "Q_i": ((B, L, H), n), "K_i": ((B, L, H), n), "V_i": ((B, L, H), n),
-            "Score_i": ((B, L, L), n), "Z_i": ((B, L, H), n), "Z": ((B, L, D // d_tp), 1),
-            "Out": ((B, L, D), 1), "A": ((B, L, F // d_tp), 1), "A'": ((B, L, F // d_tp), 1),
-            "x'": ((B, L, D), 1)}
 
 
 def check_layer_shape(answer: Any, tensor: str, B: int, L: int, D: int, n_H: int,
