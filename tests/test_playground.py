@@ -125,14 +125,19 @@ def test_a_function_runs_on_every_rank_with_its_arguments(world):
 def test_ranks_magic_prints_each_rank_under_its_heading_in_rank_order(world, capsys):
     from IPython.core.interactiveshell import InteractiveShell
     shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "mpu_lab.playground")
-    # rank 3 prints first, rank 0 last: the output must still be in rank order
-    cell = "import time\ntime.sleep(0.2 * (3 - rank))\nprint('I am', rank)\nrank * 10"
-    shell.run_cell_magic("ranks", "", cell)
-    expected = "".join(f"--- rank {r} ---\nI am {r}\n{10 * r}\n" for r in range(WORLD))
-    assert capsys.readouterr().out == expected
-    shell.run_cell_magic("ranks", "1, 3", "print(rank)")
-    assert capsys.readouterr().out == "--- rank 1 ---\n1\n--- rank 3 ---\n3\n"
+    try:
+        shell.run_line_magic("load_ext", "mpu_lab.playground")
+        # rank 3 prints first, rank 0 last: the output must still be in rank order
+        cell = "import time\ntime.sleep(0.2 * (3 - rank))\nprint('I am', rank)\nrank * 10"
+        shell.run_cell_magic("ranks", "", cell)
+        expected = "".join(f"--- rank {r} ---\nI am {r}\n{10 * r}\n" for r in range(WORLD))
+        assert capsys.readouterr().out == expected
+        shell.run_cell_magic("ranks", "1, 3", "print(rank)")
+        assert capsys.readouterr().out == "--- rank 1 ---\n1\n--- rank 3 ---\n3\n"
+    finally:
+        # no IPython shell left behind: later tests in this process (viz.LiveLossPlot's
+        # outside-a-notebook case) ask get_ipython() whether they run in one
+        InteractiveShell.clear_instance()
 
 
 def test_a_rank_that_raises_shows_its_traceback_and_the_world_stays_usable(world, capsys):
