@@ -18,29 +18,52 @@ def world():
             os.environ.pop(key, None)
 
 
+@pytest.fixture(scope="session")
+def eight_rank_job(tmp_path_factory):
+    """One 8-rank torchrun job (tests/mp/eight_rank_checks.py) for every 8-rank check: the
+    tensor-parallel checks, the real process groups and GPT pipeline training. Returns
+    ``(per-rank reports, folder of the job's checkpoint and metrics file)``."""
+    import pathlib
+
+    from mpu_lab.launch import run
+    root = tmp_path_factory.mktemp("eight_ranks")
+    job = run(pathlib.Path(__file__).parent / "mp" / "eight_rank_checks.py",
+              [str(root / "ckpt"), str(root / "metrics.jsonl")], nproc=8, timeout_s=480,
+              show="none")
+    assert [rep["rank"] for rep in job.results] == list(range(8))
+    return job.results, root
+
+
 # --------------------------------------------------------------------------- parallel run
 # `python -m pytest` runs on two pytest-xdist workers (pyproject addopts: -n 2 --dist loadfile):
 # most of the suite waits — on torchrun starting ranks that import torch one core at a time,
 # on collective timeouts, on notebook kernels — so two workers overlap what one leaves idle.
 # A file is one unit of work (module fixtures such as a torchrun job run once); a notebook is
-# one too (its cells share a kernel, in order). Units are handed out longest first, so no
-# long one starts last: the seconds below were measured one unit at a time on the 2-core
-# machine (a unit not listed counts as short).
+# one too (its cells share a kernel, in order); files sharing a session job are one unit.
+# Units are handed out longest first, so no long one starts last: the seconds below were
+# measured one unit at a time on the 2-core machine (a unit not listed counts as short).
 EXPECTED_SECONDS = {
-    "tests/test_reliability.py": 150, "tests/test_gpt_pipeline_mp.py": 60,
+    "tests/test_reliability.py": 150, "8-rank job": 85,
     "tests/test_gpt_mp.py": 50, "labs/08_performance.ipynb": 50, "labs/07_train_gpt.ipynb": 47,
     "tests/test_playground.py": 45, "labs/04_collectives.ipynb": 43,
     "labs/02_column_parallel.ipynb": 29, "tests/test_perf_measure.py": 28,
     "labs/03_row_parallel.ipynb": 23, "tests/test_launch.py": 22,
-    "tests/test_tensor_parallel_mp.py": 19, "tests/test_layer_and_training_views.py": 18,
-    "labs/05_parallel_transformer.ipynb": 17, "tests/test_parallel_state_mp.py": 15,
+    "tests/test_layer_and_training_views.py": 18,
+    "labs/05_parallel_transformer.ipynb": 17,
     "labs/06_pipeline_parallel.ipynb": 15, "labs/01_rank_groups.ipynb": 14,
     "tests/test_pipeline_mp.py": 12, "tests/test_perf_model.py": 9, "Start_Here.ipynb": 9,
 }
 
 
+# Files that share a session fixture's job are one unit, so the job starts once.
+SHARED_JOBS = {"tests/test_tensor_parallel_mp.py": "8-rank job",
+               "tests/test_parallel_state_mp.py": "8-rank job",
+               "tests/test_gpt_pipeline_mp.py": "8-rank job"}
+
+
 def _unit(nodeid: str) -> str:
-    return nodeid.split("::", 1)[0]
+    path = nodeid.split("::", 1)[0]
+    return SHARED_JOBS.get(path, path)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,14 +1,12 @@
 """GPT training with pipeline parallelism (GPipe, 1F1B, interleaved; PP=4 x DP=2 and
 TP=2 x PP=2 x DP=2) against the TP=1/PP=1 run, the tied embedding, the metrics file, the real
-run's timeline, and checkpoints resharded across pipeline sizes — one 8-rank job."""
+run's timeline, and checkpoints resharded across pipeline sizes — in the shared 8-rank job."""
 import json
-import pathlib
 
 import pytest
 import torch
 
 from mpu_lab import checkpointing
-from mpu_lab.launch import run
 from mpu_lab.models import PlainGPT, TransformerConfig
 from mpu_lab.pipeline_parallel import (
     measured_bubble,
@@ -18,7 +16,6 @@ from mpu_lab.pipeline_parallel import (
     schedule_order,
 )
 
-HERE = pathlib.Path(__file__).parent
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
 # As in mp/gpt_pipeline_checks.py: name -> (TP, PP, v, schedule)
@@ -33,16 +30,16 @@ PIPELINED = {
 
 
 @pytest.fixture(scope="module")
-def job_paths(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpt_pipeline")
+def job_paths(eight_rank_job):
+    root = eight_rank_job[1]
     return root / "ckpt", root / "metrics.jsonl"
 
 
 @pytest.fixture(scope="module")
-def reports(job_paths):
-    ckpt, metrics = job_paths
-    return run(HERE / "mp" / "gpt_pipeline_checks.py", [str(ckpt), str(metrics)], nproc=8,
-               timeout_s=300, show="none").results
+def reports(eight_rank_job):
+    """Each rank's dict from tests/mp/gpt_pipeline_checks.py's checks, run in the shared
+    8-rank job (tests/mp/eight_rank_checks.py; ``eight_rank_job`` in conftest.py)."""
+    return [rep["gpt_pipeline"] for rep in eight_rank_job[0]]
 
 
 def rel_diff(a, b):

@@ -1,18 +1,16 @@
 """initialize_model_parallel creates real torch.distributed groups equal to the pure math."""
-import pathlib
-
 import pytest
 
-from mpu_lab.launch import run
 from mpu_lab.parallel_state import GROUP_FAMILIES, generate_rank_groups
 
-HERE = pathlib.Path(__file__).parent
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reports():
-    return run(HERE / "mp" / "state_checks.py", nproc=8, timeout_s=240, show="none").results
+def reports(eight_rank_job):
+    """Each rank's probes (tests/mp/state_checks.py), from the shared 8-rank job
+    (tests/mp/eight_rank_checks.py; ``eight_rank_job`` in conftest.py)."""
+    return [rep["state"] for rep in eight_rank_job[0]]
 
 
 CONFIGS = [dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=2),

@@ -1,15 +1,11 @@
 """mpu_lab.tensor_parallel on 8 real ranks (gloo), against Megatron's unit-test values and
-dense single-process twins. One torchrun job (tests/mp/tp_checks.py) runs every check for
-tp=4/pp=2 and for tp=2/pp=4; each test below reads the per-rank reports, in rank order.
+dense single-process twins. tests/mp/tp_checks.py's checks run for tp=4/pp=2 and for tp=2/pp=4
+in the shared 8-rank job (tests/mp/eight_rank_checks.py); each test below reads the per-rank
+reports, in rank order.
 Reported errors are max|parallel - dense| / max(1, max|dense|) (fp32: relative above 1).
 """
-import pathlib
-
 import pytest
 
-from mpu_lab.launch import run
-
-HERE = pathlib.Path(__file__).parent
 pytestmark = pytest.mark.slow
 
 LAYOUTS = ["tp4-pp2", "tp2-pp4"]
@@ -18,11 +14,13 @@ TP_GROUPS = {"tp4-pp2": [[0, 1, 2, 3], [4, 5, 6, 7]],
 
 
 @pytest.fixture(scope="module")
-def reports():
-    job = run(HERE / "mp" / "tp_checks.py", ["--keep-going"], nproc=8, timeout_s=300,
-              show="none", env={"MPU_LAB_TIMEOUT_S": "30"})
-    assert [rep["rank"] for rep in job.results] == list(range(8))
-    return job.results
+def reports(eight_rank_job):
+    """Each rank's ``{"rank", "checks"}`` from the shared 8-rank job (tests/mp/
+    eight_rank_checks.py runs tests/mp/tp_checks.py's checks first; ``eight_rank_job`` in
+    conftest.py), in rank order."""
+    reports = [{"rank": rep["rank"], "checks": rep["tp"]} for rep in eight_rank_job[0]]
+    assert [rep["rank"] for rep in reports] == list(range(8))
+    return reports
 
 
 def values(reports, layout, check):

@@ -136,21 +136,28 @@ def resharding(out, ckpt_dir):
         out["resumed"][name] = [m["lm_loss"] for m in training.train(state, log=lambda s: None)]
 
 
+def checks(ckpt_dir, metrics_file, out=None):
+    """Every check above, in a world of 8 ranks already initialised; returns this rank's dict
+    (also run by tests/mp/eight_rank_checks.py, next to the other 8-rank checks)."""
+    out = {"rank": dist.get_rank(), "seconds": {}} if out is None else out
+    for key in ("same_initial_weights", "embedding_copies_equal", "losses", "grad_norms", "setup",
+                "timeline", "loaded_iteration", "loaded_identical", "loaded_embedding_copies_equal",
+                "resumed"):
+        out[key] = {}
+    for name, phase in [("training_equality", lambda o: training_equality(o, metrics_file)),
+                        ("resharding", lambda o: resharding(o, ckpt_dir))]:
+        start = time.perf_counter()
+        phase(out)
+        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    return out
+
+
 @launch.entrypoint
 def main():
     t_start = time.perf_counter()
     distributed.init()
     out = {"rank": dist.get_rank(), "seconds": {"init": round(time.perf_counter() - t_start, 2)}}
-    for key in ("same_initial_weights", "embedding_copies_equal", "losses", "grad_norms", "setup",
-                "timeline", "loaded_iteration", "loaded_identical", "loaded_embedding_copies_equal",
-                "resumed"):
-        out[key] = {}
-    for name, phase in [("training_equality", lambda o: training_equality(o, sys.argv[2])),
-                        ("resharding", lambda o: resharding(o, sys.argv[1]))]:
-        start = time.perf_counter()
-        phase(out)
-        out["seconds"][name] = round(time.perf_counter() - start, 2)
-    launch.report(out)
+    launch.report(checks(sys.argv[1], sys.argv[2], out))
     distributed.shutdown()
 
 
