@@ -81,7 +81,7 @@ def sync(device):
 
 def bench(op, size, args, info):
     n, dtype, device = info.world_size, DTYPES[args.dtype], info.device
-    element_size = torch.empty((), dtype=dtype).element_size()
+    element_size = torch.empty((), dtype=dtype, device=device).element_size()
     numel, whole = bandwidth.collective_numel(op, size, n, element_size)
     x = torch.full((numel,), info.rank + 1.0, dtype=dtype, device=device)
     wrong = int(not torch.equal(call(op, x), expected(op, numel, n, info.rank, dtype, device)))

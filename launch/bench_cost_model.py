@@ -138,8 +138,9 @@ def worker(args):
     if info.world_size > 1:
         # latency: a 4 KiB all-reduce right after a matmul, as in a layer (back-to-back calls
         # keep gloo's I/O thread awake and understate it); bandwidth: 4 MiB back-to-back
-        a, b = torch.randn(1024, 256), torch.randn(256, 1024)
-        small, big = torch.ones(1024), torch.ones(1 << 20)
+        dev = info.device                 # the CPU: this job calibrates the CPU (init above)
+        a, b = torch.randn(1024, 256, device=dev), torch.randn(256, 1024, device=dev)
+        small, big = torch.ones(1024, device=dev), torch.ones(1 << 20, device=dev)
         alone = calibrate._best_time(lambda: a @ b, 20)
         after = calibrate._best_time(lambda: (a @ b, comm.all_reduce(small)), 20)
         t_small = calibrate._best_time(lambda: comm.all_reduce(small), 10)

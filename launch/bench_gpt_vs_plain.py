@@ -108,7 +108,9 @@ def main(argv=None):
 
     g = torch.Generator().manual_seed(0)
     B, S, V = shape["micro_batch_size"], shape["seq_length"], shape["vocab_size"]
-    batches = [torch.randint(0, V, (B, S + 1), generator=g).to(device) for _ in range(4)]
+    # Drawn from a seeded CPU generator (the same tokens on any device), then moved.
+    batches = [torch.randint(0, V, (B, S + 1), generator=g).to(device)  # cpu: seeded, moved
+               for _ in range(4)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-autocast" \
         else None
 

@@ -48,7 +48,8 @@ def main(argv=None):
     vocab = 128 * a.tp
     model = GPTModel(config, vocab, a.seq)
     device = distributed.get_device()
-    ids = torch.randint(0, vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.randint(0, vocab, (a.batch, a.seq),   # cpu: a seeded CPU generator, the same
+                        generator=torch.Generator().manual_seed(0)).to(device)  # ids anywhere
     events = count_collectives(model, ids, ids, steps=a.steps)
     rank = torch.distributed.get_rank()
     if rank == 0 and not a.quiet:

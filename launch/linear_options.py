@@ -49,7 +49,7 @@ def counts(counter):
 
 def seeded(shape, seed, device):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(device)
+    return torch.randn(*shape, generator=gen).to(device)   # cpu: seeded CPU draw, then moved
 
 
 def column_case(args, name, step, gather_output=True, skip_bias_add=False, stride=1):

@@ -56,8 +56,10 @@ def run_layer(kind, args):
                                      keep_master_weight_for_test=True)
     master = layer.master_weight.to(device)            # (output_size, input_size) = A^T
     torch.manual_seed(args.seed + 1)                  # the same batch on every rank
-    x = torch.randn(args.batch, args.input_size).to(device)
-    dy = torch.randn(args.batch, args.output_size).to(device)
+    # Drawn on the CPU under the default generator (the same numbers on every rank and
+    # device, like the master weight), then moved to the rank's device.
+    x = torch.randn(args.batch, args.input_size).to(device)     # cpu: seeded, moved
+    dy = torch.randn(args.batch, args.output_size).to(device)   # cpu: seeded, moved
 
     # The tensor-parallel layer: forward and backward.
     x_tp = x.clone().requires_grad_()

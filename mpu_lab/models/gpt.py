@@ -69,7 +69,8 @@ class LanguageModelEmbedding(torch.nn.Module):
             params_dtype=config.params_dtype)
         # Built on the CPU from the default generator, like the master weights, so the numbers
         # do not depend on the device or on the tensor-parallel size.
-        weight = torch.empty(max_sequence_length, config.hidden_size, dtype=torch.float32)
+        weight = torch.empty(max_sequence_length, config.hidden_size,
+                             dtype=torch.float32)   # cpu: a master weight, moved just below
         config.init_method()(weight)
         self.position_embeddings = torch.nn.Embedding(
             max_sequence_length, config.hidden_size,

@@ -116,9 +116,10 @@ def _initialize_affine_weight_cpu(weight: torch.Tensor, output_size: int, input_
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), \
         parallel_state.get_tensor_model_parallel_world_size()
-    # Built on the CPU in fp32 under the default generator: the same numbers on every rank.
+    # Built on the CPU in fp32 under the default generator: the same numbers on every rank and
+    # on every device; only this rank's slice is copied into ``weight`` (on the rank's device).
     master_weight = torch.empty(output_size, input_size, dtype=torch.float32, device="cpu",
-                                requires_grad=False)
+                                requires_grad=False)   # cpu: the master weight, on purpose
     init_method(master_weight)
     master_weight = master_weight.to(dtype=params_dtype)
 

@@ -2,7 +2,7 @@
 
     >>> from mpu_lab.labkit import playground                             # doctest: +SKIP
     >>> world = playground.start_world(4, tensor_model_parallel_size=2)   # doctest: +SKIP
-    >>> world.run("x = torch.tensor([float(rank)]); dist.all_reduce(x); x")   # doctest: +SKIP
+    >>> world.run("x = torch.tensor([float(rank)], device=device); dist.all_reduce(x); x")  # doctest: +SKIP
     [tensor([6.]), tensor([6.]), tensor([6.]), tensor([6.])]
     >>> world.stop()                                                      # doctest: +SKIP
 
@@ -12,7 +12,10 @@ after cell. Each engine of an ipyparallel cluster is one rank: it gets torchrun'
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, a free ``MASTER_PORT``),
 initialises ``torch.distributed`` by :func:`mpu_lab.distributed.init`'s rule (NCCL when each rank
 has a GPU of its own, gloo otherwise) and Megatron's groups with
-:func:`mpu_lab.parallel_state.initialize_model_parallel`.
+:func:`mpu_lab.parallel_state.initialize_model_parallel`. A cell finds its rank's device in
+``device`` (``cuda:LOCAL_RANK`` on NCCL, a shared GPU or the CPU on gloo) and makes its tensors
+there (``torch.ones(4, device=device)``: NCCL refuses CPU tensors); tensors come back to the
+notebook on the CPU.
 
 * :meth:`World.run` runs a function or a code string on every rank (or on ``ranks=``) and
   returns the per-rank results in rank order; a rank that raises makes it raise

@@ -100,6 +100,7 @@ def _run_on_engine(what, args=(), kwargs=None, rank: int = 0) -> dict:
                 if last is not None:
                     expr = ast.Expression(last.value)
                     reply["value"] = eval(compile(expr, filename, "eval"), namespace)
+        reply["value"] = _on_host(reply["value"])
     except BaseException as exc:    # noqa: BLE001 -- reported to the notebook, rank-labelled
         tb = exc.__traceback__.tb_next if exc.__traceback__ else None   # drop this frame
         reply["error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -113,8 +114,31 @@ def _run_on_engine(what, args=(), kwargs=None, rank: int = 0) -> dict:
     return reply
 
 
+def _on_host(value):
+    """``value`` with every tensor in it (also in lists, tuples, dicts) on the CPU, so the
+    notebook never unpickles a CUDA tensor (which would open a CUDA context on the GPU of the
+    same index in the notebook's process) and prints the same repr as on a CPU machine. A CPU
+    tensor is returned as it is; a GPU tensor as a detached CPU copy that keeps
+    ``requires_grad``."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu":
+            return value
+        host = value.detach().cpu()
+        return host.requires_grad_() if value.requires_grad and host.is_floating_point() else host
+    if type(value) in (list, tuple):     # exactly: torch.Size, named tuples stay as they are
+        return type(value)(_on_host(v) for v in value)
+    if type(value) is dict:
+        return {k: _on_host(v) for k, v in value.items()}
+    return value
+
+
 def _as_values(value):
-    """A tensor (any device, with or without grad) as nested lists of floats."""
-    if hasattr(value, "detach"):
+    """A tensor (any device, with or without grad) as nested lists of floats; lists, tuples
+    and dicts of tensors likewise."""
+    if isinstance(value, torch.Tensor):
         return value.detach().float().cpu().tolist()
+    if type(value) in (list, tuple):
+        return type(value)(_as_values(v) for v in value)
+    if type(value) is dict:
+        return {k: _as_values(v) for k, v in value.items()}
     return value

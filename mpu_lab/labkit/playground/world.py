@@ -46,6 +46,22 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def engine_env(rank: int, world_size: int, port: int, timeout_s: float) -> Dict[str, str]:
+    """The environment of the engine that is ``rank``: torchrun's variables, as a one-node
+    ``torchrun --nproc-per-node world_size`` gives its workers (``LOCAL_RANK`` = rank), so
+    :func:`mpu_lab.distributed.init` takes the same decision as in a launched job: NCCL and
+    ``cuda:LOCAL_RANK`` when every engine has a GPU of its own, gloo with
+    ``cuda:LOCAL_RANK % GPUs`` when the engines share GPUs, gloo on the CPU without one."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "MPU_LAB_TIMEOUT_S": str(timeout_s),
+            # NCCL runs collectives asynchronously and, by default, a watchdog ends the
+            # process when one times out; blocking wait makes the cell that waits raise the
+            # timeout instead, as gloo does, so CollectiveTimeout and restart() work the same.
+            # (Read by NCCL only; a value set in the notebook's environment is kept.)
+            "TORCH_NCCL_BLOCKING_WAIT": os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "1")}
+
+
 def check_world_args(world_size, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                      backend="auto", timeout_s=DEFAULT_TIMEOUT_S) -> None:
     """Raise ``ValueError`` naming the numbers before any process starts."""
@@ -107,10 +123,8 @@ class World:
         self.controller_pid = self.cluster.controller.process.pid
         self.engine_ids = sorted(self.client.ids)[: self.world_size]
         port = _free_port()
-        replies = [self.client[e].apply_async(_engine_setup, {
-            "RANK": str(r), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(r),
-            "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "MPU_LAB_TIMEOUT_S": str(self.timeout_s)})
+        replies = [self.client[e].apply_async(
+            _engine_setup, engine_env(r, self.world_size, port, self.timeout_s))
             for r, e in enumerate(self.engine_ids)]
         self.pids = [a.get(timeout=self.start_timeout_s) for a in replies]
         self.timings["engine_start_s"] = time.perf_counter() - t0
@@ -255,7 +269,9 @@ class World:
 
         A code string runs in the engine's namespace, which holds ``torch``, ``dist``, ``np``,
         the :mod:`mpu_lab` modules, the tensor-parallel ``*_region`` functions, ``rank``,
-        ``world_size`` and ``device``; its value is its last expression. Raises
+        ``world_size`` and ``device`` (the rank's device: make tensors with ``device=device``,
+        NCCL ranks refuse CPU tensors); its value is its last expression, tensors in it moved
+        to the CPU. Raises
         :class:`RankError` (every failing rank's traceback) or :class:`CollectiveTimeout`.
         """
         outputs = self.execute(fn_or_code, *args, ranks=ranks, **kwargs)
