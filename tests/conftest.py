@@ -34,6 +34,28 @@ def eight_rank_job(tmp_path_factory):
     return job.results, root
 
 
+@pytest.fixture(scope="session")
+def four_rank_job(tmp_path_factory):
+    """One 4-rank torchrun job (tests/mp/four_rank_checks.py) for every 4-rank check: GPT
+    under TP/SP/DP, the pipeline schedules and the performance measurements, the ranks' CPU use
+    sampled from here while it runs. Returns ``(per-rank reports, checkpoint root, trace
+    folder, CPU utilisation, runnable-state utilisation)``."""
+    import pathlib
+
+    from mpu_lab.launch import run
+    from mpu_lab.perf import measure
+    root = tmp_path_factory.mktemp("four_ranks")
+    ckpt, traces = root / "gpt_ckpt", root / "traces"
+    ckpt.mkdir()
+    traces.mkdir()
+    with measure.UtilisationSampler(interval_s=0.05) as cpu, \
+            measure.UtilisationSampler(interval_s=0.05, cpu_metric="runnable") as runnable:
+        job = run(pathlib.Path(__file__).parent / "mp" / "four_rank_checks.py",
+                  [str(ckpt), str(traces)], nproc=4, timeout_s=480, show="none")
+    assert [rep["rank"] for rep in job.results] == list(range(4))
+    return job.results, ckpt, traces, cpu.result(), runnable.result()
+
+
 # --------------------------------------------------------------------------- parallel run
 # `python -m pytest` runs on two pytest-xdist workers (pyproject addopts: -n 2 --dist loadfile):
 # most of the suite waits — on torchrun starting ranks that import torch one core at a time,
@@ -44,21 +66,23 @@ def eight_rank_job(tmp_path_factory):
 # measured one unit at a time on the 2-core machine (a unit not listed counts as short).
 EXPECTED_SECONDS = {
     "tests/test_reliability.py": 150, "8-rank job": 85,
-    "tests/test_gpt_mp.py": 50, "labs/08_performance.ipynb": 50, "labs/07_train_gpt.ipynb": 47,
+    "4-rank job": 85, "labs/08_performance.ipynb": 50, "labs/07_train_gpt.ipynb": 47,
     "tests/test_playground.py": 45, "labs/04_collectives.ipynb": 43,
-    "labs/02_column_parallel.ipynb": 29, "tests/test_perf_measure.py": 28,
+    "labs/02_column_parallel.ipynb": 29,
     "labs/03_row_parallel.ipynb": 23, "tests/test_launch.py": 22,
     "tests/test_layer_and_training_views.py": 18,
     "labs/05_parallel_transformer.ipynb": 17,
     "labs/06_pipeline_parallel.ipynb": 15, "labs/01_rank_groups.ipynb": 14,
-    "tests/test_pipeline_mp.py": 12, "tests/test_perf_model.py": 9, "Start_Here.ipynb": 9,
+    "tests/test_perf_model.py": 9, "Start_Here.ipynb": 9,
 }
 
 
 # Files that share a session fixture's job are one unit, so the job starts once.
 SHARED_JOBS = {"tests/test_tensor_parallel_mp.py": "8-rank job",
                "tests/test_parallel_state_mp.py": "8-rank job",
-               "tests/test_gpt_pipeline_mp.py": "8-rank job"}
+               "tests/test_gpt_pipeline_mp.py": "8-rank job",
+               "tests/test_gpt_mp.py": "4-rank job", "tests/test_pipeline_mp.py": "4-rank job",
+               "tests/test_perf_measure.py": "4-rank job"}
 
 
 def _unit(nodeid: str) -> str:

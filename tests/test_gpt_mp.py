@@ -1,5 +1,5 @@
 """GPTModel under tensor, sequence and data parallelism against its dense twin, the collective
-count, the shape table, resharding checkpoints (one 4-rank job), and launch/train_gpt.py."""
+count, the shape table, resharding checkpoints (in the shared 4-rank job), and launch/train_gpt.py."""
 import json
 import pathlib
 import shutil
@@ -11,20 +11,20 @@ from mpu_lab import checkpointing
 from mpu_lab.launch import run
 from mpu_lab.models import PlainGPT, TransformerConfig, expected_layer_counts
 
-HERE = pathlib.Path(__file__).parent
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def checkpoint_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("gpt_ckpt")
+def checkpoint_root(four_rank_job):
+    return four_rank_job[1]
 
 
 @pytest.fixture(scope="module")
-def reports(checkpoint_root):
-    return run(HERE / "mp" / "gpt_checks.py", [str(checkpoint_root)], nproc=4, timeout_s=240,
-               show="none").results
+def reports(four_rank_job):
+    """Each rank's dict from tests/mp/gpt_checks.py's checks, run in the shared 4-rank job
+    (tests/mp/four_rank_checks.py; ``four_rank_job`` in conftest.py)."""
+    return [rep["gpt"] for rep in four_rank_job[0]]
 
 
 def rel_diff(a, b):

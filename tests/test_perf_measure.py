@@ -1,14 +1,10 @@
 """Measurement tools (mpu_lab.perf.measure): the nccl-tests bandwidth formulas, the step-time
 breakdown of real train_gpt runs, the utilisation sampler and the bandwidth benchmark."""
 import math
-import pathlib
 
 import pytest
 
-from mpu_lab.launch import run
 from mpu_lab.perf import measure
-
-HERE = pathlib.Path(__file__).parent
 
 
 # --------------------------------------------------------------------------- formulas
@@ -61,19 +57,18 @@ def test_categories_follow_the_group_and_tag():
     assert measure.categorize("all_gather", (0, 1), None, {"tp": [0, 1], "dp": [0]}) == "tp all_gather"
 
 
-# --------------------------------------------------------------------------- one 4-rank job
+# --------------------------------------------------------------------------- the 4-rank job
 @pytest.fixture(scope="module")
-def traces(tmp_path_factory):
-    return tmp_path_factory.mktemp("traces")
+def traces(four_rank_job):
+    return four_rank_job[2]
 
 
 @pytest.fixture(scope="module")
-def job(traces):
-    with measure.UtilisationSampler(interval_s=0.05) as cpu, \
-            measure.UtilisationSampler(interval_s=0.05, cpu_metric="runnable") as runnable:
-        result = run(HERE / "mp" / "perf_checks.py", [traces], nproc=4, show="none",
-                     timeout_s=300)
-    return result.results, cpu.result(), runnable.result()
+def job(four_rank_job):
+    """Each rank's dict from tests/mp/perf_checks.py's measurements, run in the shared 4-rank
+    job (tests/mp/four_rank_checks.py; ``four_rank_job`` in conftest.py), with the ranks' CPU
+    use sampled while it ran."""
+    return [rep["perf"] for rep in four_rank_job[0]], four_rank_job[3], four_rank_job[4]
 
 
 CONFIGS = {

@@ -2,15 +2,12 @@
 PP=4 and PP=2 x DP=2 against the single-process toy model (losses, every gradient, the tied
 embedding), the executed order, peak in-flight activations, and the measured bubble."""
 import math
-import pathlib
 
 import pytest
 
-from mpu_lab.launch import run
 from mpu_lab.pipeline_parallel import measured_bubble, plot_gantt, schedule_order, simulate
 from mpu_lab.pipeline_parallel.order import communication_plan, schedule_steps
 
-HERE = pathlib.Path(__file__).parent
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
 RUNS = [(4, None, "gpipe"), (4, None, "1f1b"), (4, 2, "interleaved"),
@@ -21,8 +18,10 @@ FUNCTIONS = {"gpipe": "forward_backward_pipelining_gpipe",
 
 
 @pytest.fixture(scope="module")
-def reports():
-    return run(HERE / "mp" / "pipeline_checks.py", nproc=4, timeout_s=180, show="none").results
+def reports(four_rank_job):
+    """Each rank's dict from tests/mp/pipeline_checks.py's checks, run in the shared 4-rank
+    job (tests/mp/four_rank_checks.py; ``four_rank_job`` in conftest.py)."""
+    return [rep["pipeline"] for rep in four_rank_job[0]]
 
 
 @pytest.mark.parametrize("pp", [4, 2])

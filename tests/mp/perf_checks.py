@@ -51,13 +51,20 @@ def bandwidth(info):
     return [module.bench(op, size, args, info) for op in args.ops for size in args.sizes]
 
 
+def checks(trace_dir, info):
+    """Every measurement above, in a world of 4 ranks already initialised (``info``: what
+    distributed.init returned); returns this rank's dict (also run by
+    tests/mp/four_rank_checks.py, next to the other 4-rank checks)."""
+    configs = dict(CONFIGS, tp2_pp2=CONFIGS["tp2_pp2"] + [trace_dir])   # the trace folder
+    out = {name: breakdown_run(flags) for name, flags in configs.items()}
+    out["bandwidth"] = bandwidth(info)
+    return out
+
+
 @launch.entrypoint
 def main():
     info = distributed.init()
-    CONFIGS["tp2_pp2"].append(sys.argv[1])          # the trace folder
-    out = {name: breakdown_run(flags) for name, flags in CONFIGS.items()}
-    out["bandwidth"] = bandwidth(info)
-    launch.report(out)
+    launch.report(checks(sys.argv[1], info))
     distributed.shutdown()
 
 

@@ -1,0 +1,45 @@
+"""torchrun worker: every 4-rank check of the package tests in one job — one start of 4 ranks
+(each importing torch, on two cores) instead of three.
+
+    torchrun --standalone --nproc-per-node 4 tests/mp/four_rank_checks.py CHECKPOINT_ROOT TRACE_DIR
+
+In the same world, one after the other, model parallel re-initialised by each part:
+
+* ``gpt``: tests/mp/gpt_checks.py (GPTModel under TP, SP and DP against its dense twin, the
+  collective counts, the shape table, checkpoints resharded across TP sizes);
+* ``pipeline``: tests/mp/pipeline_checks.py (p2p and every schedule against the toy model);
+* ``perf``: tests/mp/perf_checks.py (the step-time breakdown at three layouts, the bandwidth
+  benchmark's functions).
+
+Every rank reports ``{"rank", "gpt", "pipeline", "perf", "seconds"}``; the session fixture
+``four_rank_job`` (tests/conftest.py) starts the job once for tests/test_gpt_mp.py,
+tests/test_pipeline_mp.py and tests/test_perf_measure.py. Each script still runs on its own too.
+"""
+import sys
+import time
+
+import torch.distributed as dist
+
+import gpt_checks   # this script's folder is first on sys.path
+import perf_checks
+import pipeline_checks
+from mpu_lab import distributed, launch
+
+
+@launch.entrypoint
+def main():
+    t0 = time.perf_counter()
+    info = distributed.init()
+    out = {"rank": dist.get_rank(), "seconds": {"init": round(time.perf_counter() - t0, 2)}}
+    for name, part in [("gpt", lambda: gpt_checks.checks(sys.argv[1])),
+                       ("pipeline", pipeline_checks.checks),
+                       ("perf", lambda: perf_checks.checks(sys.argv[2], info))]:
+        t0 = time.perf_counter()
+        out[name] = part()
+        out["seconds"][name] = round(time.perf_counter() - t0, 2)
+    launch.report(out)
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
