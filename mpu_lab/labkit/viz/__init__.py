@@ -15,8 +15,8 @@ compares). Every public name is importable from here (``viz.plot_rank_grid``).
 * lab 05, :mod:`~mpu_lab.labkit.viz.layer` — a transformer layer's collectives, its
   activation memory;
 * lab 07, :mod:`~mpu_lab.labkit.viz.losses` — loss curves, a live loss plot;
-* lab 08, :mod:`~mpu_lab.labkit.viz.performance` — utilisation, step breakdowns, bandwidth,
-  the cost model;
+* lab 08, :mod:`~mpu_lab.labkit.viz.performance` — utilisation, kernel timelines, step
+  breakdowns, bandwidth, the cost model;
 * :mod:`~mpu_lab.labkit.viz.figures` — the catalogue of ``figures/`` and byte-stable PNGs.
 """
 from mpu_lab.labkit.collective_layouts import COLLECTIVE_LAYOUTS
@@ -35,6 +35,7 @@ from mpu_lab.labkit.viz.performance import (
     BREAKDOWN_COLORS,
     plot_bandwidth,
     plot_exploration,
+    plot_kernel_timeline,
     plot_published_runs,
     plot_step_breakdown,
     plot_utilisation,
@@ -72,7 +73,7 @@ __all__ = [
     "print_log_section", "print_test_log", "print_parallel_linear",
     "plot_transformer_layer", "plot_activation_memory",
     "plot_loss_curves", "LiveLossPlot",
-    "BREAKDOWN_COLORS", "plot_utilisation", "plot_step_breakdown", "plot_bandwidth",
-    "plot_published_runs", "plot_exploration",
+    "BREAKDOWN_COLORS", "plot_utilisation", "plot_kernel_timeline", "plot_step_breakdown",
+    "plot_bandwidth", "plot_published_runs", "plot_exploration",
     "figure_catalog", "save_figure", "save_figures",
 ]

@@ -1,6 +1,7 @@
 """Lab 08: where the time goes — utilisation, step-time breakdowns, bandwidth, the cost model.
 
-:func:`plot_utilisation` (one heat row per rank), :func:`plot_step_breakdown` (stacked
+:func:`plot_utilisation` (one heat row per rank), :func:`plot_kernel_timeline` (compute /
+communication / idle per rank from the profiler's traces), :func:`plot_step_breakdown` (stacked
 milliseconds per step by category), :func:`plot_bandwidth` (bus bandwidth against message
 size), :func:`plot_published_runs` (the cost model against published runs) and
 :func:`plot_exploration` (the explorer's verdict per ``(t, p)``).
@@ -63,6 +64,47 @@ def plot_utilisation(runs: Dict[str, object], title: str = "", vmax: float = 100
         label = {"gpu": "GPU utilisation %", "cpu": "CPU %: ranks of one core",
                  "runnable": "running or runnable %"}.get(kind, "busy %")
         fig.colorbar(mesh, ax=list(axes), fraction=0.03, pad=0.01, label=label)
+    if title:
+        fig.suptitle(title, x=0.01, ha="left")
+    return fig
+
+
+@_styled
+def plot_kernel_timeline(timelines, title: str = "") -> Figure:
+    """What each rank's device did over time (:func:`mpu_lab.perf.kernel_timeline.kernel_timelines`):
+    one row per rank, each bin a column split into compute (green, bottom), communication
+    (red: NCCL kernels, or gloo ops, including the wait for a peer) and idle (light grey,
+    top); the row's label gives the busy / comm / idle percent. ``timelines``: one run's list,
+    or ``{label: list}`` for runs side by side (e.g. PP=4 with one micro-batch against DP=4)."""
+    runs = timelines if isinstance(timelines, dict) else {"": timelines}
+    fig = _figure(5.4 * len(runs) + 0.6, 0.5 * max(len(t) for t in runs.values()) + 1.4)
+    fig.set_layout_engine("constrained")
+    axes = fig.subplots(1, len(runs), squeeze=False)[0]
+    colors = (("compute", BREAKDOWN_COLORS["compute"]), ("comm", BREAKDOWN_COLORS["pp p2p"]),
+              ("idle", "#e6e6e6"))
+    for ax, (label, tls) in zip(axes, runs.items()):
+        for row, tl in enumerate(tls):
+            x = np.asarray(tl.bin_starts_ms())
+            sizes = np.asarray(tl.compute) + np.asarray(tl.comm) + np.asarray(tl.idle)
+            bottom = np.full(len(x), float(row) + 0.4)      # rows grow downwards
+            for part, color in colors:
+                h = 0.8 * np.asarray(getattr(tl, part)) / np.where(sizes > 0, sizes, 1.0)
+                ax.bar(x, -h, bottom=bottom, width=tl.bin_us / 1e3, align="edge",
+                       color=color, linewidth=0, label=part if row == 0 else None)
+                bottom = bottom - h
+        ax.set_yticks(range(len(tls)))
+        ax.set_yticklabels([f"rank {tl.rank}\n{s['busy_pct']:.0f}/{s['comm_pct']:.0f}/"
+                            f"{s['idle_pct']:.0f}%" for tl in tls for s in [tl.summary()]],
+                           fontsize=8)
+        ax.set_ylim(len(tls) - 0.5, -0.5)
+        ax.set_xlabel(f"ms ({tls[0].device if tls else ''}; bins of "
+                      f"{tls[0].bin_us / 1e3 if tls else 0:g} ms)")
+        ax.set_title(f"{label}  busy/comm/idle" if label else "busy/comm/idle", loc="left")
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, ["compute", "communication", "idle"][:len(names)], frameon=False,
+               fontsize=7, ncol=3, loc="outside lower left")
     if title:
         fig.suptitle(title, x=0.01, ha="left")
     return fig
