@@ -12,6 +12,13 @@ memory-bound element-wise ops and a gloo all-reduce (ring model, Patarasuk & Yua
 measures such runs and predicts them (``launch/bench_cost_model.py`` prints the table).
 The published runs and the efficiency fitted on them are in :mod:`mpu_lab.perf.published_runs`
 (re-exported here for now).
+
+On a GPU (picked automatically: :func:`device_cluster`, :func:`measure_vs_predict`) the
+matmuls are the run's layer GEMMs in bf16 timed with CUDA events in this process and the
+all-reduce is NCCL's (:mod:`mpu_lab.perf.calibrate_gpu`, :func:`gpu_cluster`)::
+
+    cluster = gpu_cluster(nproc=2, shapes=layer_matmul_shapes(model, cfg))
+    predict_iteration(model, cfg, cluster, dtype_bytes=2, grad_bytes=4)
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ import torch.nn.functional as F
 from mpu_lab import launcher, training
 from mpu_lab.models.gpt import pad_vocab_size
 from mpu_lab.perf.bandwidth import allreduce_fit
+from mpu_lab.perf.calibrate_gpu import (calibrate_gemm, cuda_available, device_calibration,
+                                        gpu_cluster_from)
 from mpu_lab.perf.cost_model import Cluster, ModelShape, ParallelConfig, predict_iteration
 from mpu_lab.perf.published_runs import (  # noqa: F401  (temporary re-export, old home)
     DEFAULT_CALIBRATION_RUNS, PUBLISHED_RUNS_PATH, effect_ablation, fit_matmul_efficiency,
@@ -158,6 +167,40 @@ def cpu_cluster(nproc: int = 2, calibration: Optional[Dict[str, float]] = None) 
                    latency_s=cal["latency_s"])
 
 
+def gpu_cluster(nproc: int = 2, calibration: Optional[Dict[str, object]] = None,
+                shapes: Optional[Sequence[Tuple[int, int, int, int]]] = None,
+                dtype: str = "bfloat16") -> Cluster:
+    """The GPU counterpart of :func:`cpu_cluster`: ``nproc`` ranks on this node, from
+    :func:`mpu_lab.perf.calibrate_gpu.device_calibration` (the GEMMs ``shapes`` — default one
+    4096×4096×4096 — in ``dtype`` with CUDA events, and a device copy) and
+    :func:`calibrate_allreduce` (an NCCL all-reduce among ``nproc`` ranks; its rows
+    bandwidth and latency), both run now unless ``calibration`` holds them."""
+    cal = calibration or dict(
+        device_calibration(shapes or [(1, 4096, 4096, 4096)], dtype=dtype),
+        **calibrate_allreduce(nproc, max_bytes="16M"))
+    return gpu_cluster_from(cal, nproc)
+
+
+def calibrate_gpu_ranks(nproc: int = 2,
+                        shape_sets: Optional[Sequence[Sequence[Tuple[int, int, int, int]]]] = None,
+                        dtypes: Optional[Sequence[str]] = None) -> Dict[str, object]:
+    """The GPU counterpart of :func:`calibrate_ranks`, with the same keys (and the device's):
+    each set of GEMMs timed in its dtype (default bf16) on this process's GPU, the copy
+    bandwidth, and :func:`calibrate_allreduce` among ``nproc`` ranks (NCCL with a GPU per rank,
+    gloo on CUDA tensors where ranks share one: :func:`mpu_lab.distributed.choose_backend`)."""
+    shape_sets = list(shape_sets or [[(1, 4096, 4096, 4096)]])
+    dtypes = list(dtypes or ["bfloat16"] * len(shape_sets))
+    cal = device_calibration(shape_sets[0], dtype=dtypes[0])
+    sets = [cal["matmul_flops"]] + [calibrate_gemm(x, dtype=d)
+                                    for x, d in zip(shape_sets[1:], dtypes[1:])]
+    return {**cal, **calibrate_allreduce(nproc, max_bytes="16M"), "matmul_flops_sets": sets}
+
+
+def device_cluster(nproc: int = 2, shapes=None) -> Cluster:
+    """:func:`gpu_cluster` where this process sees a CUDA GPU, else :func:`cpu_cluster`."""
+    return gpu_cluster(nproc, shapes=shapes) if cuda_available() else cpu_cluster(nproc)
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """One small ``launch/train_gpt.py`` run to measure: model shape and parallel sizes."""
@@ -173,6 +216,7 @@ class TrainConfig:
     global_batch_size: int = 8
     train_iters: int = 12
     sequence_parallel: bool = False
+    bf16: bool = False          # --bf16 (autocast); what a GPU run is calibrated in
 
     @property
     def nproc(self) -> int:
@@ -207,6 +251,8 @@ class TrainConfig:
             args += ["--metrics-file", metrics_file]
         if self.sequence_parallel:
             args.append("--sequence-parallel")
+        if self.bf16:
+            args.append("--bf16")
         return [str(a) for a in args]
 
 
@@ -257,7 +303,8 @@ def _least_contended(tc: TrainConfig, attempts: int) -> Dict[str, float]:
 
 def _mean_calibration(a: Dict[str, float], b: Dict[str, float]) -> Dict[str, float]:
     keys = ("matmul_flops", "memory_bandwidth", "latency_s", "busbw")
-    out = {k: (a[k] + b[k]) / 2 for k in keys}
+    out = {k: v for k, v in a.items() if k not in keys}   # on a GPU: its name, memory, count
+    out.update({k: (a[k] + b[k]) / 2 for k in keys})
     out["matmul_flops_sets"] = [(x + y) / 2 for x, y in zip(a["matmul_flops_sets"],
                                                           b["matmul_flops_sets"])]
     out["drift"] = abs(a["matmul_flops"] - b["matmul_flops"]) / out["matmul_flops"]
@@ -270,24 +317,32 @@ def measure_vs_predict(configs: Sequence[TrainConfig], attempts: int = 1) -> Lis
     config's own layer GEMMs on as many ranks) right before and right after the training jobs
     of each rank count, and the two are averaged: on a shared machine the speed drifts, and
     ``calibration_drift`` (how far the two matmul rates differ) says how much. fp32 on CPU:
-    4-byte activations and gradients. ``measured_s`` is the fastest iteration (as the
+    4-byte activations and gradients. Where this process sees a GPU the calibration is
+    :func:`calibrate_gpu_ranks` (GEMMs in bf16 for a ``bf16`` config, else fp32) and the
+    cluster :func:`gpu_cluster`; a ``bf16`` config predicts 2-byte activations. ``measured_s`` is the fastest iteration (as the
     calibration takes the fastest call), ``measured_median_s`` the median, ``cpu_pressure`` the
     share of the run other processes kept a task waiting for a CPU; with ``attempts`` > 1 a
     contended run (pressure over 10 %) is repeated and the least contended attempt kept."""
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     shapes = [tc.shapes() for tc in configs]
+    on_gpu = cuda_available()
     rows: Dict[int, dict] = {}
     for n in sorted({tc.nproc for tc in configs}):
         idx = [i for i, tc in enumerate(configs) if tc.nproc == n]
         sets = [layer_matmul_shapes(*shapes[i]) for i in idx]
-        before = calibrate_ranks(n, sets)
+        dtypes = ["bfloat16" if configs[i].bf16 else "float32" for i in idx]
+        calibrate = ((lambda: calibrate_gpu_ranks(n, sets, dtypes)) if on_gpu
+                     else (lambda: calibrate_ranks(n, sets)))
+        before = calibrate()
         measured = {i: _least_contended(configs[i], attempts) for i in idx}
-        cal = _mean_calibration(before, calibrate_ranks(n, sets))
+        cal = _mean_calibration(before, calibrate())
         for j, i in enumerate(idx):
             model, cfg = shapes[i]
-            cluster = cpu_cluster(n, dict(cal, matmul_flops=cal["matmul_flops_sets"][j]))
-            pred = predict_iteration(model, cfg, cluster, dtype_bytes=4, grad_bytes=4)
+            cluster = (gpu_cluster if on_gpu else cpu_cluster)(
+                n, dict(cal, matmul_flops=cal["matmul_flops_sets"][j]))
+            pred = predict_iteration(model, cfg, cluster, dtype_bytes=2 if configs[i].bf16 else 4,
+                                     grad_bytes=4)
             rows[i] = dict(
                 config=configs[i].label(), nproc=n, measured_s=round(measured[i]["best"], 4),
                 measured_median_s=round(measured[i]["median"], 4),

@@ -7,6 +7,16 @@
 * :func:`schedule_utilisation` — what a perfect machine would show for a pipeline schedule
   (the 1F1B and GPipe schedules of Narayanan et al. 2021 §2.2, simulated by
   :mod:`mpu_lab.pipeline_parallel.timeline`).
+
+What NVML's GPU utilisation is, and why it cannot show a pipeline bubble: it is "the percent
+of time over the past sample period during which one or more kernels was executing on the
+GPU" (``nvmlDeviceGetUtilizationRates``), where the driver's sample period is between 1/6 s
+and 1 s depending on the product — so a 50 ms sampler mostly re-reads the same value, and
+nothing shorter than the driver's window is resolved. And *any* kernel counts: an NCCL
+receive kernel spinning while it waits for the previous pipeline stage keeps the GPU at
+100 %, as does a kernel that uses one SM of 132. Read it as "what nvidia-smi says". What the
+device actually did — compute kernels, NCCL kernels, nothing — comes from the profiler's
+trace: :mod:`mpu_lab.perf.kernel_timeline`.
 """
 from __future__ import annotations
 
