@@ -10,6 +10,10 @@ losses, and the lecture's ``GPT_ARGS`` launch line.
 * :func:`from_job` — the same from a job started with ``launcher.run("train_gpt.py", ...)``;
 * :func:`max_relative_difference`, :func:`print_agreement`, :func:`print_losses` — compare
   runs that should coincide (TP = 1, 2, 4; a run resumed from a resharded checkpoint);
+* :func:`throughput`, :func:`print_throughput` — tokens/s, achieved model FLOP/s and MFU of a
+  run (the model FLOPs from :mod:`mpu_lab.perf.cost_model`, the peak from
+  :mod:`mpu_lab.perf.hardware`); :func:`precision_flags`, :func:`agreement_rtol` — a run's
+  ``dtype`` as flags, and how close two runs' losses must be in it;
 * :data:`LECTURE_GPT_ARGS`, :func:`gpt_args_from_script`, :func:`print_side_by_side`,
   :func:`print_derived` — the lecture's line next to ``launch/train_gpt.sh``'s, and what
   :func:`~mpu_lab.training.validate_args` derives from a line for a given number of ranks.
@@ -22,11 +26,14 @@ import json
 import os
 import pathlib
 import re
+import statistics
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mpu_lab import checkpointing, launcher, training
 from mpu_lab.labkit import REPO_ROOT
+from mpu_lab.perf import hardware
+from mpu_lab.perf.cost_model import ModelShape, flops_per_token, model_flops_per_iteration
 from mpu_lab.labkit.viz.losses import LiveLossPlot
 
 # The lecture's launch line (COMP4901Y, "Launch Scripts"): the flags and values it passes.
@@ -69,6 +76,27 @@ def gpt_flags(steps: int, layers: int = 2, hidden: int = 64, heads: int = 4,
         elif value not in (None, False):
             flags += [flag, value]
     return [str(f) for f in flags]
+
+
+PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
+# How close the losses of two runs that should coincide (TP = 1, 2, 4; a resumed run) must be,
+# relative: fp32 sums in a different order per TP size (rounding ~1e-7); 16-bit activations
+# round to 3 significant digits (bf16) or 4 (fp16), and a few hundred steps compound it.
+AGREEMENT_RTOL = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 2e-2}
+
+
+def precision_flags(dtype: str) -> List[str]:
+    """``train_gpt.py`` flags of a ``dtype``: ``fp32`` none, ``bf16`` ``--bf16``, ``fp16``
+    ``--fp16``."""
+    if dtype not in PRECISIONS:
+        raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
+    return list(PRECISIONS[dtype])
+
+
+def agreement_rtol(dtype: str) -> float:
+    """:data:`AGREEMENT_RTOL` of ``dtype``: what :func:`print_agreement` allows."""
+    precision_flags(dtype)
+    return AGREEMENT_RTOL[dtype]
 
 
 def command_line(flags: Sequence, nproc: int) -> str:
@@ -150,6 +178,7 @@ class TrainRun:
     results: List[dict]
     elapsed_s: float
     nproc: int
+    flags: Sequence[str] = ()          # the job's train_gpt.py flags (for throughput)
 
     @property
     def curve(self) -> Tuple[List[int], List[float]]:
@@ -203,18 +232,18 @@ def train(flags: Sequence, nproc: int, label: Optional[str] = None, live: bool =
     finally:
         if metrics_file:
             os.unlink(metrics_file)
-    run = from_job(job, label)
+    run = from_job(job, label, flags)
     if plot is not None:
         plot.update(*run.curve, force=True)
     return run
 
 
-def from_job(job: "launcher.LaunchResult", label: str) -> TrainRun:
-    """A :class:`TrainRun` from a finished ``launcher.run("train_gpt.py", ...)`` job, whose ranks
-    each reported ``{"metrics": [...], "iteration": n}``."""
+def from_job(job: "launcher.LaunchResult", label: str, flags: Sequence = ()) -> TrainRun:
+    """A :class:`TrainRun` from a finished ``launcher.run("train_gpt.py", flags, ...)`` job, whose
+    ranks each reported ``{"metrics": [...], "iteration": n}``."""
     metrics = job.results[0]["metrics"]
     return TrainRun(label, [m["iteration"] for m in metrics], [m["lm_loss"] for m in metrics],
-                    job.results, job.elapsed_s, job.nproc)
+                    job.results, job.elapsed_s, job.nproc, [str(f) for f in flags])
 
 
 # --------------------------------------------------------------------------- comparing
@@ -270,3 +299,71 @@ def checkpoint_listing(save_dir) -> List[str]:
         else:
             lines.append(f"{path.name}  ({path.read_text().strip()})")
     return lines
+
+
+# --------------------------------------------------------------------------- speed
+def model_shape(flags: Sequence, nproc: int) -> ModelShape:
+    """The cost model's shape of the GPT these flags build (the vocabulary as padded)."""
+    args = training.validate_args(training.parse_args([str(f) for f in flags]), nproc,
+                                  check_load=False)
+    return ModelShape(args.num_layers, args.hidden_size, args.num_attention_heads,
+                      args.seq_length, args.padded_vocab_size)
+
+
+def gpus_used(nproc: int) -> Tuple[int, Optional[str]]:
+    """(GPUs the ranks of an ``nproc`` job run on, their name) as :mod:`mpu_lab.distributed`
+    places them: rank r on GPU r mod the GPUs seen, so ranks share a GPU when there are fewer;
+    ``(0, None)`` on the CPU (or with ``MPU_LAB_DEVICE=cpu``)."""
+    import torch  # the notebook's kernel has it already; asked only here
+
+    if os.environ.get("MPU_LAB_DEVICE") == "cpu" or not torch.cuda.is_available():
+        return 0, None
+    count = torch.cuda.device_count()
+    return (min(nproc, count), torch.cuda.get_device_name(0)) if count else (0, None)
+
+
+def throughput(run: TrainRun, skip: int = 1) -> Dict[str, object]:
+    """tokens/s of a run (median over its logged iterations after the first ``skip``, which
+    pay for warm-up), the model FLOP/s that makes (:func:`model_flops_per_iteration`:
+    ``6N + 12·L·h·s`` per token) and, on a GPU in :data:`mpu_lab.perf.hardware.PEAKS`, MFU."""
+    if not run.flags:
+        raise ValueError(f"{run.label}: no flags recorded (make it with train or from_job(..., "
+                         f"flags)), so its model is unknown")
+    rows = [m for m in run.results[0]["metrics"] if "tokens_per_s" in m]
+    rows = rows[skip:] if len(rows) > skip else rows
+    tokens_per_s = statistics.median(m["tokens_per_s"] for m in rows)
+    model = model_shape(run.flags, run.nproc)
+    per_token = model_flops_per_iteration(model, 1) / model.s
+    gpus, name = gpus_used(run.nproc)
+    peak = hardware.lookup(name)
+    achieved = tokens_per_s * per_token
+    mfu = hardware.mfu(achieved, peak, gpus) if peak else None
+    return dict(label=run.label, tokens_per_s=tokens_per_s, flops_per_token=per_token,
+                achieved_flops=achieved, gpus=gpus, device=name, peak=peak, mfu=mfu,
+                model=model)
+
+
+def flop_formula(model: ModelShape) -> str:
+    """The model FLOPs per token written out: ``6N + 12·L·h·s`` with this model's numbers (N:
+    the weights each token is multiplied by, 12·L·h² + V·h)."""
+    f = flops_per_token(model)
+    attention = 3 * model.L * f["attention_core"]             # 12·L·h·s
+    per_token = model_flops_per_iteration(model, 1) / model.s
+    n = (per_token - attention) / 6
+    return (f"model FLOPs per token = 6N + 12·L·h·s (Narayanan et al. 2021), N = 12·L·h² + V·h "
+            f"= {n / 1e6:,.1f} M: 6 x {n:,.0f} + 12 x {model.L} x {model.h} x {model.s} "
+            f"= {per_token / 1e9:,.3f} GFLOP")
+
+
+def print_throughput(runs: Sequence[TrainRun], header: bool = True) -> None:
+    """Per run: tokens/s, achieved TFLOP/s and MFU (or why there is no MFU); with ``header``
+    first the FLOP formula and the peak MFU is measured against."""
+    rows = [throughput(r) for r in runs]
+    if header:
+        print(flop_formula(rows[0]["model"]))
+        print(hardware.describe(rows[0]["peak"], rows[0]["device"]))
+    for row in rows:
+        mfu = f"MFU {100 * row['mfu']:.1f} % of {row['gpus']} GPU(s)" if row["mfu"] is not None \
+            else "MFU n/a"
+        print(f"{row['label']}: {row['tokens_per_s']:,.0f} tokens/s, "
+              f"{row['achieved_flops'] / 1e12:.3g} TFLOP/s achieved, {mfu}")

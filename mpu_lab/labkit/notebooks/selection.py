@@ -26,6 +26,9 @@ def _matches(path: pathlib.Path, selector) -> bool:
     return stem == sel or stem.startswith(sel + "_")
 
 
+matches = _matches   # public name (mpu_lab.labkit.profiles reads profile sections with it)
+
+
 def select(paths: Sequence[pathlib.Path], only: Optional[Iterable[str]]) -> List[pathlib.Path]:
     """The notebooks named by ``only`` (stems or number prefixes such as ``"01"``), or all."""
     if not only:
@@ -42,14 +45,26 @@ def select(paths: Sequence[pathlib.Path], only: Optional[Iterable[str]]) -> List
 
 # --------------------------------------------------------------------------- parameters
 def load_params(path) -> Dict[str, dict]:
-    """Read a parameters YAML file: ``{"all": {...}, "<notebook>": {...}}``."""
+    """Read a parameters YAML file: ``{"all": {...}, "<notebook>": {...}}``.
+
+    A file may start from another: ``include: profiles/8gpu.yaml`` (relative to the file)
+    reads that one first; its own sections then override it name by name
+    (``labs/params_8gpu.yaml`` is such a pointer to the 8gpu machine profile).
+    """
     import yaml
 
-    data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+    path = pathlib.Path(path)
+    data = yaml.safe_load(path.read_text()) or {}
+    include = data.pop("include", None) if isinstance(data, dict) else None
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise SystemExit(f"{path}: expected sections of name: value pairs, e.g. 'all: "
                          f"{{world_size: 8}}' (see python -m mpu_lab.labkit.notebooks --help)")
-    return data
+    if include is None:
+        return data
+    merged = {k: dict(v) for k, v in load_params(path.parent / str(include)).items()}
+    for section, values in data.items():
+        merged.setdefault(section, {}).update(values)
+    return merged
 
 
 def declared_parameters(nb) -> List[str]:
