@@ -1,17 +1,19 @@
-"""Re-execute notebooks with papermill and write back only those that ran cleanly, cleaned of
-widget state and timing metadata, so ``git diff`` shows only what changed."""
+"""Re-execute notebooks with papermill (watched for a kernel that stops answering) and write
+back only those that ran cleanly, cleaned of widget state and timing metadata, so ``git diff``
+shows only what changed."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pathlib
 import sys
-import tempfile
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.labkit.notebooks.selection import check_param_sections, params_for
 from mpu_lab.labkit.notebooks.structure import _output_problems
+from mpu_lab.labkit.notebooks.watchdog import DEFAULT_STALL_S, execute_watched
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 
@@ -41,49 +43,59 @@ def _without_injected(nb):
 
 # --------------------------------------------------------------------------- regenerate
 def execute(path: pathlib.Path, parameters: Dict[str, object], kernel: str = "python3",
-            timeout_s: Optional[int] = None):
-    """Run one notebook with papermill in its own folder; return the executed, cleaned node."""
+            timeout_s: Optional[int] = None, stall_s: float = DEFAULT_STALL_S, out=sys.stdout,
+            **watch):
+    """Run one notebook with papermill in its own folder; return the executed, cleaned node.
+
+    Papermill runs in a watched child process (:mod:`~mpu_lab.labkit.notebooks.watchdog`): a
+    kernel that stops answering for ``stall_s`` seconds (no output, no CPU time) is killed
+    with everything it started, and the notebook is run once more.
+    """
     import nbformat
-    import papermill
 
     nb = _without_injected(nbformat.read(path, as_version=4))
-    with tempfile.TemporaryDirectory(prefix="mpu_lab_nb_") as tmp:
-        out = pathlib.Path(tmp) / path.name
-        executed = papermill.execute_notebook(
-            nb, str(out), parameters=parameters or None, kernel_name=kernel,
-            cwd=str(path.parent), progress_bar=False, log_output=False,
-            request_save_on_cell_execute=False, execution_timeout=timeout_s)
+    executed = execute_watched(nb, path.parent, parameters, kernel=kernel, timeout_s=timeout_s,
+                               stall_s=stall_s, out=out, name=path.name, **watch)
     return clean(executed)
 
 
-def regenerate(paths: Sequence[pathlib.Path], params: Optional[Dict[str, dict]] = None,
-               output_dir=None, kernel: str = "python3", timeout_s: Optional[int] = None,
-               out=sys.stdout) -> Dict[str, float]:
-    """Re-execute ``paths``; write each back (or into ``output_dir``) only if it succeeded.
+@dataclasses.dataclass
+class Outcome:
+    """What became of one notebook."""
+    name: str
+    ok: bool
+    seconds: float
+    message: str = ""                 # why it failed (the error's last line)
+    target: Optional[pathlib.Path] = None
 
-    Returns ``{notebook name: seconds}``; raises ``SystemExit`` naming the failures at the end
-    (the notebooks that failed are left untouched).
-    """
+
+def run_notebooks(paths: Sequence[pathlib.Path], params: Optional[Dict[str, dict]] = None,
+                  output_dir=None, kernel: str = "python3", timeout_s: Optional[int] = None,
+                  stall_s: float = DEFAULT_STALL_S, out=sys.stdout, **watch) -> List[Outcome]:
+    """Re-execute ``paths``; write each back (or into ``output_dir``) only if it succeeded.
+    Prints one line per notebook; returns an :class:`Outcome` per notebook."""
     import nbformat
 
     params = params or {}
     if params:
         check_param_sections(paths, params)
-    times, failed = {}, []
+    outcomes = []
     for path in paths:
         values = params_for(path, nbformat.read(path, as_version=4), params)
         start = time.monotonic()
         try:
-            nb = execute(path, values, kernel=kernel, timeout_s=timeout_s)
+            nb = execute(path, values, kernel=kernel, timeout_s=timeout_s, stall_s=stall_s,
+                         out=out, **watch)
             problems = [p for p in _output_problems(nb)]
             if problems:
                 raise RuntimeError("; ".join(problems))
-        except Exception as exc:  # papermill's PapermillExecutionError included
+        except Exception as exc:  # papermill's errors, a stall that came back
             seconds = time.monotonic() - start
             first = str(exc).strip().splitlines()
-            failed.append(path.name)
-            print(f"{path.name:32s} {seconds:6.1f} s  FAILED, not written: "
-                  f"{first[-1] if first else type(exc).__name__}", file=out, flush=True)
+            message = first[-1] if first else type(exc).__name__
+            outcomes.append(Outcome(path.name, False, seconds, message))
+            print(f"{path.name:32s} {seconds:6.1f} s  FAILED, not written: {message}",
+                  file=out, flush=True)
             continue
         seconds = time.monotonic() - start
         target = path
@@ -93,12 +105,26 @@ def regenerate(paths: Sequence[pathlib.Path], params: Optional[Dict[str, dict]] 
                                                  else path.name)
         target.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, str(target))
-        times[path.name] = seconds
+        outcomes.append(Outcome(path.name, True, seconds, target=target))
         shown = f" with {values}" if values else ""
         print(f"{path.name:32s} {seconds:6.1f} s  written{shown}", file=out, flush=True)
-    print(f"{'total':32s} {sum(times.values()):6.1f} s  ({len(times)} written, "
-          f"{len(failed)} failed)", file=out, flush=True)
+    written = [o for o in outcomes if o.ok]
+    print(f"{'total':32s} {sum(o.seconds for o in written):6.1f} s  ({len(written)} written, "
+          f"{len(outcomes) - len(written)} failed)", file=out, flush=True)
+    return outcomes
+
+
+def regenerate(paths: Sequence[pathlib.Path], params: Optional[Dict[str, dict]] = None,
+               output_dir=None, kernel: str = "python3", timeout_s: Optional[int] = None,
+               out=sys.stdout, stall_s: float = DEFAULT_STALL_S, **watch) -> Dict[str, float]:
+    """Re-execute ``paths``; write each back (or into ``output_dir``) only if it succeeded.
+
+    Returns ``{notebook name: seconds}``; raises ``SystemExit`` naming the failures at the end
+    (the notebooks that failed are left untouched). ``stall_s``: see :func:`execute`.
+    """
+    outcomes = run_notebooks(paths, params, output_dir=output_dir, kernel=kernel,
+                             timeout_s=timeout_s, stall_s=stall_s, out=out, **watch)
+    failed = [o.name for o in outcomes if not o.ok]
     if failed:
         raise SystemExit(f"failed: {', '.join(failed)}")
-    return times
-
+    return {o.name: o.seconds for o in outcomes}

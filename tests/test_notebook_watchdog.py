@@ -1,0 +1,73 @@
+"""The notebook watchdog (mpu_lab/labkit/notebooks/watchdog.py): a kernel that stops answering
+(no output, no CPU time while a cell executes) is killed with everything it started and the
+notebook is retried once; a cell that is long but busy is left alone.
+
+A cell that sleeps stands in for the lost reply: an idle kernel with no output, as the kernel
+that once waited 900 s for a reply at 8 ranks. ``stall_s=3`` keeps each test to seconds.
+"""
+import io
+import re
+import time
+
+import nbformat
+import psutil
+import pytest
+
+from mpu_lab.labkit import notebooks
+
+
+def write_nb(path, sources):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    nb.metadata["kernelspec"] = dict(notebooks.KERNELSPEC)
+    nbformat.write(nb, str(path))
+
+
+def pids_in(path):
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def test_an_idle_kernel_is_killed_with_its_children_retried_once_and_reported(tmp_path):
+    pids = tmp_path / "pids.txt"
+    # The kernel records its PID and starts a child in a session of its own (as torchrun jobs
+    # and ipyparallel engines are), then waits in silence for a reply that never comes.
+    nb = tmp_path / "stuck.ipynb"
+    write_nb(nb, ["print('before the stall')",
+                  "import os, subprocess, sys, time\n"
+                  "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+                  " start_new_session=True)\n"
+                  f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}} {{child.pid}} ')\n"
+                  "time.sleep(30)"])
+    before = nb.read_bytes()
+    log = io.StringIO()
+    start = time.monotonic()
+    with pytest.raises(SystemExit, match="failed: stuck.ipynb"):
+        notebooks.regenerate([nb], out=log, stall_s=3)
+    elapsed = time.monotonic() - start
+    text = log.getvalue()
+    # Two tries of: kernel start (seconds, more on a loaded machine) + 3 s of stall + the kill.
+    # Undetected, each try would sleep its 30 s out and the notebook would pass.
+    assert elapsed < 45, (elapsed, text)
+    assert all(int(s) <= 5 for s in re.findall(r"no output for (\d+) s", text)), text
+    assert nb.read_bytes() == before                         # a failure is not written back
+    lines = text.splitlines()
+    assert "stuck.ipynb: the kernel stopped answering: cell 1 ('import os, subprocess, sys, " \
+        "time') executing" in lines[0], text
+    assert "retrying (1 of 1)" in lines[0]
+    assert "FAILED, not written" in lines[1] and "gave up after 2 tries" in lines[1], text
+    seen = pids_in(pids)
+    assert len(seen) == 4, seen                               # two tries, kernel + child each
+    assert not [p for p in seen if psutil.pid_exists(p) and
+                psutil.Process(p).status() != psutil.STATUS_ZOMBIE], "processes left behind"
+
+
+def test_a_long_cell_that_keeps_the_cpu_busy_is_not_killed(tmp_path):
+    nb = tmp_path / "busy.ipynb"
+    write_nb(nb, ["import time\nt = time.monotonic()\nwhile time.monotonic() - t < 6:\n"
+                  "    sum(range(1000))\nprint('done')"])
+    log = io.StringIO()
+    times = notebooks.regenerate([nb], out=log, stall_s=3)
+    assert set(times) == {"busy.ipynb"} and times["busy.ipynb"] >= 6, log.getvalue()
+    assert "stopped answering" not in log.getvalue()
+    assert nbformat.read(nb, 4).cells[0].outputs[0].text == "done\n"
+
