@@ -90,6 +90,10 @@ def load(name_or_path) -> Dict[str, dict]:
     base = load_params(PROFILE_DIR / f"{BASE}.yaml")
     own = load_params(path)
     merged = {section: dict(values) for section, values in base.items()}
+    # the profile's `all` beats the base's per-notebook values too (8gpu's world_size: 8 over
+    # cpu's 07_train_gpt: world_size: 4); then its own sections
+    for values in merged.values():
+        values.update({k: v for k, v in (own.get("all") or {}).items() if k in values})
     for section, values in own.items():
         merged.setdefault(section, {}).update(values)
     return merged
@@ -101,7 +105,8 @@ def values_for(profile: Mapping[str, dict], notebook: str) -> Dict[str, object]:
     path = pathlib.Path(f"{notebook}.ipynb")
     values = dict(profile.get("all") or {})
     for section, own in profile.items():
-        if section != "all" and matches(path, section):
+        if section != "all" and (matches(path, section)
+                                 or matches(pathlib.Path(f"{section}.ipynb"), notebook)):
             values.update(own)
     return values
 
