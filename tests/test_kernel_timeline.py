@@ -120,6 +120,7 @@ def test_ranks_in_order_on_one_window_from_the_step_windows(tmp_path):
     tls = kt.kernel_timelines(results, bin_ms=0.05)
     assert [t.rank for t in tls] == [0, 1]
     assert tls[0].window == pytest.approx((0, 100)) and tls[0].compute == pytest.approx([30, 27])
+    assert kt.kernel_timelines([r["breakdown"] for r in results], 0.05)[1].window == tls[1].window
     by_dir = kt.kernel_timelines(str(tmp_path))      # no step window: first to last event
     assert [t.window for t in by_dir] == [(0, 98), (0, 98)]
     table = kt.format_kernel_summary(tls).splitlines()

@@ -253,8 +253,8 @@ def _sources(source) -> List[Tuple[dict, Optional[Interval]]]:
         return [(load_trace(os.path.join(source, n)), None) for n in names]
     out = []
     for item in source:
-        if isinstance(item, dict) and "breakdown" in item:     # a rank's train_gpt.py result
-            b = item["breakdown"]
+        if isinstance(item, dict) and ("breakdown" in item or "window" in item):
+            b = item.get("breakdown", item)       # a rank's train_gpt.py result, or its breakdown
             if "profile" not in b:
                 raise ValueError("no trace in this result: run train_gpt.py with "
                                  "--breakdown-profile DIR")
@@ -269,7 +269,8 @@ def _sources(source) -> List[Tuple[dict, Optional[Interval]]]:
 
 def kernel_timelines(source, bin_ms: float = 5.0) -> List[KernelTimeline]:
     """Every rank's :class:`KernelTimeline`, in rank order, over one common window so the rows
-    line up. ``source``: a ``train_gpt.py --breakdown-profile`` job's ``results`` (the window
+    line up. ``source``: a ``train_gpt.py --breakdown-profile`` job's ``results`` or their
+    breakdowns (:func:`mpu_lab.perf.breakdown.breakdowns`, a ``ProfiledRun``'s ``reports``; the window
     is then the ranks' timed steps, :func:`mpu_lab.perf.breakdown.training_window`), a
     directory of ``rank<r>.trace.json``, or a list of trace paths or loaded traces (the
     window: from the first classified event of any rank to the last)."""
