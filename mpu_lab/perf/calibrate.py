@@ -319,7 +319,8 @@ def measure_vs_predict(configs: Sequence[TrainConfig], attempts: int = 1) -> Lis
     ``calibration_drift`` (how far the two matmul rates differ) says how much. fp32 on CPU:
     4-byte activations and gradients. Where this process sees a GPU the calibration is
     :func:`calibrate_gpu_ranks` (GEMMs in bf16 for a ``bf16`` config, else fp32) and the
-    cluster :func:`gpu_cluster`; a ``bf16`` config predicts 2-byte activations. ``measured_s`` is the fastest iteration (as the
+    cluster :func:`gpu_cluster`; a ``bf16`` config predicts 2-byte activations.
+    ``measured_s`` is the fastest iteration (as the
     calibration takes the fastest call), ``measured_median_s`` the median, ``cpu_pressure`` the
     share of the run other processes kept a task waiting for a CPU; with ``attempts`` > 1 a
     contended run (pressure over 10 %) is repeated and the least contended attempt kept."""

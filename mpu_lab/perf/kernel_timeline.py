@@ -270,8 +270,8 @@ def _sources(source) -> List[Tuple[dict, Optional[Interval]]]:
 def kernel_timelines(source, bin_ms: float = 5.0) -> List[KernelTimeline]:
     """Every rank's :class:`KernelTimeline`, in rank order, over one common window so the rows
     line up. ``source``: a ``train_gpt.py --breakdown-profile`` job's ``results`` or their
-    breakdowns (:func:`mpu_lab.perf.breakdown.breakdowns`, a ``ProfiledRun``'s ``reports``; the window
-    is then the ranks' timed steps, :func:`mpu_lab.perf.breakdown.training_window`), a
+    breakdowns (:func:`mpu_lab.perf.breakdown.breakdowns`, a ``ProfiledRun``'s ``reports``;
+    the window is then the ranks' timed steps, :func:`~mpu_lab.perf.breakdown.training_window`), a
     directory of ``rank<r>.trace.json``, or a list of trace paths or loaded traces (the
     window: from the first classified event of any rank to the last)."""
     items = _sources(source)

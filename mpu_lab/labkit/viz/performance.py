@@ -71,7 +71,8 @@ def plot_utilisation(runs: Dict[str, object], title: str = "", vmax: float = 100
 
 @_styled
 def plot_kernel_timeline(timelines, title: str = "") -> Figure:
-    """What each rank's device did over time (:func:`mpu_lab.perf.kernel_timeline.kernel_timelines`):
+    """What each rank's device did over time
+    (:func:`mpu_lab.perf.kernel_timeline.kernel_timelines`):
     one row per rank, each bin a column split into compute (green, bottom), communication
     (red: NCCL kernels, or gloo ops, including the wait for a peer) and idle (light grey,
     top); the row's label gives the busy / comm / idle percent. ``timelines``: one run's list,
