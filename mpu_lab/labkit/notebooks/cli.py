@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         paths = select(notebook_paths(), args.only)
         params = load_params(args.params) if args.params else {}
         regenerate(paths, params, output_dir=args.output_dir, kernel=args.kernel,
-                   timeout_s=args.cell_timeout, stall_s=args.stall_s)
+                   timeout_s=args.cell_timeout, stall_s=args.stall_s, known=notebook_paths())
         return 0
     if args.command == "gpu-check":
         return gpu_check(args.output_dir, profile=args.profile, only=args.only,

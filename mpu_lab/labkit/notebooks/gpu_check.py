@@ -21,12 +21,12 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mpu_lab import launcher
-from mpu_lab.labkit import REPO_ROOT
+from mpu_lab.labkit import REPO_ROOT, profiles
 from mpu_lab.labkit.notebooks.regenerate import Outcome, run_notebooks
-from mpu_lab.labkit.notebooks.selection import load_params, notebook_paths, select
+from mpu_lab.labkit.notebooks.selection import notebook_paths, select
 from mpu_lab.labkit.notebooks.watchdog import DEFAULT_STALL_S
 
-PROFILES = ("cpu", "1gpu", "8gpu")
+PROFILES = profiles.NAMES
 DEFAULT_OUTPUT_DIR = REPO_ROOT / "runs" / "gpu_check"     # /runs/ is git-ignored
 
 # Benchmark flags per profile: (bench_gpt_vs_plain.py flags, bench_bandwidth.py flags).
@@ -44,23 +44,15 @@ BANDWIDTH_ARGS = {
 }
 
 
-def profile_params_file(name: str) -> Optional[pathlib.Path]:
-    """The parameters file of machine profile ``name``, or ``None`` (the notebooks' defaults).
-
-    The one place that maps a profile to its file: ``labs/profiles/<name>.yaml``, falling back
-    to ``labs/params_8gpu.yaml`` for 8gpu. (Point this at ``mpu_lab.labkit.profiles`` once it
-    exists.)
-    """
-    path = REPO_ROOT / "labs" / "profiles" / f"{name}.yaml"
-    if path.is_file():
-        return path
-    legacy = REPO_ROOT / "labs" / "params_8gpu.yaml"
-    return legacy if name == "8gpu" and legacy.is_file() else None
-
-
-def profile_for(gpus: int) -> str:
-    """The profile ``auto`` picks for a machine with ``gpus`` GPUs."""
-    return "8gpu" if gpus >= 8 else "1gpu" if gpus >= 1 else "cpu"
+def profile_params(name: str) -> Tuple[Dict[str, dict], str]:
+    """The parameters of machine profile ``name`` and the file they come from: the one place
+    that maps a profile to parameters (:func:`mpu_lab.labkit.profiles.load`: the cpu base under
+    the profile's own values), plus ``profile: name`` so each lab's parameters cell resolves
+    the names it still holds ``None`` from the same profile rather than from ``auto``."""
+    params = profiles.load(name)
+    params.setdefault("all", {})["profile"] = name
+    path = profiles.profile_path(name)
+    return params, str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path)
 
 
 def machine() -> Tuple[int, str, str]:
@@ -159,18 +151,17 @@ def gpu_check(output_dir=None, profile: str = "auto", only: Optional[List[str]] 
     if profile not in ("auto",) + PROFILES:
         raise SystemExit(f"--profile must be auto or one of {', '.join(PROFILES)}")
     gpus, device, torch_version = machine()
-    chosen = profile_for(gpus) if profile == "auto" else profile
+    chosen = profiles.profile_for(gpus) if profile == "auto" else profile
     if not gpus:
         print(f"no GPU on this machine: running at profile {chosen}", file=out, flush=True)
-    params_file = profile_params_file(chosen)
-    params = load_params(params_file) if params_file else {}
-    shown = params_file.relative_to(REPO_ROOT) if params_file else "the notebooks' defaults"
+    params, shown = profile_params(chosen)
     print(f"profile {chosen} ({shown}); {device}; torch {torch_version}; writing under "
           f"{output_dir}", file=out, flush=True)
 
     labs = select([p for p in notebook_paths() if p.parent.name == "labs"], only)
     outcomes = run_notebooks(labs, params, output_dir=output_dir, kernel=kernel,
-                             timeout_s=cell_timeout, stall_s=stall_s, out=out)
+                             timeout_s=cell_timeout, stall_s=stall_s, out=out,
+                             known=notebook_paths())
     print("benchmark: bench_gpt_vs_plain.py ...", file=out, flush=True)
     try:
         throughput = run_throughput(chosen, bench_timeout)

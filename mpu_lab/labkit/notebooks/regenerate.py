@@ -71,14 +71,17 @@ class Outcome:
 
 def run_notebooks(paths: Sequence[pathlib.Path], params: Optional[Dict[str, dict]] = None,
                   output_dir=None, kernel: str = "python3", timeout_s: Optional[int] = None,
-                  stall_s: float = DEFAULT_STALL_S, out=sys.stdout, **watch) -> List[Outcome]:
+                  stall_s: float = DEFAULT_STALL_S, out=sys.stdout,
+                  known: Optional[Sequence[pathlib.Path]] = None, **watch) -> List[Outcome]:
     """Re-execute ``paths``; write each back (or into ``output_dir``) only if it succeeded.
-    Prints one line per notebook; returns an :class:`Outcome` per notebook."""
+    Prints one line per notebook; returns an :class:`Outcome` per notebook. ``known``: the
+    notebooks the parameters' sections may name (default ``paths``; all of them when ``paths``
+    is a selection, so that ``--only 01`` works with a file that has a section for 02)."""
     import nbformat
 
     params = params or {}
     if params:
-        check_param_sections(paths, params)
+        check_param_sections(known or paths, params)
     outcomes = []
     for path in paths:
         values = params_for(path, nbformat.read(path, as_version=4), params)
@@ -116,14 +119,17 @@ def run_notebooks(paths: Sequence[pathlib.Path], params: Optional[Dict[str, dict
 
 def regenerate(paths: Sequence[pathlib.Path], params: Optional[Dict[str, dict]] = None,
                output_dir=None, kernel: str = "python3", timeout_s: Optional[int] = None,
-               out=sys.stdout, stall_s: float = DEFAULT_STALL_S, **watch) -> Dict[str, float]:
+               out=sys.stdout, stall_s: float = DEFAULT_STALL_S,
+               known: Optional[Sequence[pathlib.Path]] = None, **watch) -> Dict[str, float]:
     """Re-execute ``paths``; write each back (or into ``output_dir``) only if it succeeded.
 
     Returns ``{notebook name: seconds}``; raises ``SystemExit`` naming the failures at the end
-    (the notebooks that failed are left untouched). ``stall_s``: see :func:`execute`.
+    (the notebooks that failed are left untouched). ``stall_s``: see :func:`execute`;
+    ``known``: see :func:`run_notebooks`.
     """
     outcomes = run_notebooks(paths, params, output_dir=output_dir, kernel=kernel,
-                             timeout_s=timeout_s, stall_s=stall_s, out=out, **watch)
+                             timeout_s=timeout_s, stall_s=stall_s, out=out, known=known,
+                             **watch)
     failed = [o.name for o in outcomes if not o.ok]
     if failed:
         raise SystemExit(f"failed: {', '.join(failed)}")
