@@ -350,9 +350,8 @@ def flop_formula(model: ModelShape) -> str:
     attention = 3 * model.L * f["attention_core"]             # 12·L·h·s
     per_token = model_flops_per_iteration(model, 1) / model.s
     n = (per_token - attention) / 6
-    return (f"model FLOPs per token = 6N + 12·L·h·s (Narayanan et al. 2021), N = 12·L·h² + V·h "
-            f"= {n / 1e6:,.1f} M: 6 x {n:,.0f} + 12 x {model.L} x {model.h} x {model.s} "
-            f"= {per_token / 1e9:,.3f} GFLOP")
+    return (f"model FLOPs per token = 6N + 12·L·h·s (Narayanan et al. 2021), N = 12·L·h² + V·h:"
+            f" 6 x {n:,.0f} + 12 x {model.L} x {model.h} x {model.s} = {per_token:,.0f}")
 
 
 def print_throughput(runs: Sequence[TrainRun], header: bool = True) -> None:
