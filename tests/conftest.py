@@ -25,7 +25,7 @@ def eight_rank_job(tmp_path_factory):
     ``(per-rank reports, folder of the job's checkpoint and metrics file)``."""
     import pathlib
 
-    from mpu_lab.launch import run
+    from mpu_lab.launcher import run
     root = tmp_path_factory.mktemp("eight_ranks")
     job = run(pathlib.Path(__file__).parent / "mp" / "eight_rank_checks.py",
               [str(root / "ckpt"), str(root / "metrics.jsonl")], nproc=8, timeout_s=480,
@@ -42,14 +42,14 @@ def four_rank_job(tmp_path_factory):
     folder, CPU utilisation, runnable-state utilisation)``."""
     import pathlib
 
-    from mpu_lab.launch import run
-    from mpu_lab.perf import measure
+    from mpu_lab.launcher import run
+    from mpu_lab.perf import utilisation
     root = tmp_path_factory.mktemp("four_ranks")
     ckpt, traces = root / "gpt_ckpt", root / "traces"
     ckpt.mkdir()
     traces.mkdir()
-    with measure.UtilisationSampler(interval_s=0.05) as cpu, \
-            measure.UtilisationSampler(interval_s=0.05, cpu_metric="runnable") as runnable:
+    with utilisation.UtilisationSampler(interval_s=0.05) as cpu, \
+            utilisation.UtilisationSampler(interval_s=0.05, cpu_metric="runnable") as runnable:
         job = run(pathlib.Path(__file__).parent / "mp" / "four_rank_checks.py",
                   [str(ckpt), str(traces)], nproc=4, timeout_s=480, show="none")
     assert [rep["rank"] for rep in job.results] == list(range(4))

@@ -1,10 +1,10 @@
 """Activation memory per layer: Korthikanti et al. 2022's formulas (mpu_lab.perf), their terms,
-and what autograd really keeps for one ParallelTransformerLayer (mpu_lab.models.memory)."""
+and what autograd really keeps for one ParallelTransformerLayer (mpu_lab.perf.activation_memory)."""
 import pytest
 import torch
 
-from mpu_lab.launch import run
-from mpu_lab.models import memory
+from mpu_lab.launcher import run
+from mpu_lab.perf import activation_memory as memory
 from mpu_lab.perf import activation_memory_per_layer
 
 # GPT-3 175B as in the paper's Table 3: a = 96 heads, h = 12288, s = 2048, t = 8.
@@ -43,9 +43,17 @@ def test_formula_rejects_sizes_below_one():
 
 @pytest.mark.parametrize("t,sp", [(1, False), (2, False), (2, True), (4, False), (8, True)])
 def test_papers_terms_add_up_to_its_formula(t, sp):
+    """The terms against Table 2's closed forms, written out here (activation_memory_per_layer
+    is now the terms' sum, so it cannot be the reference)."""
     for shape in (GPT3, SMALL):
+        s, b, h, a = shape["s"], shape["b"], shape["h"], shape["a"]
+        if sp or t == 1:      # s b h / t (34 + 5 a s / h)
+            table2 = s * b * h * (34 + 5 * a * s / h) / t
+        else:                 # s b h (10 + 24 / t + 5 a s / (h t))
+            table2 = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
         terms = memory.paper_terms(**shape, t=t, sequence_parallel=sp)
-        assert memory.total(terms) == activation_memory_per_layer(**shape, t=t, sp=sp)
+        assert memory.total(terms) == pytest.approx(table2, rel=1e-12)
+        assert activation_memory_per_layer(**shape, t=t, sp=sp) == pytest.approx(table2, rel=1e-12)
 
 
 def test_terms_refuse_a_split_that_does_not_divide():

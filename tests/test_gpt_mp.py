@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mpu_lab import checkpointing
-from mpu_lab.launch import run
+from mpu_lab.launcher import run
 from mpu_lab.models import PlainGPT, TransformerConfig, expected_layer_counts
 
 pytestmark = pytest.mark.slow
@@ -187,7 +187,7 @@ def test_train_gpt_script_writes_metrics_saves_and_resumes_at_another_tp_and_pp(
 def test_train_gpt_script_checks_its_flags_before_starting_torch_distributed(monkeypatch):
     import importlib.util
 
-    from mpu_lab.launch import LAUNCH_DIR
+    from mpu_lab.launcher import LAUNCH_DIR
     spec = importlib.util.spec_from_file_location("train_gpt", LAUNCH_DIR / "train_gpt.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -1,4 +1,4 @@
-"""mpu_lab.launch: torchrun from Python with results, clear failures and no orphans.
+"""mpu_lab.launcher: torchrun from Python with results, clear failures and no orphans.
 
 The failure cases (a rank raising, hanging or skipping a collective, KeyboardInterrupt, many
 launches at once or in a row) are in tests/test_reliability.py, which watches the workers by
@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from mpu_lab.launch import LaunchTimeout, run
+from mpu_lab.launcher import LaunchTimeout, run
 
 PROBE = pathlib.Path(__file__).parent / "mp" / "launch_probe.py"
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import sys
 import nbformat
 import pytest
 
-from mpu_lab import notebooks
+from mpu_lab.labkit import notebooks
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LABS = sorted((REPO / "labs").glob("*.ipynb"))
@@ -161,7 +161,7 @@ def test_regenerate_writes_back_only_what_ran_cleanly(tmp_path):
 
 
 def test_regenerate_command_line_help_documents_the_yaml_format():
-    out = subprocess.run([sys.executable, "-m", "mpu_lab.notebooks", "--help"],
+    out = subprocess.run([sys.executable, "-m", "mpu_lab.labkit.notebooks", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "regenerate" in out and "figures" in out and "all:" in out
 
@@ -191,7 +191,7 @@ def test_pytest_runs_nbval_with_the_sanitize_file_and_the_stderr_plugin():
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert {"tests", "Start_Here.ipynb", "labs"} <= set(config["testpaths"])
     for option in ("--nbval", "--nbval-current-env", "--nbval-sanitize-with tests/nbval_sanitize.cfg",
-                   "-p mpu_lab.notebooks"):
+                   "-p mpu_lab.labkit.notebooks"):
         assert option in config["addopts"]
 
 
@@ -208,7 +208,7 @@ def test_nbval_plugin_ignores_stderr_but_still_compares_stdout(tmp_path):
     notebook("stdout_differs.ipynb", "something else\n")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(tmp_path / "pytest.ini"),
-         "--rootdir", str(tmp_path), "--nbval", "--nbval-current-env", "-p", "mpu_lab.notebooks",
+         "--rootdir", str(tmp_path), "--nbval", "--nbval-current-env", "-p", "mpu_lab.labkit.notebooks",
          str(tmp_path)],
         capture_output=True, text=True, timeout=300)
     assert "1 failed, 1 passed" in run.stdout, run.stdout[-2000:]

@@ -4,30 +4,32 @@ import math
 
 import pytest
 
-from mpu_lab.perf import measure
+from mpu_lab.perf import bandwidth, breakdown, runs, utilisation
+
+from mpu_lab import timers
 
 
 # --------------------------------------------------------------------------- formulas
 def test_busbw_factors_are_the_nccl_tests_ones_by_hand():
     # nccl-tests doc/PERFORMANCE.md: all-reduce 2(n-1)/n, all-gather and reduce-scatter
     # (n-1)/n, broadcast 1. By hand for n = 8: 14/8, 7/8, 7/8, 1.
-    assert measure.bus_factor("all_reduce", 8) == 1.75
-    assert measure.bus_factor("all_gather", 8) == 0.875
-    assert measure.bus_factor("reduce_scatter", 8) == 0.875
-    assert measure.bus_factor("broadcast", 8) == 1.0
-    assert measure.bus_factor("all_reduce", 1) == 0.0      # nothing crosses a link
+    assert bandwidth.bus_factor("all_reduce", 8) == 1.75
+    assert bandwidth.bus_factor("all_gather", 8) == 0.875
+    assert bandwidth.bus_factor("reduce_scatter", 8) == 0.875
+    assert bandwidth.bus_factor("broadcast", 8) == 1.0
+    assert bandwidth.bus_factor("all_reduce", 1) == 0.0      # nothing crosses a link
     # 1 GB all-reduced over 4 ranks in 10 ms: algbw 100 GB/s, busbw 150 GB/s.
-    assert measure.algbw(1e9, 0.01) == pytest.approx(100e9)
-    assert measure.busbw("all_reduce", 1e9, 0.01, 4) == pytest.approx(150e9)
-    assert measure.busbw("all_gather", 2 ** 20, 2 ** -10, 2) == pytest.approx(2 ** 29)
+    assert bandwidth.algbw(1e9, 0.01) == pytest.approx(100e9)
+    assert bandwidth.busbw("all_reduce", 1e9, 0.01, 4) == pytest.approx(150e9)
+    assert bandwidth.busbw("all_gather", 2 ** 20, 2 ** -10, 2) == pytest.approx(2 ** 29)
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda: measure.bus_factor("alltoall", 4), "unknown collective 'alltoall'"),
-    (lambda: measure.bus_factor("all_reduce", 0), "integer >= 1"),
-    (lambda: measure.algbw(1024, 0.0), "time must be > 0"),
-    (lambda: measure.parse_size("12Q"), "not a byte count"),
-    (lambda: measure.message_sizes("1M", "1K"), "larger than the maximum"),
+    (lambda: bandwidth.bus_factor("alltoall", 4), "unknown collective 'alltoall'"),
+    (lambda: bandwidth.bus_factor("all_reduce", 0), "integer >= 1"),
+    (lambda: bandwidth.algbw(1024, 0.0), "time must be > 0"),
+    (lambda: bandwidth.parse_size("12Q"), "not a byte count"),
+    (lambda: bandwidth.message_sizes("1M", "1K"), "larger than the maximum"),
 ])
 def test_bad_bandwidth_inputs_are_named(call, message):
     with pytest.raises(ValueError, match=message):
@@ -35,26 +37,26 @@ def test_bad_bandwidth_inputs_are_named(call, message):
 
 
 def test_sizes_and_tensor_shapes_of_the_benchmark():
-    assert measure.parse_size("64K") == 65536 and measure.parse_size("1m") == 2 ** 20
-    assert measure.message_sizes("1K", "16K", 4) == [1024, 4096, 16384]
-    assert measure.message_sizes(1000, 3000) == [1000, 2000]
+    assert bandwidth.parse_size("64K") == 65536 and bandwidth.parse_size("1m") == 2 ** 20
+    assert bandwidth.message_sizes("1K", "16K", 4) == [1024, 4096, 16384]
+    assert bandwidth.message_sizes(1000, 3000) == [1000, 2000]
     # S = 1000 bytes of fp32 = 250 elements; over 3 ranks all-gather sends 83 each (S = 249).
-    assert measure.collective_numel("all_gather", 1000, 3, 4) == (83, 996)
-    assert measure.collective_numel("reduce_scatter", 1000, 3, 4) == (249, 996)
-    assert measure.collective_numel("all_reduce", 1000, 3, 4) == (250, 1000)
-    assert measure.collective_numel("broadcast", 2, 3, 4) == (1, 4)
+    assert bandwidth.collective_numel("all_gather", 1000, 3, 4) == (83, 996)
+    assert bandwidth.collective_numel("reduce_scatter", 1000, 3, 4) == (249, 996)
+    assert bandwidth.collective_numel("all_reduce", 1000, 3, 4) == (250, 1000)
+    assert bandwidth.collective_numel("broadcast", 2, 3, 4) == (1, 4)
 
 
 def test_categories_follow_the_group_and_tag():
     families = {"tp": [0, 1], "dp": [0, 2], "pp": [0, 4]}
-    assert measure.categorize("all_reduce", (0, 1), "layer0.forward", families) == "tp all_reduce"
-    assert measure.categorize("all_reduce", (0, 2), "grads.data_parallel", families) == "dp all_reduce"
-    assert measure.categorize("p2p", (0, 4), None, families) == "pp p2p"
-    assert measure.categorize("all_reduce", (0, 1), "grads.norm", families) == "other"
-    assert measure.categorize("broadcast", (0, 4), "logging", families) == "other"
-    assert measure.categorize("all_reduce", (0, 1, 2, 3), None, families) == "other"
+    assert timers.categorize("all_reduce", (0, 1), "layer0.forward", families) == "tp all_reduce"
+    assert timers.categorize("all_reduce", (0, 2), "grads.data_parallel", families) == "dp all_reduce"
+    assert timers.categorize("p2p", (0, 4), None, families) == "pp p2p"
+    assert timers.categorize("all_reduce", (0, 1), "grads.norm", families) == "other"
+    assert timers.categorize("broadcast", (0, 4), "logging", families) == "other"
+    assert timers.categorize("all_reduce", (0, 1, 2, 3), None, families) == "other"
     # tp and mp groups with the same ranks are one group: tp wins
-    assert measure.categorize("all_gather", (0, 1), None, {"tp": [0, 1], "dp": [0]}) == "tp all_gather"
+    assert timers.categorize("all_gather", (0, 1), None, {"tp": [0, 1], "dp": [0]}) == "tp all_gather"
 
 
 # --------------------------------------------------------------------------- the 4-rank job
@@ -166,22 +168,22 @@ def test_bandwidth_benchmark_rows(job):
         assert r["busbw"] == pytest.approx(r["algbw"] * factor[r["op"]])
     # every rank agrees on the averaged times
     assert all(rep["bandwidth"] == rows for rep in job[0])
-    assert "busbw GB/s" in measure.format_bandwidth(rows).splitlines()[0]
+    assert "busbw GB/s" in bandwidth.format_bandwidth(rows).splitlines()[0]
 
 
 def test_sampler_refuses_a_gpu_it_cannot_find():
-    if measure.UtilisationSampler._open_nvml():
+    if utilisation.UtilisationSampler._open_nvml():
         pytest.skip("a GPU is visible")
     with pytest.raises(ValueError, match="NVML finds no GPU"):
-        measure.UtilisationSampler(gpu=True)
+        utilisation.UtilisationSampler(gpu=True)
     with pytest.raises(ValueError, match="interval_s must be > 0"):
-        measure.UtilisationSampler(interval_s=0)
+        utilisation.UtilisationSampler(interval_s=0)
 
 
 def _script(name):
     import importlib.util
 
-    from mpu_lab.launch import LAUNCH_DIR
+    from mpu_lab.launcher import LAUNCH_DIR
     spec = importlib.util.spec_from_file_location(name, LAUNCH_DIR / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -214,22 +216,22 @@ def test_allreduce_fit_by_hand():
     rows = [dict(op="all_reduce", size_bytes=s, ranks=4, time_s=t)
             for s, t in ((4096, 1e-3), (16384, 1.2e-3), (2 ** 20, 11e-3))]
     rows.append(dict(op="broadcast", size_bytes=4096, ranks=4, time_s=1e-6))   # ignored
-    fit = measure.allreduce_fit(rows)
+    fit = bandwidth.allreduce_fit(rows)
     assert fit["latency_s"] == 1e-3 and fit["nproc"] == 4
     assert fit["busbw"] == pytest.approx(1.5 * 2 ** 20 / 0.01)
     with pytest.raises(ValueError, match="at least two sizes"):
-        measure.allreduce_fit(rows[:1])
+        bandwidth.allreduce_fit(rows[:1])
 
 
 def test_breakdown_table_window_and_model_comparison():
     reports = [_report(0, {"compute": 0.1, "pp p2p": 0.3}, {"pp p2p": 1}, (10.0, 12.0)),
                _report(1, {"compute": 0.3, "pp p2p": 0.05, "other": 0.05}, {"pp p2p": 1}, (10.5, 12.5))]
-    assert measure.categories(reports) == ["compute", "pp p2p", "other"]
-    table = measure.format_breakdown(reports).splitlines()
+    assert breakdown.categories(reports) == ["compute", "pp p2p", "other"]
+    table = breakdown.format_breakdown(reports).splitlines()
     assert len(table) == 3 and "75%" in table[1] and "pp p2p" in table[0]
-    assert measure.training_window(reports) == (10.0, 12.5)
+    assert breakdown.training_window(reports) == (10.0, 12.5)
     with pytest.raises(ValueError, match="rank 1 reported no breakdown"):
-        measure.breakdowns([{"breakdown": reports[0]}, {"metrics": []}])
+        breakdown.breakdowns([{"breakdown": reports[0]}, {"metrics": []}])
 
     class Prediction:   # the fields of perf.model.IterationPrediction that are compared
         total_s = 0.5
@@ -238,18 +240,18 @@ def test_breakdown_table_window_and_model_comparison():
             return {"compute": 0.1, "tp_comm": 0.0, "pp_p2p": 0.02, "bubble": 0.3,
                     "dp_comm": 0.0, "optimizer": 0.01}
 
-    util = measure.Utilisation("cpu", 0.1, [], {}, 2)
-    run = measure.ProfiledRun("bad", 2, reports, util, [], 1.0)
-    row = measure.measured_vs_predicted(run, Prediction())
+    util = utilisation.Utilisation("cpu", 0.1, [], {}, 2)
+    run = runs.ProfiledRun("bad", 2, reports, util, [], 1.0)
+    row = runs.measured_vs_predicted(run, Prediction())
     assert row["measured_s"] == pytest.approx(0.4) and row["ratio"] == pytest.approx(0.8)
     assert row["causes"]["pp_p2p+bubble"] == pytest.approx(dict(predicted_s=0.32, measured_s=0.3))
     assert row["causes"]["compute"] == pytest.approx(dict(predicted_s=0.11, measured_s=0.1))
-    assert "bad" in measure.format_measured_vs_predicted([row])
+    assert "bad" in runs.format_measured_vs_predicted([row])
 
 
 def test_utilisation_mean_ignores_missing_samples_and_crop_keeps_the_window():
     nan = float("nan")
-    util = measure.Utilisation("cpu", 0.1, [0.0, 0.1, 0.2, 0.3], {0: [nan, 50.0, 70.0, 30.0],
+    util = utilisation.Utilisation("cpu", 0.1, [0.0, 0.1, 0.2, 0.3], {0: [nan, 50.0, 70.0, 30.0],
                                                                     1: [nan, nan, 20.0, 40.0]},
                                2, machine=[10.0, 60.0, 60.0, 40.0])
     assert util.mean() == {0: 50.0, 1: 30.0}
@@ -259,14 +261,14 @@ def test_utilisation_mean_ignores_missing_samples_and_crop_keeps_the_window():
 
 def test_training_flags_of_a_train_config_leave_out_the_metrics_file():
     from mpu_lab.perf import calibrate
-    flags = measure.training_flags(calibrate.TrainConfig(pp=2, num_layers=4))
+    flags = runs.training_flags(calibrate.TrainConfig(pp=2, num_layers=4))
     assert "--metrics-file" not in flags
     assert flags[flags.index("--pipeline-model-parallel-size") + 1] == "2"
 
 
 @pytest.mark.parametrize("p,m", [(4, 1), (4, 8), (2, 3)])
 def test_schedule_utilisation_is_busy_m_over_m_plus_p_minus_1(p, m):
-    util = measure.schedule_utilisation("1f1b", p, m, iterations=2)
+    util = utilisation.schedule_utilisation("1f1b", p, m, iterations=2)
     # a perfect machine: every stage works 2m slots (m forwards, m backwards) of 2(m + p - 1)
     for rank, mean in util.mean().items():
         assert mean == pytest.approx(100 * m / (m + p - 1)), rank
@@ -275,7 +277,8 @@ def test_schedule_utilisation_is_busy_m_over_m_plus_p_minus_1(p, m):
 
 # --------------------------------------------------------------------------- lab 08 exercises
 def test_lab08_checkers(capsys):
-    from mpu_lab import exercises, perf
+    from mpu_lab import perf
+    from mpu_lab.labkit import exercises
     # (p-1)/m <= 5 % with p = 8: m >= 7 / 0.05 = 140 (by hand)
     assert exercises.check_min_microbatches(140, p=8, max_bubble=0.05)
     assert not exercises.check_min_microbatches(139, p=8, max_bubble=0.05)
@@ -335,8 +338,9 @@ def best_pairs_by_brute_force(model, cluster, num_gpus, batch, tol):
 
 
 def test_lab08_figures_draw_what_they_are_given():
-    from mpu_lab import perf, viz
-    util = {f"m={m}": measure.schedule_utilisation("1f1b", 4, m) for m in (1, 8)}
+    from mpu_lab import perf
+    from mpu_lab.labkit import viz
+    util = {f"m={m}": utilisation.schedule_utilisation("1f1b", 4, m) for m in (1, 8)}
     fig = viz.plot_utilisation(util, xlabel="slots")
     assert len(fig.axes) == 3                                      # two panels and a colorbar
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()][0] == "rank 0 (25%)"

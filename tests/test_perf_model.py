@@ -1,5 +1,5 @@
-"""The analytic cost model (mpu_lab.perf.model), the configuration explorer (mpu_lab.perf.explorer)
-and the published-runs check (mpu_lab/perf/published_runs.yaml, mpu_lab.perf.calibrate).
+"""The analytic cost model (mpu_lab.perf.cost_model), the configuration explorer (mpu_lab.perf.explorer)
+and the published-runs check (mpu_lab/perf/published_runs.yaml, mpu_lab.perf.published_runs).
 
 Expected values come from the papers (their closed forms and printed figures) or are worked out
 by hand in the comments — never from the function under test."""
@@ -7,14 +7,14 @@ from fractions import Fraction
 
 import pytest
 
-from mpu_lab.perf import calibrate, explorer
-from mpu_lab.perf.model import (
+from mpu_lab.perf import calibrate, explorer, published_runs
+from mpu_lab.perf.cost_model import (
     DGX_A100_80GB, DGX_H100, ModelShape, ParallelConfig, bubble_fraction,
     dp_allreduce_bytes, hardware_flops_per_iteration, in_flight_microbatches, memory_per_gpu,
     model_flops_per_iteration, parameter_count, parameters_per_gpu, pipeline_p2p_bytes,
     predict_iteration, ring_all_reduce_factor, tp_comm_per_layer)
 
-RUNS = calibrate.load_published_runs()
+RUNS = published_runs.load_published_runs()
 TABLE1 = [r for r in RUNS["runs"] if r["source"] == "narayanan2021"]
 GPT3 = ModelShape(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048,
                   vocab_size=51200, name="GPT-3 175B")
@@ -29,7 +29,7 @@ def test_one_efficiency_per_gpu_generation_predicts_every_published_run_within_1
     two runs in words (GPT-3 175B at 96 and at 4608 GPUs, 47 % and 42 % MFU): the first only
     calibrates, the second is predicted. No per-run factor anywhere: the runs differ only in
     their published shape, split and batch."""
-    rows = calibrate.published_runs_comparison({"a100": "GPT 1T", "h100": "GPT-3 175B (96 H100)"})
+    rows = published_runs.published_runs_comparison({"a100": "GPT 1T", "h100": "GPT-3 175B (96 H100)"})
     assert len(rows) == len(RUNS["runs"]) == 12
     for gpu in ("a100", "h100"):
         assert len({r["efficiency"] for r in rows if r["gpu"] == gpu}) == 1
@@ -45,7 +45,7 @@ def test_one_efficiency_per_gpu_generation_predicts_every_published_run_within_1
 
 
 def test_cluster_presets_carry_the_fitted_efficiencies():
-    rows = {r["gpu"]: r["efficiency"] for r in calibrate.published_runs_comparison()}
+    rows = {r["gpu"]: r["efficiency"] for r in published_runs.published_runs_comparison()}
     assert DGX_A100_80GB.matmul_efficiency == pytest.approx(rows["a100"], abs=0.005)
     assert DGX_H100.matmul_efficiency == pytest.approx(rows["h100"], abs=0.005)
 
@@ -53,7 +53,7 @@ def test_cluster_presets_carry_the_fitted_efficiencies():
 def test_any_table1_row_as_the_calibration_keeps_the_others_within_15_percent():
     # The fit does not hinge on the choice of the 1T run.
     for run in TABLE1:
-        rows = calibrate.published_runs_comparison({"a100": run["name"]})
+        rows = published_runs.published_runs_comparison({"a100": run["name"]})
         worst = max(abs(r["error"]) for r in rows)
         assert worst <= 0.15, (run["name"], worst)
 
@@ -62,7 +62,7 @@ def test_the_fit_needs_memory_bound_ops_and_unoverlapped_communication():
     # Refit without each effect: Table 1 runs differ in h (elementwise work ∝ 1/h relative to
     # the matmuls), t (TP all-reduces, not overlapped in 2021) and d·params (the DP all-reduce
     # after the flush); leaving any of these out pushes some row past ±15 %.
-    worst = {r["left_out"]: r["worst_a100"] for r in calibrate.effect_ablation()}
+    worst = {r["left_out"]: r["worst_a100"] for r in published_runs.effect_ablation()}
     assert abs(worst["nothing"]) <= 0.15
     for effect in ("elementwise", "tp_comm", "dp_comm"):
         assert abs(worst[effect]) > 0.15, effect
@@ -73,7 +73,7 @@ def test_the_fit_needs_memory_bound_ops_and_unoverlapped_communication():
 def test_strong_scaling_loses_utilisation_for_the_reasons_the_readme_gives():
     # 96 -> 4608 H100s at a fixed batch of 1152: m falls from 384 to 8 micro-batches per
     # pipeline, so the bubble and the exposed data-parallel traffic grow.
-    rows = {r["name"]: r for r in calibrate.published_runs_comparison()}
+    rows = {r["name"]: r for r in published_runs.published_runs_comparison()}
     small, big = rows["GPT-3 175B (96 H100)"], rows["GPT-3 175B (4608 H100)"]
     assert (small["m"], big["m"]) == (384, 8)
     assert big["predicted_tflops"] < small["predicted_tflops"]
@@ -84,7 +84,7 @@ def test_strong_scaling_loses_utilisation_for_the_reasons_the_readme_gives():
 def test_published_data_is_consistent_with_itself():
     for run in RUNS["runs"]:
         assert run["source"] in RUNS["sources"], run["name"]
-        model, cfg, cluster = calibrate.run_inputs(run)
+        model, cfg, cluster = published_runs.run_inputs(run)
         assert cfg.num_gpus == run["parallel"]["num_gpus"]
         assert not cfg.problems(model), run["name"]
         rep = run["reported"]
@@ -102,7 +102,7 @@ def test_published_data_is_consistent_with_itself():
 
 @pytest.mark.parametrize("run", TABLE1, ids=[r["name"] for r in TABLE1])
 def test_parameter_count_reproduces_table1(run):
-    model, _, _ = calibrate.run_inputs(run)
+    model, _, _ = published_runs.run_inputs(run)
     assert round(parameter_count(model) / 1e9, 1) == run["model"]["params_billion"]
 
 

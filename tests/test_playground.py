@@ -10,7 +10,8 @@ import ipyparallel
 import psutil
 import pytest
 
-from mpu_lab import launch, playground
+from mpu_lab import launcher
+from mpu_lab.labkit import playground
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +127,7 @@ def test_ranks_magic_prints_each_rank_under_its_heading_in_rank_order(world, cap
     from IPython.core.interactiveshell import InteractiveShell
     shell = InteractiveShell.instance()
     try:
-        shell.run_line_magic("load_ext", "mpu_lab.playground")
+        shell.run_line_magic("load_ext", "mpu_lab.labkit.playground")
         # rank 3 prints first, rank 0 last: the output must still be in rank order
         cell = "import time\ntime.sleep(0.2 * (3 - rank))\nprint('I am', rank)\nrank * 10"
         shell.run_cell_magic("ranks", "", cell)
@@ -189,7 +190,7 @@ def test_stop_ends_every_engine_and_the_controller(world):
 
 EXIT_SCRIPT = """
 import json
-from mpu_lab import playground
+from mpu_lab.labkit import playground
 world = playground.start_world(2, timeout_s=5)
 old = world.process_tree()
 world.restart(hard=True)          # new engines and controller
@@ -205,7 +206,7 @@ def test_hard_restart_replaces_the_engines_and_interpreter_exit_leaves_no_proces
     import subprocess
     import sys
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(launch.REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+        p for p in (str(launcher.REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True,
                           timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

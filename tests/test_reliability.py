@@ -19,10 +19,10 @@ import time
 import psutil
 import pytest
 
-from mpu_lab import checkpointing, launch
+from mpu_lab import checkpointing, launcher
 from mpu_lab import training  # noqa: F401  (imported here: no timed call pays for it)
 from mpu_lab.checkpointing import CheckpointError
-from mpu_lab.launch import LaunchError, run
+from mpu_lab.launcher import LaunchError, run
 
 MP = pathlib.Path(__file__).parent / "mp"
 PROBE = MP / "launch_probe.py"
@@ -156,7 +156,7 @@ BAD_CONFIGS = [
 
 @pytest.fixture
 def no_process(monkeypatch):
-    """Fail the test if ``launch.run`` starts any process."""
+    """Fail the test if ``launcher.run`` starts any process."""
     def popen(*args, **kwargs):
         raise AssertionError(f"a process was started: {args[0] if args else kwargs}")
 
@@ -168,7 +168,7 @@ def no_process(monkeypatch):
 def test_bad_configuration_is_refused_before_any_process_starts(script, flags, nproc, needles,
                                                                  no_process):
     if "nproc <= " in "".join(needles):
-        needles = needles + [f"at most {launch.max_ranks()}"]
+        needles = needles + [f"at most {launcher.max_ranks()}"]
     start = time.perf_counter()
     with pytest.raises(ValueError) as err:
         run(script, flags, nproc=nproc, show="none")
@@ -448,7 +448,7 @@ def test_corrupted_shard_is_named_at_load(gpt_runs, tmp_path, damage, needle, no
 @pytest.mark.slow
 def test_keyboard_interrupt_stops_the_job_and_every_worker_within_10_s():
     """What the notebook's stop button does: KeyboardInterrupt in the thread running
-    launch.run, here while every rank is busy (rank 0 sleeping, the others in all_reduce)."""
+    launcher.run, here while every rank is busy (rank 0 sleeping, the others in all_reduce)."""
     started = threading.Event()
     interrupted = {}
 
@@ -483,14 +483,14 @@ def test_failure_report_wording_from_the_ranks_records(tmp_path):
     failed for another reason than a timeout or a lost peer, a rank stopped elsewhere, a rank
     that died silently (torchrun's summary), and a failure outside any collective."""
     tb = ('Traceback (most recent call last):\n'
-          f'  File "{launch.REPO_ROOT}/launch/x.py", line 7, in main\n    dist.broadcast(t, 0)\n'
+          f'  File "{launcher.REPO_ROOT}/launch/x.py", line 7, in main\n    dist.broadcast(t, 0)\n'
           '  File "/site-packages/torch/distributed/distributed_c10d.py", line 9, in broadcast\n'
           'RuntimeError: size mismatch\n')
     (tmp_path / "failed_rank0.json").write_text(json.dumps(
         {"rank": 0, "time": 1.0, "message": "RuntimeError: size mismatch", "traceback": tb}))
     (tmp_path / "stack_rank1.txt").write_text(   # faulthandler's format: no comma before "in"
         'Stack (most recent call first):\n'
-        f'  File "{launch.REPO_ROOT}/launch/x.py", line 5 in main\n')
+        f'  File "{launcher.REPO_ROOT}/launch/x.py", line 5 in main\n')
     summary = [(None, "  rank      : 2 (local_rank: 2)"), (None, "  exitcode  : 9 (pid: 1)"),
                (None, "  rank      : 1 (local_rank: 1)"), (None, "  exitcode  : -15 (pid: 2)")]
     codes = launch._exit_codes(summary)

@@ -1,4 +1,4 @@
-"""mpu_lab.viz (pictures, text views) and mpu_lab.exercises (the labs' checks), no processes."""
+"""mpu_lab.labkit.viz (pictures, text views) and mpu_lab.labkit.exercises (the labs' checks), no processes."""
 import pathlib
 
 import matplotlib
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from mpu_lab import exercises, parallel_state, viz
-from mpu_lab.exercises import Verdict
+from mpu_lab import parallel_state
+from mpu_lab.labkit import exercises, viz
+from mpu_lab.labkit.exercises import Verdict
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -217,7 +218,7 @@ def test_saved_pngs_are_byte_stable_and_carry_no_software_stamp(tmp_path):
 
 
 def test_committed_figures_match_the_figure_code(tmp_path):
-    """figures/ is generated: `python -m mpu_lab.notebooks figures` after changing viz."""
+    """figures/ is generated: `python -m mpu_lab.labkit.notebooks figures` after changing viz."""
     import matplotlib.image as mpimg
     names = sorted(viz.figure_catalog())
     assert sorted(p.name for p in (REPO / "figures").glob("*.png")) == names

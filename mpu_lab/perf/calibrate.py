@@ -10,8 +10,7 @@ memory-bound element-wise ops and a gloo all-reduce (ring model, Patarasuk & Yua
 
 :class:`TrainConfig` is one small ``launch/train_gpt.py`` run; :func:`measure_vs_predict`
 measures such runs and predicts them (``launch/bench_cost_model.py`` prints the table).
-The published runs and the efficiency fitted on them are in :mod:`mpu_lab.perf.published_runs`
-(re-exported here for now).
+The published runs and the efficiency fitted on them are in :mod:`mpu_lab.perf.published_runs`.
 
 On a GPU (picked automatically: :func:`device_cluster`, :func:`measure_vs_predict`) the
 matmuls are the run's layer GEMMs in bf16 timed with CUDA events in this process and the
@@ -38,10 +37,6 @@ from mpu_lab.perf.bandwidth import allreduce_fit
 from mpu_lab.perf.calibrate_gpu import (calibrate_gemm, cuda_available, device_calibration,
                                         gpu_cluster_from)
 from mpu_lab.perf.cost_model import Cluster, ModelShape, ParallelConfig, predict_iteration
-from mpu_lab.perf.published_runs import (  # noqa: F401  (temporary re-export, old home)
-    DEFAULT_CALIBRATION_RUNS, PUBLISHED_RUNS_PATH, effect_ablation, fit_matmul_efficiency,
-    format_published_comparison, load_published_runs, predicted_tflops,
-    published_runs_comparison, reported_tflops, run_inputs)
 
 # --------------------------------------------------------------------------- this machine
 def _best_time(fn, repeats: int) -> float:

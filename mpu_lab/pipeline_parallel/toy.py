@@ -115,10 +115,6 @@ def build_toy_model_chunks(dense: ToyModel, pipeline_parallel_rank: int,
 
 
 
-# The old name, kept until tests/mp/pipeline_checks.py imports build_toy_model_chunks; not the
-# GPT's mpu_lab.models.build_model_chunks.
-build_model_chunks = build_toy_model_chunks
-
 
 def toy_batches(config: ToyConfig, num_microbatches: int, seq_length: int, micro_batch_size: int,
                 seed: int = 0, device=None) -> List[Dict[str, torch.Tensor]]:

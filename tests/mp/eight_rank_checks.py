@@ -25,11 +25,11 @@ import torch.distributed as dist
 import gpt_pipeline_checks   # this script's folder is first on sys.path
 import state_checks
 import tp_checks
-from mpu_lab import distributed, launch
+from mpu_lab import distributed, launcher
 from mpu_lab import parallel_state as ps
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main():
     t0 = time.perf_counter()
     distributed.init()
@@ -47,7 +47,7 @@ def main():
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     out["gpt_pipeline"] = gpt_pipeline_checks.checks(sys.argv[1], sys.argv[2])
-    launch.report(out)
+    launcher.report(out)
     distributed.shutdown()
 
 

@@ -23,10 +23,10 @@ import torch.distributed as dist
 import gpt_checks   # this script's folder is first on sys.path
 import perf_checks
 import pipeline_checks
-from mpu_lab import distributed, launch
+from mpu_lab import distributed, launcher
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main():
     t0 = time.perf_counter()
     info = distributed.init()
@@ -37,7 +37,7 @@ def main():
         t0 = time.perf_counter()
         out[name] = part()
         out["seconds"][name] = round(time.perf_counter() - t0, 2)
-    launch.report(out)
+    launcher.report(out)
     distributed.shutdown()
 
 

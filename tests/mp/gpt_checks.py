@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mpu_lab import checkpointing, distributed, launch, parallel_state, training
+from mpu_lab import checkpointing, distributed, launcher, parallel_state, training
 from mpu_lab.models import PlainGPT, count_collectives, per_layer_counts, shape_table
 
 BASE = ["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 32,
@@ -115,16 +115,16 @@ def checks(ckpt_dir, out=None):
     return out
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main():
     t_start = time.perf_counter()
     distributed.init()
     out = {"rank": dist.get_rank(), "seconds": {"init": round(time.perf_counter() - t_start, 2)}}
-    launch.report(checks(sys.argv[1], out))
+    launcher.report(checks(sys.argv[1], out))
     t0 = time.perf_counter()
     distributed.shutdown()
     out["seconds"]["shutdown"] = round(time.perf_counter() - t0, 2)
-    launch.report(out)
+    launcher.report(out)
 
 
 if __name__ == "__main__":

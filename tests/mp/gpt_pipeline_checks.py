@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mpu_lab import checkpointing, distributed, launch, parallel_state, training
+from mpu_lab import checkpointing, distributed, launcher, parallel_state, training
 from mpu_lab.models import PlainGPT, build_model_chunks
 from mpu_lab.tensor_parallel import model_parallel_manual_seed
 
@@ -152,12 +152,12 @@ def checks(ckpt_dir, metrics_file, out=None):
     return out
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main():
     t_start = time.perf_counter()
     distributed.init()
     out = {"rank": dist.get_rank(), "seconds": {"init": round(time.perf_counter() - t_start, 2)}}
-    launch.report(checks(sys.argv[1], sys.argv[2], out))
+    launcher.report(checks(sys.argv[1], sys.argv[2], out))
     distributed.shutdown()
 
 

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 
-from mpu_lab import distributed, launch
+from mpu_lab import distributed, launcher
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main():
     info = distributed.init()
     t = torch.ones(1) * info.rank
@@ -32,7 +32,7 @@ def main():
         print(f"rank {info.rank} enters the second all-reduce at {time.time():.3f}")
     if os.environ.get("SKIP_COLLECTIVE_RANK") != str(info.rank):
         dist.all_reduce(t)
-    launch.report({"rank": info.rank, "world_size": info.world_size, "sum": t.item(),
+    launcher.report({"rank": info.rank, "world_size": info.world_size, "sum": t.item(),
                    "backend": info.backend, "device": str(info.device), "pid": os.getpid()})
     distributed.shutdown()
 

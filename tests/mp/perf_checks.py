@@ -16,7 +16,7 @@ import sys
 
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed, launch, training
+from mpu_lab import comm, distributed, launcher, training
 
 BASE = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
         "--vocab-size", 128, "--make-vocab-size-divisible-by", 32, "--train-iters", 5,
@@ -42,7 +42,7 @@ def breakdown_run(flags):
 
 
 def bandwidth(info):
-    path = pathlib.Path(launch.LAUNCH_DIR) / "bench_bandwidth.py"
+    path = pathlib.Path(launcher.LAUNCH_DIR) / "bench_bandwidth.py"
     spec = importlib.util.spec_from_file_location("bench_bandwidth", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -61,10 +61,10 @@ def checks(trace_dir, info):
     return out
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main():
     info = distributed.init()
-    launch.report(checks(sys.argv[1], info))
+    launcher.report(checks(sys.argv[1], info))
     distributed.shutdown()
 
 

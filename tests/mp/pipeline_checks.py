@@ -9,7 +9,7 @@ same processes for each (PP, v). Every rank reports a dict; tests/test_pipeline_
 """
 import torch
 
-from mpu_lab import comm, distributed, launch
+from mpu_lab import comm, distributed, launcher
 from mpu_lab import parallel_state as ps
 from mpu_lab.pipeline_parallel import (
     allreduce_embedding_grads,
@@ -19,7 +19,7 @@ from mpu_lab.pipeline_parallel import (
     p2p_communication as p2p,
     sync_embedding_weights,
 )
-from mpu_lab.pipeline_parallel.toy import ToyConfig, ToyModel, build_model_chunks, toy_batches, toy_forward_step
+from mpu_lab.pipeline_parallel.toy import ToyConfig, ToyModel, build_toy_model_chunks, toy_batches, toy_forward_step
 
 CONFIG = ToyConfig(num_layers=8, hidden_size=16, vocab_size=32)
 SEQ, MBS, GLOBAL_MICROBATCHES, ITERS, LR = 4, 2, 8, 3, 0.5
@@ -75,7 +75,7 @@ def run_pipeline(pp, vpp, schedule, reference):
     r, dp, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_world_size(), \
         ps.get_data_parallel_rank()
     m = GLOBAL_MICROBATCHES // dp
-    chunks = build_model_chunks(ToyModel(CONFIG), r, pp, vpp, device=device)
+    chunks = build_toy_model_chunks(ToyModel(CONFIG), r, pp, vpp, device=device)
     sync_embedding_weights(chunks)
     emb_synced = all(rel(c.word_embeddings, ToyModel(CONFIG).word_embeddings.to(device)) == 0
                      for c in chunks if c.word_embeddings is not None)
@@ -162,10 +162,10 @@ def p2p_checks(pp):
     return out
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main():
     distributed.init()
-    launch.report(checks())
+    launcher.report(checks())
     distributed.shutdown()
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 
-from mpu_lab import distributed, launch
+from mpu_lab import distributed, launcher
 from mpu_lab import parallel_state as ps
 
 CONFIGS = [dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=2),
@@ -48,10 +48,10 @@ def probe(cfg):
     return out
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main():
     distributed.init()
-    launch.report([probe(cfg) for cfg in CONFIGS])
+    launcher.report([probe(cfg) for cfg in CONFIGS])
     distributed.shutdown()
 
 

@@ -7,14 +7,14 @@ port collision between jobs shows as a failed connection or a rendezvous error.
 import os
 import socket
 
-from mpu_lab import launch   # standard library only at import time
+from mpu_lab import launcher   # standard library only at import time
 
 
 def main():
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     with socket.create_connection((host, port), timeout=10):
         pass
-    launch.report({"rank": int(os.environ["RANK"]), "port": port, "pid": os.getpid(),
+    launcher.report({"rank": int(os.environ["RANK"]), "port": port, "pid": os.getpid(),
                    "run_id": os.environ.get("TORCHELASTIC_RUN_ID")})
 
 

@@ -5,7 +5,7 @@
 For tp=4/pp=2 and then tp=2/pp=4 (model parallel re-initialised in between) every check runs
 on every rank, asserts, and records ``{"ok", "values"}`` (or ``{"ok": False, "error"}``);
 the dict ``{"rank", "checks": {"tp4-pp2/copy_to_backward": ..., ...}}`` goes back through
-:func:`mpu_lab.launch.report`, and tests/test_tensor_parallel_mp.py checks it rank by rank.
+:func:`mpu_lab.launcher.report`, and tests/test_tensor_parallel_mp.py checks it rank by rank.
 Dense twins are built from the layers' master weights. Tolerances are for fp32: an error is
 ``max|parallel - dense| / max(1, max|dense|)`` and must be <= 1e-6.
 A failed assertion is recorded and the run goes on to the next check, so one bug does not
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab import comm, distributed, launch
+from mpu_lab import comm, distributed, launcher
 from mpu_lab import parallel_state as ps
 from mpu_lab import tensor_parallel as tp
 from mpu_lab.tensor_parallel import mappings
@@ -408,7 +408,7 @@ def run_checks():
     return results
 
 
-@launch.entrypoint
+@launcher.entrypoint
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep-going", action="store_true",
@@ -419,7 +419,7 @@ def main():
     # (the CPU in CI; a GPU shared through gloo, or one per rank with NCCL, elsewhere).
     torch.set_default_device(distributed.get_device())
     results = run_checks()
-    launch.report({"rank": dist.get_rank(), "checks": results})
+    launcher.report({"rank": dist.get_rank(), "checks": results})
     failed = torch.tensor([sum(not v["ok"] for v in results.values())])
     failed_per_rank = comm.all_gather(failed)
     if dist.get_rank() == 0:

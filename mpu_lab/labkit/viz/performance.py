@@ -171,7 +171,7 @@ def plot_bandwidth(rows: Sequence[dict], title: str = "") -> Figure:
 @_styled
 def plot_published_runs(rows: Sequence[dict], band: float = 0.15, title: str = "") -> Figure:
     """Published runs, predicted vs reported (rows of
-    :func:`mpu_lab.perf.calibrate.published_runs_comparison`): left, both TFLOP/s per GPU per
+    :func:`mpu_lab.perf.published_runs.published_runs_comparison`): left, both TFLOP/s per GPU per
     run; right, the relative error against a ``±band`` corridor. Calibration runs are hatched."""
     fig = _figure(10.5, 0.32 * len(rows) + 1.4)
     fig.set_layout_engine("constrained")
