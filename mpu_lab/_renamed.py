@@ -55,6 +55,13 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module):   # the module is already complete
         pass
 
+    def get_code(self, fullname):
+        """``python -m OLD_PATH`` runs the new module (or package's ``__main__``) instead."""
+        if not isinstance(self.target, str):
+            raise ImportError(f"{fullname} was split; run one of {self.target} instead")
+        return compile(f"import runpy\nrunpy.run_module({self.target!r}, run_name='__main__', "
+                       f"alter_sys=True)\n", f"<{fullname}: now {self.target}>", "exec")
+
 
 class _RenamedFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
