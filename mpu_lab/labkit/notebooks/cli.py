@@ -17,6 +17,7 @@ USAGE = '''Instructor tooling for the lab notebooks: re-execute, draw the figure
     python -m mpu_lab.labkit.notebooks regenerate                      # every notebook
     python -m mpu_lab.labkit.notebooks regenerate --only 01 --only 04  # some of them
     python -m mpu_lab.labkit.notebooks regenerate --params labs/params_8gpu.yaml --output-dir /tmp/dgx
+    python -m mpu_lab.labkit.notebooks regenerate --profile 1gpu --output-dir /tmp/1gpu
     python -m mpu_lab.labkit.notebooks figures     # figures/*.png, byte for byte
     python -m mpu_lab.labkit.notebooks check       # structure checks, no kernel
     python -m mpu_lab.labkit.notebooks gpu-check   # every lab at this machine's profile,
@@ -65,6 +66,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     reg = sub.add_parser("regenerate", help="re-execute notebooks with papermill and save them")
     reg.add_argument("--params", help="YAML file of parameters (see above)")
+    reg.add_argument("--profile", help="machine profile for every lab: cpu, 1gpu, 8gpu or a YAML "
+                                       "path (injects profile=NAME; --params values still win)")
     reg.add_argument("--only", action="append", help="notebook stem or number, e.g. 01 (repeatable)")
     reg.add_argument("--output-dir", help="write executed notebooks under this folder instead "
                                           "of in place (same relative paths)")
@@ -96,6 +99,8 @@ def main(argv=None) -> int:
     if args.command == "regenerate":
         paths = select(notebook_paths(), args.only)
         params = load_params(args.params) if args.params else {}
+        if args.profile:   # the labs' resolve cell fills what --params left None
+            params.setdefault("all", {})["profile"] = args.profile
         regenerate(paths, params, output_dir=args.output_dir, kernel=args.kernel,
                    timeout_s=args.cell_timeout, stall_s=args.stall_s, known=notebook_paths())
         return 0
