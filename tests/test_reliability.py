@@ -23,6 +23,7 @@ from mpu_lab import checkpointing, launcher
 from mpu_lab import training  # noqa: F401  (imported here: no timed call pays for it)
 from mpu_lab.checkpointing import CheckpointError
 from mpu_lab.launcher import LaunchError, run
+from mpu_lab.launcher import diagnosis, runner
 
 MP = pathlib.Path(__file__).parent / "mp"
 PROBE = MP / "launch_probe.py"
@@ -160,7 +161,7 @@ def no_process(monkeypatch):
     def popen(*args, **kwargs):
         raise AssertionError(f"a process was started: {args[0] if args else kwargs}")
 
-    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    monkeypatch.setattr(runner.subprocess, "Popen", popen)
 
 
 @pytest.mark.parametrize("script,flags,nproc,needles",
@@ -493,13 +494,13 @@ def test_failure_report_wording_from_the_ranks_records(tmp_path):
         f'  File "{launcher.REPO_ROOT}/launch/x.py", line 5 in main\n')
     summary = [(None, "  rank      : 2 (local_rank: 2)"), (None, "  exitcode  : 9 (pid: 1)"),
                (None, "  rank      : 1 (local_rank: 1)"), (None, "  exitcode  : -15 (pid: 2)")]
-    codes = launch._exit_codes(summary)
+    codes = diagnosis._exit_codes(summary)
     assert codes == {2: 9, 1: -15}
-    text, states = launch._diagnose(tmp_path, 3, "RuntimeError: size mismatch", tb, None, codes)
+    text, states = diagnosis._diagnose(tmp_path, 3, "RuntimeError: size mismatch", tb, None, codes)
     assert text.splitlines() == [
         "A collective failed: broadcast at launch/x.py:7 in main, reached by rank(s) [0]; every "
         "rank must call it, in the same order.",
         "Not in it: rank 1 was stopped at launch/x.py:5 in main; rank 2 exited with code 9 "
         "without a Python exception (os._exit, or killed)."]
-    text, _ = launch._diagnose(tmp_path, 3, "ValueError: timeout_s must be > 0", "", None)
+    text, _ = diagnosis._diagnose(tmp_path, 3, "ValueError: timeout_s must be > 0", "", None)
     assert text == ""

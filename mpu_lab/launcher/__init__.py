@@ -24,9 +24,6 @@ What it does for you, because ``torchrun`` from a notebook is easy to get wrong:
 Modules: :mod:`~mpu_lab.launcher.worker` (inside a job), :mod:`~mpu_lab.launcher.runner` (the
 driver), :mod:`~mpu_lab.launcher.process_tree`, :mod:`~mpu_lab.launcher.diagnosis`.
 """
-import subprocess  # noqa: F401  (the reliability tests patch launcher.subprocess.Popen)
-
-from mpu_lab.launcher.diagnosis import _diagnose, _exit_codes  # noqa: F401  (used by the tests)
 from mpu_lab.launcher.paths import LAUNCH_DIR, REPO_ROOT, RESULT_DIR_ENV
 from mpu_lab.launcher.process_tree import descendants, kill_tree
 from mpu_lab.launcher.runner import (
