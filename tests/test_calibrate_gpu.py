@@ -126,3 +126,41 @@ def test_measure_vs_predict_on_a_gpu_predicts_bf16_on_the_gpu_cluster(monkeypatc
     want = predict_iteration(model, cfg, cluster, dtype_bytes=2, grad_bytes=4).total_s
     assert row["predicted_s"] == pytest.approx(round(want, 4))
     assert row["measured_s"] == 0.01 and row["calibration_drift"] == 0.0
+
+
+def test_compare_with_model_calibrates_the_gpu_for_gpu_runs(monkeypatch):
+    """A run whose ranks report a CUDA device is predicted from the GPU calibration (the
+    layer's GEMMs in the lab's dtype), never from the CPU one; twice the measured GEMM rate
+    halves the predicted compute (the cost model's compute term is FLOPs / rate)."""
+    from mpu_lab.perf import calibrate, runs, utilisation
+
+    seen = []
+
+    def fake_device_calibration(shapes, dtype="bfloat16", **_):
+        seen.append((list(shapes), dtype))
+        return dict(matmul_flops=rate[0], memory_bandwidth=1e12, dtype=dtype,
+                    device_name="Fake GPU", memory_bytes=80e9, gpu_count=2)
+
+    def no_cpu(*args, **kwargs):
+        raise AssertionError("the CPU was calibrated for a GPU run")
+
+    monkeypatch.setattr(runs, "device_calibration", fake_device_calibration)
+    monkeypatch.setattr(calibrate, "calibrate_matmul", no_cpu)
+    monkeypatch.setattr(calibrate, "calibrate_memory_bandwidth", no_cpu)
+    report = dict(rank=0, steps=2, step_s=0.5, step_seconds=[0.5, 0.5], parts={"compute": 0.5},
+                  calls={}, bytes={}, barrier=False, window=[0.0, 1.0], device="cuda:0",
+                  tp=1, pp=1, dp=2, tp_rank=0, pp_rank=0, dp_rank=0)
+    run = runs.ProfiledRun("dp2", 2, [report, dict(report, rank=1, dp_rank=1, device="cuda:1")],
+                           utilisation.Utilisation("gpu", 0.1, [], {}, 2), [], 1.0)
+    tc = calibrate.TrainConfig(dp=2, micro_batch_size=2, num_layers=2, hidden_size=256,
+                               num_attention_heads=4, seq_length=128, global_batch_size=4)
+    rows_bw = [dict(op="all_reduce", ranks=2, size_bytes=s, time_s=1e-5 + s / 1e11)
+               for s in (1 << 16, 1 << 20, 1 << 24)]
+    rate = [100e12]
+    first = runs.compare_with_model({"dp2": tc}, {"dp2": run}, rows_bw, dtype="bf16")[0]
+    rate[0] = 200e12
+    second = runs.compare_with_model({"dp2": tc}, {"dp2": run}, rows_bw, dtype="bf16")[0]
+    model, cfg = tc.shapes()
+    assert seen[0] == (calibrate.layer_matmul_shapes(model, cfg), "bfloat16")
+    assert first["matmul_gflops"] == pytest.approx(100e3)
+    assert second["causes"]["compute"]["predicted_s"] < first["causes"]["compute"]["predicted_s"]

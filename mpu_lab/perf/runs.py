@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Sequence
 from mpu_lab import training
 from mpu_lab.perf import calibrate
 from mpu_lab.perf.bandwidth import allreduce_fit
+from mpu_lab.perf.calibrate_gpu import device_calibration, gpu_cluster_from
 from mpu_lab.perf.breakdown import breakdowns, training_window
 from mpu_lab.perf.cost_model import predict_iteration
 from mpu_lab.perf.utilisation import Utilisation, run_with_utilisation
@@ -134,20 +135,30 @@ def format_measured_vs_predicted(rows: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}   # the labs' names
+
+
 def compare_with_model(configs: Dict[str, Any], runs: Dict[str, ProfiledRun],
-                       bandwidth_rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Predict each measured CPU run with the cost model calibrated on this machine and put
-    the two side by side (:func:`measured_vs_predicted`).
+                       bandwidth_rows: Sequence[Dict[str, Any]],
+                       dtype: str = "bfloat16") -> List[Dict[str, Any]]:
+    """Predict each measured run with the cost model calibrated on this machine and put the
+    two side by side (:func:`measured_vs_predicted`).
 
     ``configs``: label -> :class:`mpu_lab.perf.calibrate.TrainConfig` (the shapes of the runs
-    in ``runs``, same labels). The calibration, for :func:`mpu_lab.perf.calibrate.cpu_cluster`:
-    the matmul FLOP/s of each model's own layer GEMMs and the memory bandwidth, measured here
-    with the threads each rank gets and scaled by the share of a core each rank gets when
-    there are more ranks than cores; the all-reduce latency and bandwidth fitted
-    (:func:`allreduce_fit`) on ``bandwidth_rows`` of ``launch/bench_bandwidth.py`` at the
-    same number of ranks. fp32 on a CPU: 4-byte activations and gradients."""
-    if any(run.on_gpu for run in runs.values()):
-        raise ValueError("compare_with_model calibrates a CPU; these runs used GPUs")
+    in ``runs``, same labels). The all-reduce latency and bandwidth are fitted
+    (:func:`allreduce_fit`) on ``bandwidth_rows`` of ``launch/bench_bandwidth.py`` at the same
+    number of ranks. The compute side:
+
+    * CPU runs (:func:`mpu_lab.perf.calibrate.cpu_cluster`): the matmul FLOP/s of each model's
+      own layer GEMMs and the memory bandwidth, measured here with the threads each rank gets
+      and scaled by the share of a core each rank gets when there are more ranks than cores;
+      fp32: 4-byte activations and gradients.
+    * GPU runs (:func:`mpu_lab.perf.calibrate_gpu.gpu_cluster_from`): the same GEMMs in
+      ``dtype`` (``"bf16"`` or ``"bfloat16"``, ...) timed with CUDA events on this process's GPU and a device copy, each rank's
+      share of a GPU it shares; 2-byte activations for a 16-bit ``dtype``, 4-byte gradients.
+    """
+    on_gpu = any(run.on_gpu for run in runs.values())
+    dtype = _TORCH_DTYPES.get(dtype, dtype)
     fit = allreduce_fit(bandwidth_rows)
     cores = os.cpu_count() or 1
     rows = []
@@ -157,13 +168,20 @@ def compare_with_model(configs: Dict[str, Any], runs: Dict[str, ProfiledRun],
             raise ValueError(f"{label}: {run.nproc} ranks, but the bandwidth rows were measured "
                              f"on {fit['nproc']}")
         model, cfg = tc.shapes()
-        threads, share = max(1, cores // run.nproc), min(1.0, cores / run.nproc)
-        flops = share * calibrate.calibrate_matmul(calibrate.layer_matmul_shapes(model, cfg),
-                                                   threads=threads)
-        memory = share * calibrate.calibrate_memory_bandwidth(threads=threads)
-        cluster = calibrate.cpu_cluster(run.nproc, calibration=dict(
-            nproc=run.nproc, matmul_flops=flops, memory_bandwidth=memory,
-            latency_s=fit["latency_s"], busbw=fit["busbw"]))
-        pred = predict_iteration(model, cfg, cluster, dtype_bytes=4, grad_bytes=4)
+        shapes = calibrate.layer_matmul_shapes(model, cfg)
+        if on_gpu:
+            measured = device_calibration(shapes, dtype=dtype)
+            cluster = gpu_cluster_from(dict(measured, latency_s=fit["latency_s"],
+                                            busbw=fit["busbw"]), run.nproc)
+            flops, act_bytes = float(measured["matmul_flops"]), 4 if dtype == "float32" else 2
+        else:
+            threads, share = max(1, cores // run.nproc), min(1.0, cores / run.nproc)
+            flops = share * calibrate.calibrate_matmul(shapes, threads=threads)
+            memory = share * calibrate.calibrate_memory_bandwidth(threads=threads)
+            cluster = calibrate.cpu_cluster(run.nproc, calibration=dict(
+                nproc=run.nproc, matmul_flops=flops, memory_bandwidth=memory,
+                latency_s=fit["latency_s"], busbw=fit["busbw"]))
+            act_bytes = 4
+        pred = predict_iteration(model, cfg, cluster, dtype_bytes=act_bytes, grad_bytes=4)
         rows.append(dict(measured_vs_predicted(run, pred), matmul_gflops=flops / 1e9))
     return rows
