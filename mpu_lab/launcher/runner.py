@@ -302,13 +302,18 @@ def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600
             head = f"{path.name} failed: rank {rank} raised first" if rank is not None \
                 else f"{path.name} failed (exit code {proc.returncode})"
             codes = _exit_codes(lines)
-            if message and _SECONDARY.search(message):
-                # Only echoes of a dead peer were raised: the root cause is a rank that died
-                # without an exception (os._exit, a signal, the OOM killer).
+            if not message or _SECONDARY.search(message):
+                # No rank raised, or only echoes of a dead peer were raised: the root cause is
+                # a rank that exited with a code of its own (os._exit, sys.exit) and left no
+                # exception record; the others ended by torchrun's signal (negative codes).
+                # Which rank torchrun happened to list first, or what a rank last printed, says
+                # nothing then, so neither is presented as the error.
                 silent = [r for r, c in sorted(codes.items()) if c > 0 and not
                           (result_dir / f"failed_rank{r}.json").exists()]
                 if silent:
                     rank = silent[0]
+                    tb = _traceback_from_lines(lines, rank)
+                    tb = tb if tb.startswith("Traceback") else ""
                     head = (f"{path.name} failed: rank {rank} exited with code {codes[rank]} "
                             f"without a Python exception; the others lost their peer")
             detail = message if message else ""
