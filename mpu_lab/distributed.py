@@ -100,6 +100,8 @@ def init(backend: str = "auto", timeout_s: Optional[float] = None, device: Optio
         if backend == "nccl":
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
+    # Megatron's groups get the same short timeout, not torch's 30-minute default for new groups
+    parallel_state.set_default_timeout(datetime.timedelta(seconds=timeout_s))
     info = DistInfo(rank, world_size, local_rank, local_world_size, dist.get_backend(), dev)
     global _INFO
     _INFO = info

@@ -173,6 +173,21 @@ def model_parallel_is_initialized() -> bool:
     return bool(_STATE)
 
 
+_GROUP_TIMEOUT = None   # what initialize_model_parallel(timeout=None) gives the groups
+
+
+def set_default_timeout(timeout) -> None:
+    """The collective timeout (a ``datetime.timedelta``) of the groups that
+    :func:`initialize_model_parallel` creates when it is not given one.
+
+    ``torch.distributed.new_group`` without a timeout gets torch's default (30 minutes), not the
+    default group's: a collective that only some ranks of a tensor-parallel group enter would
+    then hang for half an hour. :func:`mpu_lab.distributed.init` sets this to the world's own
+    timeout (Megatron passes ``--distributed-timeout-minutes`` to every group the same way)."""
+    global _GROUP_TIMEOUT
+    _GROUP_TIMEOUT = timeout
+
+
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               context_parallel_size=1, order=DEFAULT_ORDER,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
@@ -181,7 +196,8 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
 
     Each rank calls this with the same arguments (collective: every rank creates every group,
     in the same order, as ``torch.distributed.new_group`` requires). The sizes are checked
-    first, so a bad configuration raises ``ValueError`` before any group exists.
+    first, so a bad configuration raises ``ValueError`` before any group exists. ``timeout``
+    (a ``timedelta``) defaults to :func:`set_default_timeout`'s.
     """
     import torch.distributed as dist
 
@@ -202,6 +218,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
         destroy_model_parallel()
 
     kwargs = {}
+    timeout = timeout if timeout is not None else _GROUP_TIMEOUT
     if timeout is not None:
         kwargs["timeout"] = timeout
     if backend is not None:

@@ -56,6 +56,28 @@ def four_rank_job(tmp_path_factory):
     return job.results, ckpt, traces, cpu.result(), runnable.result()
 
 
+@pytest.fixture(scope="session")
+def grading_world():
+    """One 4-rank playground world (tp = 2, pp = 1, so dp = 2; a 4 s collective timeout) for
+    every write-the-code grader test (tests/test_graders_lab*.py): the engines start once."""
+    from mpu_lab.labkit import playground
+    world = playground.start_world(4, tensor_model_parallel_size=2, timeout_s=4.0)
+    yield world
+    world.stop()
+
+
+@pytest.fixture(scope="session")
+def as_notebook():
+    """``as_notebook(source)`` runs ``source`` as a notebook cell would (module ``__main__``) and
+    returns its namespace: a function defined there travels to the playground's ranks the way a
+    learner's does (its code, with the rank's namespace as its globals)."""
+    def define(source: str) -> dict:
+        namespace = {"__name__": "__main__"}
+        exec(compile(source, "<learner cell>", "exec"), namespace)
+        return namespace
+    return define
+
+
 # --------------------------------------------------------------------------- parallel run
 # `python -m pytest` runs on two pytest-xdist workers (pyproject addopts: -n 2 --dist loadfile):
 # most of the suite waits — on torchrun starting ranks that import torch one core at a time,
@@ -65,7 +87,7 @@ def four_rank_job(tmp_path_factory):
 # Units are handed out longest first, so no long one starts last: the seconds below were
 # measured one unit at a time on the 2-core machine (a unit not listed counts as short).
 EXPECTED_SECONDS = {
-    "tests/test_reliability.py": 150, "8-rank job": 85,
+    "tests/test_reliability.py": 150, "8-rank job": 85, "grading world": 60,
     "4-rank job": 85, "labs/08_performance.ipynb": 50, "labs/07_train_gpt.ipynb": 47,
     "tests/test_playground.py": 45, "labs/04_collectives.ipynb": 43,
     "labs/02_column_parallel.ipynb": 29,
@@ -82,7 +104,8 @@ SHARED_JOBS = {"tests/test_tensor_parallel_mp.py": "8-rank job",
                "tests/test_parallel_state_mp.py": "8-rank job",
                "tests/test_gpt_pipeline_mp.py": "8-rank job",
                "tests/test_gpt_mp.py": "4-rank job", "tests/test_pipeline_mp.py": "4-rank job",
-               "tests/test_perf_measure.py": "4-rank job"}
+               "tests/test_perf_measure.py": "4-rank job",
+               **{f"tests/test_graders_lab0{n}.py": "grading world" for n in range(1, 7)}}
 
 
 def _unit(nodeid: str) -> str:

@@ -135,6 +135,17 @@ def test_ranks_magic_prints_each_rank_under_its_heading_in_rank_order(world, cap
         assert capsys.readouterr().out == expected
         shell.run_cell_magic("ranks", "1, 3", "print(rank)")
         assert capsys.readouterr().out == "--- rank 1 ---\n1\n--- rank 3 ---\n3\n"
+        # a rank that raises fails the cell (Run All and papermill stop here), after every
+        # rank's output is printed; --may-fail prints the same and carries on
+        with pytest.raises(playground.RankError, match=r"ranks \[2\] raised.*--may-fail"):
+            shell.run_cell_magic("ranks", "", "print(rank)\nassert rank != 2, 'no'")
+        out = capsys.readouterr().out
+        assert out.index("--- rank 0 ---\n0") < out.index("--- rank 2 --- raised AssertionError")
+        assert "--- rank 3 ---\n3" in out
+        shell.run_cell_magic("ranks", "--may-fail", "assert rank != 2, 'no'")
+        assert "--- rank 2 --- raised AssertionError: no" in capsys.readouterr().out
+        with pytest.raises(playground.PlaygroundError, match="are not rank numbers.*usage"):
+            shell.run_cell_magic("ranks", "all", "rank")
     finally:
         # no IPython shell left behind: later tests in this process (viz.LiveLossPlot's
         # outside-a-notebook case) ask get_ipython() whether they run in one
@@ -174,6 +185,13 @@ def test_a_partial_collective_times_out_naming_the_missing_ranks_and_restart_rec
         world.run("if rank < 2:\n    dist.all_reduce(torch.ones(1))")
     assert info.value.missing == [2, 3]
     assert "ranks [2, 3] finished it without entering the collective" in str(info.value)
+    world.restart()
+    # Megatron's groups time out as quickly as the world's (torch's default for a new group is
+    # 30 minutes): rank 0 alone in its tensor-parallel group's all-reduce
+    with pytest.raises(playground.CollectiveTimeout) as info:
+        world.run("if rank == 0:\n    dist.all_reduce(torch.ones(1), "
+                  "group=parallel_state.get_tensor_model_parallel_group())")
+    assert info.value.waiting == [0]
     world.restart()
     assert world.run("x = torch.tensor([float(rank)]); dist.all_reduce(x); x.item()") == [6.0] * 4
 

@@ -4,7 +4,8 @@ A check prints one verdict line and returns a :class:`Verdict`, true when the an
 and false when it is wrong or missing (the labs ship with ``answer = None``). The expected
 value is never hard-coded: it is computed from :mod:`mpu_lab` itself (the pure rank-group
 math, the shard arithmetic of :mod:`mpu_lab.labkit.viz`), so a check stays right for any
-parameters an instructor picks. One module per lab (:mod:`~mpu_lab.labkit.exercises.lab01` ...
+parameters an instructor picks. Write-the-code exercises (labs 01-06) are :class:`Exercise` s graded by :func:`grade` on a
+live playground world (:mod:`~mpu_lab.labkit.exercises.grader`). One module per lab (:mod:`~mpu_lab.labkit.exercises.lab01` ...
 ``lab08``), the live-world checks of labs 02-04 in
 :mod:`~mpu_lab.labkit.exercises.playground`, what they share in
 :mod:`~mpu_lab.labkit.exercises.common`; every public name is importable from here.
@@ -14,6 +15,7 @@ parameters an instructor picks. One module per lab (:mod:`~mpu_lab.labkit.exerci
     Verdict(True)
 """
 from mpu_lab.labkit.exercises.common import EMPTY, RIGHT, WRONG, Verdict, summarize
+from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, grade
 from mpu_lab.labkit.exercises.lab01 import check_crossing_count, check_group_of_rank
 from mpu_lab.labkit.exercises.lab02 import check_column_weight_shape, check_strided_rows
 from mpu_lab.labkit.exercises.lab03 import (
@@ -54,6 +56,7 @@ from mpu_lab.labkit.exercises.playground import (
 
 __all__ = [
     "RIGHT", "WRONG", "EMPTY", "Verdict", "summarize",
+    "grade", "Exercise", "Case", "Outcome", "compare",
     "check_group_of_rank", "check_crossing_count",
     "check_column_weight_shape", "check_strided_rows",
     "check_row_weight_shape", "MLP_ALL_REDUCES", "check_mlp_all_reduces",

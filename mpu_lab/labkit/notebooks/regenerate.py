@@ -12,20 +12,23 @@ from typing import Dict, List, Optional, Sequence
 
 from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.labkit.notebooks.selection import check_param_sections, params_for
-from mpu_lab.labkit.notebooks.structure import _output_problems
+from mpu_lab.labkit.notebooks.structure import REVEAL, _output_problems
 from mpu_lab.labkit.notebooks.watchdog import DEFAULT_STALL_S, execute_watched
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 
 
 def clean(nb):
-    """Drop widget state, papermill/nbclient timing metadata; set the python3 kernelspec."""
+    """Drop widget state, papermill/nbclient timing metadata and the outputs of cells tagged
+    ``reveal`` (a prediction's answer); set the python3 kernelspec."""
     nb.metadata.pop("widgets", None)
     nb.metadata.pop("papermill", None)
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
     for cell in nb.cells:
         cell.metadata.pop("papermill", None)
         cell.metadata.pop("execution", None)
+        if cell.cell_type == "code" and REVEAL in cell.metadata.get("tags", []):
+            cell.outputs = []      # the answer to a prediction: the learner runs it to see it
         if cell.cell_type == "code":
             for out in cell.get("outputs", []):
                 # widget views keep a model id that means nothing once the kernel is gone

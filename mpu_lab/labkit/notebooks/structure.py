@@ -14,6 +14,50 @@ from mpu_lab.labkit.notebooks.selection import _parameter_cells, notebook_paths
 MAX_LOGIC_LINES = 10
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _TRACEBACK = "Traceback (most recent call last)"
+# A prediction question: "Predict" as an imperative (at a line or sentence start, or in bold).
+_PREDICT = re.compile(r"(^|[.!?]\s+|\*\*|_)Predict\b", re.M)
+# A cell where the learner commits to an answer before anything reveals it: an answer left as
+# None, a function stub, or the check / grader call itself.
+_COMMIT = re.compile(r"=\s*None\b|NotImplementedError|\bcheck_\w+\(|\bgrade\(")
+REVEAL = "reveal"          # tag: the cell shows a prediction's answer; stored without outputs
+WRITE_THE_CODE_LABS = ("01", "02", "03", "04", "05", "06")   # each grades a learner's function
+
+
+def lesson_problems(nb, lab_number: str = "") -> List[str]:
+    """What would spoil or weaken a lesson: a prediction answered right under its question (the
+    first code cell after a "Predict ..." cell must be where the learner commits, or a cell
+    tagged ``reveal`` stored without outputs), a ``reveal`` cell with stored outputs or compared
+    by nbval, a lab without an https link to a source, and (labs 01-06) no write-the-code
+    exercise graded by ``grade(...)``."""
+    problems = []
+    cells = nb.cells
+    for i, cell in enumerate(cells):
+        tags = cell.get("metadata", {}).get("tags", [])
+        if cell.cell_type == "code" and REVEAL in tags:
+            if cell.get("outputs"):
+                problems.append(f"cell {i} is tagged {REVEAL!r} but stores outputs (the answer)")
+            if "nbval-ignore-output" not in tags:
+                problems.append(f"cell {i} is tagged {REVEAL!r} but not nbval-ignore-output")
+        if cell.cell_type != "markdown" or not _PREDICT.search(cell.source):
+            continue
+        after = next((j for j in range(i + 1, len(cells)) if cells[j].cell_type == "code"), None)
+        if after is None:
+            continue
+        nxt = cells[after]
+        committed = _COMMIT.search(nxt.source) is not None
+        hidden = REVEAL in nxt.get("metadata", {}).get("tags", []) and not nxt.get("outputs")
+        if not (committed or hidden):
+            problems.append(f"cell {after} answers the prediction asked in cell {i} in its stored "
+                            f"output: let the learner commit first (answer = None and a check), "
+                            f"or tag it {REVEAL!r} and store it without outputs")
+    if lab_number:
+        text = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+        if "https://" not in text:
+            problems.append("no https link to a source (paper, Megatron-core file, seed document)")
+        code = "\n".join(c.source for c in cells if c.cell_type == "code")
+        if lab_number in WRITE_THE_CODE_LABS and not re.search(r"\bgrade\(", code):
+            problems.append("no write-the-code exercise (a learner's function graded by grade(...))")
+    return problems
 
 
 def _output_problems(nb) -> List[str]:
@@ -88,6 +132,7 @@ def structure_problems(root=REPO_ROOT) -> List[str]:
             problems.append(f"{name}: kernelspec is not python3")
         problems += [f"{name}: {p}" for p in _output_problems(nb)]
         is_lab = path.parent.name == "labs"
+        problems += [f"{name}: {p}" for p in lesson_problems(nb, path.name[:2] if is_lab else "")]
         params = _parameter_cells(nb)
         if is_lab and len(params) != 1:
             problems.append(f"{name}: {len(params)} cells tagged 'parameters' (need exactly one)")

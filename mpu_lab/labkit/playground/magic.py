@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from mpu_lab.labkit.playground.errors import PlaygroundError
+from mpu_lab.labkit.playground.errors import PlaygroundError, RankError, _problem
 from mpu_lab.labkit.playground.world import (
     DEFAULT_TIMEOUT_S,
     START_TIMEOUT_S,
@@ -34,16 +34,36 @@ def start_world(world_size: int, tensor_model_parallel_size: int = 1,
     return world
 
 
+MAY_FAIL = "--may-fail"
+USAGE = f"usage: %%ranks, %%ranks 0 2 for some ranks, %%ranks {MAY_FAIL} for a cell that shows an error"
+
+
 def ranks_magic(line: str, cell: str) -> None:
-    """``%%ranks`` runs the cell on every rank; ``%%ranks 0 1`` (or ``0,1``) on some ranks."""
+    """``%%ranks`` runs the cell on every rank; ``%%ranks 0 1`` (or ``0,1``) on some ranks.
+
+    Each rank's output is printed under its heading, in rank order. If a rank raised (or a
+    collective timed out), the cell then fails with :class:`RankError`, so Run All and papermill
+    stop at this cell, with the failing rank's traceback, not one cell later. ``%%ranks
+    --may-fail`` prints the same and carries on: for cells that demonstrate an error.
+    """
+    tokens = line.replace(",", " ").split()
+    may_fail = MAY_FAIL in tokens
+    tokens = [t for t in tokens if t != MAY_FAIL]
     try:
-        chosen = [int(t) for t in line.replace(",", " ").split()] or None
+        bad = [t for t in tokens if not t.lstrip("-").isdigit()]
+        if bad:
+            raise ValueError(f"{bad} are not rank numbers")
+        chosen = [int(t) for t in tokens] or None
         world = current_world()
         world._ranks(chosen)
     except (PlaygroundError, ValueError) as exc:
-        print(f"playground: {exc} (usage: %%ranks, or %%ranks 0 2 for some ranks)")
-        return
-    world.show(cell, ranks=chosen)
+        raise PlaygroundError(f"{exc} ({USAGE})") from None
+    outputs = world.show(cell, ranks=chosen)
+    problem = _problem(outputs, world) if outputs is not None else ""
+    if problem and not may_fail:
+        # the tracebacks are printed above, under their ranks' headings
+        raise RankError(f"{problem} (each rank's traceback is printed above; "
+                        f"'%%ranks {MAY_FAIL}' shows an error and carries on)", outputs)
 
 
 def load_ipython_extension(shell) -> None:

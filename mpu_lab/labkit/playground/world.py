@@ -278,14 +278,17 @@ class World:
         _raise_for(outputs, self)
         return [o.value for o in outputs]
 
-    def show(self, fn_or_code: Union[str, Callable], *args, ranks=None, **kwargs) -> None:
+    def show(self, fn_or_code: Union[str, Callable], *args, ranks=None,
+             **kwargs) -> Optional[List[RankOutput]]:
         """Run like :meth:`run` and print each rank's stdout (and value, or traceback) under a
-        ``--- rank N ---`` heading, in rank order; stderr goes to stderr. What ``%%ranks`` does."""
+        ``--- rank N ---`` heading, in rank order; stderr goes to stderr. What ``%%ranks`` does.
+        Returns the ranks' outputs (``None`` when the world could not run the cell: the reason
+        is printed); it does not raise for a failing rank."""
         try:
             outputs = self.execute(fn_or_code, *args, ranks=ranks, **kwargs)
         except PlaygroundError as exc:
             print(f"playground: {exc}")
-            return
+            return None
         for o in outputs:
             print(HEADING.format(o.rank) + (f" raised {o.error.splitlines()[0]}" if o.error else ""))
             if o.stdout:
@@ -299,6 +302,7 @@ class World:
         problem = _problem(outputs, self)
         if problem:
             print(problem)
+        return outputs
 
     # -- pictures
     def values(self, expr: str, ranks=None) -> List[Any]:
