@@ -89,6 +89,56 @@ def test_structure_checker_flags_what_breaks_nbval_and_papermill(tmp_path):
         assert needle in problems, needle
 
 
+def _executed(source, outputs=(), tags=()):
+    cell = nbformat.v4.new_code_cell(source)
+    cell.execution_count = 1
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=t) for t in outputs]
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
+
+
+def test_lesson_checker_flags_an_answer_stored_under_its_prediction_question(tmp_path):
+    md = nbformat.v4.new_markdown_cell
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        md("**Predict, then run.** What is x.grad on rank 3?"),
+        _executed("world.run('x.grad')", ["[6.0, 6.0]"]),                        # spoiler
+        md("Predict: how many all-reduces?"),
+        _executed("answer = None\ncheck_count(answer)", ["No answer yet: ..."]),   # commits first
+        md("We predicted it right."),                                          # not a question
+        _executed("print(2)", ["2"]),
+        md("**Predict** the order."),
+        _executed("print(order)", [], tags=["reveal", "nbval-ignore-output"]),  # stored unrun
+        md("Predict the shape."),
+        _executed("print(shape)", ["(4, 2)"], tags=["reveal"]),                # outputs kept
+    ]
+    problems = notebooks.lesson_problems(nb, "01")
+    assert problems[0] == "cell 1 answers the prediction asked in cell 0 in its stored output: " \
+        "let the learner commit first (answer = None and a check), or tag it 'reveal' and store " \
+        "it without outputs"
+    assert "cell 9 is tagged 'reveal' but stores outputs (the answer)" in problems
+    assert "cell 9 is tagged 'reveal' but not nbval-ignore-output" in problems
+    assert problems[1].startswith("cell 9 answers the prediction asked in cell 8 in its stored")
+    assert problems[4:] == [
+        "no https link to a source (paper, Megatron-core file, seed document)",
+        "no write-the-code exercise (a learner's function graded by grade(...))"]
+    assert len(problems) == 6
+    nb.cells.append(md("After [Shoeybi et al.](https://arxiv.org/abs/1909.08053)"))
+    nb.cells.append(_executed("grade(my_f, exercises.lab04.F, world)"))
+    assert len(notebooks.lesson_problems(nb, "01")) == 4
+    assert len(notebooks.lesson_problems(nb, "07")) == 4     # 07: no write-the-code required
+
+
+def test_clean_clears_the_outputs_of_reveal_cells_only():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [_executed("print(1)", ["1"], tags=["reveal", "nbval-ignore-output"]),
+                _executed("print(2)", ["2"])]
+    notebooks.clean(nb)
+    assert nb.cells[0].outputs == [] and nb.cells[0].execution_count == 1
+    assert nb.cells[1].outputs[0].text == "2"
+
+
 def test_structure_checker_follows_anchors_into_other_notebooks(tmp_path):
     write_nb(tmp_path / "labs" / "01_x.ipynb", [nbformat.v4.new_markdown_cell("## 1. The part")])
     write_nb(tmp_path / "Start_Here.ipynb", [nbformat.v4.new_markdown_cell(

@@ -25,11 +25,17 @@ from mpu_lab.labkit.notebooks.selection import (
     params_for,
     select,
 )
-from mpu_lab.labkit.notebooks.structure import MAX_LOGIC_LINES, heading_anchors, structure_problems
+from mpu_lab.labkit.notebooks.structure import (
+    MAX_LOGIC_LINES,
+    REVEAL,
+    heading_anchors,
+    lesson_problems,
+    structure_problems,
+)
 
 __all__ = [
     "REPO_ROOT", "KERNELSPEC", "MAX_LOGIC_LINES", "notebook_paths", "select", "load_params",
     "declared_parameters", "params_for", "check_param_sections", "clean", "execute",
-    "regenerate", "heading_anchors", "structure_problems", "environment",
+    "regenerate", "heading_anchors", "structure_problems", "lesson_problems", "REVEAL", "environment",
     "pytest_configure", "pytest_collection_modifyitems",
 ]
