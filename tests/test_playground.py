@@ -232,3 +232,16 @@ def test_hard_restart_replaces_the_engines_and_interpreter_exit_leaves_no_proces
     assert got["sum"] == [2.0, 2.0]
     assert not set(got["old"]) & set(got["new"]) and len(got["new"]) > 3
     assert [p for p in got["old"] + got["new"] if not _gone(p)] == []
+
+
+def test_stop_does_not_report_a_log_file_someone_else_already_removed(caplog):
+    import logging
+
+    from mpu_lab.labkit.playground import world as world_module
+    log = logging.getLogger("ipyparallel.cluster.cluster.test-quiet")
+    world_module._quiet_about_removed_logs(log)
+    with caplog.at_level(logging.ERROR, logger=log.name):
+        log.error("Failed to remove /tmp/ipcontroller-1.log: [Errno 2] No such file or directory")
+        log.error("Failed to remove /tmp/ipcontroller-1.log: [Errno 13] Permission denied")
+    assert [r.getMessage() for r in caplog.records] == [
+        "Failed to remove /tmp/ipcontroller-1.log: [Errno 13] Permission denied"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -109,6 +110,7 @@ class World:
         env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         t0 = time.perf_counter()
         self.cluster = ipp.Cluster(n=self.world_size, log_level=40, shutdown_atexit=True)
+        _quiet_about_removed_logs(self.cluster.log)
         _WORLDS.append(self)
         self.cluster.start_controller_sync()
         # ipyparallel registered its own exit handler just now; run ours first (atexit is
@@ -336,6 +338,23 @@ def _kill_leftovers(pids: Sequence[int], grace_s: float = 5.0) -> None:
         with contextlib.suppress(psutil.Error):
             p.kill()
     psutil.wait_procs(alive, timeout=grace_s)
+
+
+class _AlreadyRemoved(logging.Filter):
+    """Drops ipyparallel's "Failed to remove <its log file>: [Errno 2] ..." at stop: in
+    JupyterLab its server extension and this kernel both clean the cluster's log files, and the
+    one that comes second finds the file already gone, which is the goal, not an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Failed to remove") and "Errno 2" in message)
+
+
+def _quiet_about_removed_logs(log) -> None:
+    if isinstance(log, logging.Logger):
+        log.addFilter(_AlreadyRemoved())
+        for handler in log.handlers:
+            handler.addFilter(_AlreadyRemoved())
 
 
 def current_world() -> World:
