@@ -33,11 +33,18 @@ TINY = MP / "tiny_job.py"
 # --------------------------------------------------------------------------- process watch
 class ProcessWatch:
     """Every descendant of this process while the ``with`` block runs: ``seen[pid] =
-    (create_time, cmdline)``, ``gone[pid] = time.time()`` when it ended (or became a zombie)."""
+    (create_time, cmdline)``, ``parent[pid]`` (its parent's PID when first seen), ``gone[pid] =
+    time.time()`` when it ended (or became a zombie).
+
+    torchrun agents and workers are told apart by their place in the process tree, not by their
+    command line: an agent is a child of this process, a worker a child of an agent. What torch
+    or CUDA starts below a worker (a fork that keeps the worker's command line until it execs,
+    ``/sbin/ldconfig -p`` probing libraries at import on CUDA builds) is not a worker, but must
+    still be gone at the end (``still_alive`` covers every descendant)."""
 
     def __init__(self, interval_s: float = 0.02):
         self.interval_s = interval_s
-        self.seen, self.gone = {}, {}
+        self.seen, self.gone, self.parent = {}, {}, {}
         self._stop = threading.Event()
         self._me = psutil.Process()
 
@@ -51,6 +58,7 @@ class ProcessWatch:
                 cmd = " ".join(c.cmdline())
                 if cmd or c.pid not in self.seen:   # a zombie's command line is empty
                     self.seen[c.pid] = (c.create_time(), cmd)
+                self.parent.setdefault(c.pid, c.ppid())
             except psutil.Error:
                 continue
         now = time.time()
@@ -80,13 +88,17 @@ class ProcessWatch:
         self._thread.join()
         self._poll()
 
-    def workers(self, script: pathlib.Path):
-        """PIDs of the workers running ``script`` (not torchrun itself)."""
-        return [pid for pid, (_, cmd) in self.seen.items()
-                if str(script) in cmd and "torch.distributed.run" not in cmd]
-
     def torchruns(self):
-        return [pid for pid, (_, cmd) in self.seen.items() if "torch.distributed.run" in cmd]
+        """PIDs of the torchrun agents: this process's children that run torch.distributed.run
+        (the launcher starts torchrun directly)."""
+        return [pid for pid, (_, cmd) in self.seen.items()
+                if self.parent.get(pid) == self._me.pid and "torch.distributed.run" in cmd]
+
+    def workers(self, script: pathlib.Path):
+        """PIDs of the workers running ``script``: the torchrun agents' direct children."""
+        agents = set(self.torchruns())
+        return [pid for pid, (_, cmd) in self.seen.items()
+                if self.parent.get(pid) in agents and str(script) in cmd]
 
     def still_alive(self):
         return [pid for pid in self.seen if self.alive(pid)]
