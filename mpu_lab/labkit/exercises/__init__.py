@@ -20,8 +20,10 @@ from mpu_lab.labkit.exercises.lab01 import check_crossing_count, check_group_of_
 from mpu_lab.labkit.exercises.lab02 import check_column_weight_shape, check_strided_rows
 from mpu_lab.labkit.exercises.lab03 import (
     MLP_ALL_REDUCES,
+    ROW_FORWARD,
     check_mlp_all_reduces,
     check_row_weight_shape,
+    row_forward_exercise,
 )
 from mpu_lab.labkit.exercises.lab04 import (
     check_all_reduce_of_ranks,
