@@ -2,14 +2,18 @@
 lab's version of Megatron's ``megatron/training/checkpointing.py`` and
 ``megatron/core/dist_checkpointing``, in four modules: :mod:`~mpu_lab.checkpointing.files`
 (finding and verifying folders, pure), :mod:`~mpu_lab.checkpointing.state_dict` (the sharded
-state dict), :mod:`~mpu_lab.checkpointing.save_load` (save / load, collective) and
-:mod:`~mpu_lab.checkpointing.consolidate` (one ordinary state dict; the command line). This
-package re-exports every name the former single module had.
+state dict), :mod:`~mpu_lab.checkpointing.save_load` (save / load, collective),
+:mod:`~mpu_lab.checkpointing.vocab_padding` (a change of vocabulary padding: dummy rows
+trimmed or zero-filled) and :mod:`~mpu_lab.checkpointing.consolidate` (one ordinary state
+dict; the command line). This package re-exports every name the former single module had.
 
 Each tensor-parallel shard is saved as a ``DTensor`` over the tensor-parallel group
 (``Shard(partition_dim)``): DCP records every shard with its *global* offsets, so a checkpoint
 written at TP=2 can be read at TP=4 or TP=1 — each rank asks for the region it now owns and
 DCP reads the overlapping pieces (the resharding of Megatron's ``dist_checkpointing``).
+The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by x TP``, so the
+embedding table's row count can change with TP: its real rows are kept and the dummy rows
+trimmed or added as zeros (the real vocabulary itself must not change).
 
 Pipeline stages save their layers under *global* layer numbers (``decoder.layers.<n>`` with
 ``n = layer_offset + i``, not the stage's local ``i``), so the keys are those of the one-stage
@@ -63,6 +67,7 @@ from mpu_lab.checkpointing.files import (
     read_checkpoint_info,
     verify_checkpoint,
 )
+from mpu_lab.checkpointing import vocab_padding
 from mpu_lab.checkpointing.save_load import _fault_writer, load_checkpoint, save_checkpoint
 from mpu_lab.checkpointing.state_dict import (
     _LAYER_NAME,
@@ -85,4 +90,5 @@ __all__ = [
     "incomplete_reason", "find_checkpoint", "file_records", "verify_checkpoint",
     "read_checkpoint_info", "model_fields", "check_compatible", "checkpoint_names",
     "save_checkpoint", "load_checkpoint", "gather_model_state_dict", "consolidate", "main",
+    "vocab_padding",
 ]

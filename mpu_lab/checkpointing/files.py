@@ -136,18 +136,30 @@ def model_fields(args) -> Dict[str, Any]:
 
 def check_compatible(info: Dict[str, Any], args) -> None:
     """Raise :class:`CheckpointError` listing every model field where the checkpoint and
-    ``args`` (validated) differ. The parallel sizes may differ: that is resharding."""
+    ``args`` (validated) differ. The parallel sizes may differ: that is resharding. So may the
+    vocabulary *padding* (a multiple of make_vocab_size_divisible_by x TP), as long as the real
+    vocabulary is the same: the loader trims or zero-fills the dummy rows
+    (:mod:`mpu_lab.checkpointing.vocab_padding`). A checkpoint that did not record its real
+    vocabulary size must have the same padding."""
     saved = info.get("model", {})
     now = model_fields(args)
+    real = info.get("vocab_size")
+    fields = [k for k in MODEL_FIELDS if not (real is not None and k == "padded_vocab_size")]
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, this run {now[k]!r}"
-             for k in MODEL_FIELDS if saved.get(k) != now[k]]
+             for k in fields if saved.get(k) != now[k]]
+    hints = []
+    if real is not None and real != args.vocab_size:
+        diffs.insert(0, f"vocab_size: checkpoint {real!r}, this run {args.vocab_size!r}")
+        hints.append(f"the real vocabulary (the token ids of the data) cannot change across a "
+                     f"resume, only its padding: use --vocab-size {real}")
     if not diffs:
         return
-    hint = ""
-    if saved.get("padded_vocab_size") != now["padded_vocab_size"]:
-        hint = (f" (the vocabulary is padded to a multiple of make_vocab_size_divisible_by x TP:"
-                f" saved at TP={info.get('tensor_model_parallel_size')}, now TP="
-                f"{args.tensor_model_parallel_size}; choose --make-vocab-size-divisible-by so "
-                f"both give {saved.get('padded_vocab_size')})")
+    if real is None and saved.get("padded_vocab_size") != now["padded_vocab_size"]:
+        hints.append(f"the vocabulary is padded to a multiple of make_vocab_size_divisible_by x "
+                     f"TP: saved at TP={info.get('tensor_model_parallel_size')}, now TP="
+                     f"{args.tensor_model_parallel_size}; this checkpoint does not record its real "
+                     f"vocabulary size, so choose --make-vocab-size-divisible-by so both give "
+                     f"{saved.get('padded_vocab_size')}")
+    hint = f" ({'; '.join(hints)})" if hints else ""
     raise CheckpointError(f"checkpoint {info.get('path', '')} does not fit this model: "
                           + "; ".join(diffs) + hint)

@@ -26,8 +26,10 @@ from mpu_lab.checkpointing.files import (
     read_checkpoint_info,
     verify_checkpoint,
 )
+from mpu_lab.checkpointing import vocab_padding
 from mpu_lab.checkpointing.state_dict import (
     _as_saved,
+    _is_split,
     _global_shape,
     _jsonable_args,
     _named_params,
@@ -124,7 +126,11 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
     Returns the marker's info plus ``path``.
 
     Checks first, naming what is wrong: missing/partial folder, model shape (``args``), and
-    every parameter's global shape against the checkpoint's metadata.
+    every parameter's global shape against the checkpoint's metadata. The one shape that may
+    differ is the vocabulary padding (it depends on TP): the embedding table, an untied output
+    layer and their Adam moments are then read whole and re-padded
+    (:mod:`~mpu_lab.checkpointing.vocab_padding`: dummy rows trimmed or added as zeros); the
+    returned info says so under ``vocab_padding``.
     """
     import torch.distributed.checkpoint as dcp   # heavy (about a second): only when loading
     from torch.distributed.checkpoint import FileSystemReader
@@ -136,8 +142,10 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
     saved = FileSystemReader(str(d)).read_metadata().state_dict_metadata
 
     sd: Dict[str, Any] = {}
-    targets = []   # (key, buffer, destination tensor)
+    targets = []   # (key, buffer, destination tensor, rows of a re-padded table or None)
     problems: List[str] = []
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    repadded: Dict[str, tuple] = {}
 
     def want(key, param, dest):
         meta = saved.get(key)
@@ -145,17 +153,23 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
         if meta is None:
             problems.append(f"{key} is not in the checkpoint")
             return
-        if not hasattr(meta, "size") or tuple(meta.size) != tuple(shape):
-            problems.append(f"{key}: checkpoint shape {tuple(getattr(meta, 'size', ()))}, "
-                            f"model shape {tuple(shape)}")
-            return
+        size = tuple(getattr(meta, "size", ()))
+        rows = None
+        if size != tuple(shape):
+            if not (hasattr(meta, "size") and vocab_padding.can_repad(
+                    key, size, shape, info.get("vocab_size"))):
+                problems.append(f"{key}: checkpoint shape {size}, model shape {tuple(shape)}")
+                return
+            # Another vocabulary padding: read the whole saved table, keep this rank's rows.
+            rows = vocab_padding.rows_of(param, dest.shape[0], tp_rank, _is_split(param))
+            repadded[key] = (size[0], shape[0])
         if key in buffers:   # one rank holding a tensor and its copy: read it once
-            targets.append((key, buffers[key], dest))
+            targets.append((key, buffers[key], dest, rows))
             return
-        buf = torch.empty(dest.shape, dtype=meta.properties.dtype)
+        buf = torch.empty(dest.shape if rows is None else size, dtype=meta.properties.dtype)
         buffers[key] = buf
-        sd[key] = _as_saved(buf, param)
-        targets.append((key, buf, dest))
+        sd[key] = _as_saved(buf, param) if rows is None else buf
+        targets.append((key, buf, dest, rows))
 
     buffers: Dict[str, torch.Tensor] = {}
     names = {}
@@ -189,7 +203,6 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
         parallel_state.get_tensor_model_parallel_world_size()
     same_pp = info.get("pipeline_model_parallel_size", 1) == \
         parallel_state.get_pipeline_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     if any(k.startswith("rng.pp") for k in saved):
         rng_prefix = f"rng.pp{pp_rank if same_pp else 0}.tp{tp_rank if same_tp else 0}"
@@ -208,8 +221,17 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
     dcp.load(sd, checkpoint_id=str(d))
 
     with torch.no_grad():
-        for key, buf, dest in targets:
+        for key, buf, dest, rows in targets:
+            if rows is not None:
+                buf = vocab_padding.repadded_rows(buf, *rows)
             dest.copy_(buf.to(dest.device))
+    if repadded:
+        saved_rows, rows_now = next(iter(repadded.values()))
+        info["vocab_padding"] = dict(vocab_size=info["vocab_size"], saved=saved_rows,
+                                     now=rows_now)
+        if dist.get_rank() == 0:
+            print("> " + vocab_padding.describe(info["vocab_size"], saved_rows, rows_now),
+                  flush=True)
     if optimizer is not None:
         for p in [q for g in optimizer.param_groups for q in g["params"]]:
             key = f"optimizer.{names[p]}.step"
