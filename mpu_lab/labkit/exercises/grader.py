@@ -12,11 +12,16 @@ ranks at once (so the learner's collectives really run), and prints one verdict:
 * a rank that raised: its error and the last lines of its traceback;
 * a collective that only some ranks entered: which ranks waited, which never came (the world is
   restarted so the next try runs on a fresh group);
-* the unanswered stub (it raises ``NotImplementedError``): ``No answer yet: ...``.
+* the unanswered stub (it raises ``NotImplementedError``): ``No answer yet: ...``, naming the
+  function that still raises when the learner writes several.
+
+An exercise may ask for several functions (an autograd Function's ``forward`` and ``backward``,
+say): its ``parts`` names them, the learner passes them as a tuple in that order, and
+``run_case`` receives that tuple.
 
 The reference is always mpu_lab's own implementation, which the package tests hold against the
-dense twin and hand-worked values; the grader itself is tested with a right and a wrong answer
-on a live world (``tests/test_exercise_graders*.py``).
+dense twin and hand-worked values; the grader itself is tested with right answers, wrong ones,
+a raising one and a partial collective on a live world (``tests/test_graders_lab*.py``).
 
 The learner's function is sent as ipyparallel sends any function: its code, with the rank's
 namespace (``torch``, ``dist``, ``parallel_state``, ``rank``, ``device`` ...) as its globals,
@@ -25,13 +30,16 @@ so it must not call other functions defined only in the notebook.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+import linecache
+import re
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mpu_lab import parallel_state
 from mpu_lab.labkit.exercises.common import EMPTY, RIGHT, WRONG, Verdict
 from mpu_lab.labkit.playground.errors import CollectiveTimeout, RankError
 
 NOT_WRITTEN = "NotImplementedError"
+_FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+), in (?P<name>\S+)', re.M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +68,12 @@ class Exercise:
     """A write-the-code exercise: ``name`` of the function the learner writes, ``run_case`` (a
     module-level function: it runs on each rank as ``run_case(learner, case)``), the cases, the
     hint printed with a wrong answer, ``ranks_needed``: a check on the world's sizes that
-    returns a reason when the world cannot grade this exercise (``None`` when it can), and
+    returns a reason when the world cannot grade this exercise (``None`` when it can),
     ``layout``: ``world_size -> (tp, pp)`` when the exercise needs its own Megatron groups (the
-    grader sets them up for the grading and puts the world's back afterwards)."""
+    grader sets them up for the grading and puts the world's back afterwards), and ``parts``:
+    the names of the functions when the learner writes several (``("f_forward",
+    "f_backward")``): the learner passes a tuple of them, in that order, and ``run_case``
+    receives that tuple."""
 
     name: str
     run_case: Callable[[Callable, Case], Outcome]
@@ -70,6 +81,7 @@ class Exercise:
     hint: str
     ranks_needed: Optional[Callable[[int, int, int], Optional[str]]] = None
     layout: Optional[Callable[[int], Tuple[int, int]]] = None
+    parts: Sequence[str] = ()
 
 
 def _regroup(tp: int, pp: int) -> None:
@@ -100,14 +112,36 @@ def compare(what: str, expected: Any, got: Any, atol: float = 1e-6, rtol: float 
     return Outcome(True, what)
 
 
-def _grade_on_rank(learner: Callable, exercise: Exercise, case: Case) -> Dict[str, Any]:
+def _watched(fn: Callable, raised: List[str]) -> Callable:
+    """``fn``, noting its name in ``raised`` when it raises NotImplementedError (the stub), so
+    the verdict can name which of several functions is still unwritten (autograd calls a
+    backward from its own engine, where the name would be hard to recover)."""
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except NotImplementedError:
+            raised.append(getattr(fn, "__name__", "your function"))
+            raise
+    call.__name__ = getattr(fn, "__name__", "call")
+    return call
+
+
+def _grade_on_rank(run_case: Callable, several: bool, case: Case,
+                   *learners: Callable) -> Dict[str, Any]:
     """Runs inside a rank: one case. A stub that raises NotImplementedError is reported as such
     (not as an error), every other exception propagates to the world, which reports the rank's
-    traceback."""
+    traceback. Only ``run_case`` travels, not the :class:`Exercise` (its ``layout`` or
+    ``ranks_needed`` may be a lambda, which does not pickle). ``learners``: the learner's
+    function, or its functions in ``parts`` order when ``several`` (they travel as separate
+    arguments: ipyparallel ships a notebook function as code only when it is an argument of
+    its own, not inside a tuple)."""
+    raised: List[str] = []
+    watched = tuple(_watched(fn, raised) for fn in learners)
     try:
-        out = exercise.run_case(learner, case)
+        out = run_case(watched if several else watched[0], case)
     except NotImplementedError as exc:
-        return {"ok": False, "not_written": True, "message": str(exc)}
+        return {"ok": False, "not_written": True, "message": str(exc),
+                "function": raised[0] if raised else ""}
     return dataclasses.asdict(out)
 
 
@@ -116,60 +150,133 @@ def _tail(traceback_text: str, lines: int = 6) -> str:
     return "\n".join("    " + ln for ln in kept[-lines:])
 
 
-def grade(learner: Optional[Callable], exercise: Exercise, world) -> Verdict:
-    """Run ``learner`` (the learner's function) against ``exercise`` on every rank of ``world``
+def _learner_line(traceback_text: str, learners: Sequence[Callable]) -> str:
+    """The learner's line where a rank raised: the deepest frame of the traceback in the
+    learner's code, with its source looked up here (the ranks have no copy of the notebook's
+    cells, so their traceback shows the file and line number only). '' when none is found."""
+    files = {getattr(getattr(fn, "__code__", None), "co_filename", None) for fn in learners}
+    found = [m for m in _FRAME.finditer(traceback_text) if m["file"] in files]
+    if not found:
+        return ""
+    m = found[-1]
+    source = linecache.getline(m["file"], int(m["line"])).strip()
+    return f"  in {m['name']}: {source}" if source else f"  in {m['name']}, line {m['line']}"
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    ranks = list(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _learners(learner: Any, exercise: Exercise) -> Optional[Tuple[Callable, ...]]:
+    """The learner's function(s) as a tuple, or None after printing why they cannot be graded."""
+    if not exercise.parts:
+        if learner is None or learner is Ellipsis:
+            print(f"{EMPTY} write {exercise.name} in the cell above, then run this cell again.")
+            return None
+        if not callable(learner):
+            print(f"{WRONG} {exercise.name} must be a function, got {type(learner).__name__}.")
+            return None
+        return (learner,)
+    names = ", ".join(exercise.parts)
+    if learner is None or learner is Ellipsis:
+        print(f"{EMPTY} write {names} in the cell above, then run this cell again.")
+        return None
+    if not isinstance(learner, (tuple, list)) or len(learner) != len(exercise.parts):
+        got = (f"{len(learner)} item(s)" if isinstance(learner, (tuple, list))
+               else type(learner).__name__)
+        print(f"{WRONG} pass the {len(exercise.parts)} functions as a tuple ({names}), "
+              f"got {got}.")
+        return None
+    missing = [n for n, fn in zip(exercise.parts, learner) if fn is None or fn is Ellipsis]
+    if missing:
+        print(f"{EMPTY} write {', '.join(missing)} in the cell above, then run this cell again.")
+        return None
+    bad = [f"{n} is not a function (got {type(fn).__name__})"
+           for n, fn in zip(exercise.parts, learner) if not callable(fn)]
+    if bad:
+        print(f"{WRONG} {'; '.join(bad)}: pass the functions {names}, in that order.")
+        return None
+    return tuple(learner)
+
+
+def grade(learner: Any, exercise: Exercise, world) -> Verdict:
+    """Run ``learner`` (the learner's function; a tuple of functions in ``exercise.parts``
+    order when the exercise asks for several) against ``exercise`` on every rank of ``world``
     (a playground :class:`~mpu_lab.labkit.playground.World`) and print one verdict. Returns a
     :class:`Verdict`."""
-    if learner is None or learner is Ellipsis:
-        print(f"{EMPTY} write {exercise.name} in the cell above, then run this cell again.")
+    learners = _learners(learner, exercise)
+    if learners is None:
         return Verdict(False)
-    if not callable(learner):
-        print(f"{WRONG} {exercise.name} must be a function, got {type(learner).__name__}.")
+    if not world.running:
+        print(f"{WRONG} this world is stopped: start one with playground.start_world(...) and "
+              f"grade on it.")
         return Verdict(False)
     if exercise.ranks_needed is not None:
         reason = exercise.ranks_needed(world.world_size, world.tp, world.pp)
         if reason:
             print(f"{WRONG} this world cannot grade {exercise.name}: {reason}")
             return Verdict(False)
+    if world.broken:
+        print(f"(the world needed a restart: {world.broken}; restarted it first)")
+        world.restart()
     if exercise.layout is None:
-        return _grade_cases(learner, exercise, world)
+        return _grade_cases(learners, exercise, world)
     world.run(_regroup, *exercise.layout(world.world_size))
     try:
-        return _grade_cases(learner, exercise, world)
+        return _grade_cases(learners, exercise, world)
     finally:
         if world.running and not world.broken:
             world.run(_regroup, world.tp, world.pp)
 
 
-def _grade_cases(learner: Callable, exercise: Exercise, world) -> Verdict:
+def _timeout_verdict(exc: CollectiveTimeout, case: Case, exercise: Exercise, world,
+                     learners: Sequence[Callable]) -> None:
+    """Print what a collective that only some ranks entered looks like: who waited, who never
+    came and what those did instead (finished the case, or raised)."""
+    raised = {r: o for r, o in exc.failures.items() if r not in exc.waiting}
+    finished = [o.rank for o in exc.outputs if not o.error]
+    instead = []
+    if finished:
+        instead.append(f"{_ranks_text(finished)} finished input '{case.name}' without it")
+    for r, o in sorted(raised.items()):
+        where = _learner_line(o.traceback, learners)
+        instead.append(f"rank {r} raised {o.error.splitlines()[0]}" + (f" ({where.strip()})"
+                                                                       if where else ""))
+    print(f"{WRONG} on input '{case.name}' {_ranks_text(exc.waiting)} waited "
+          f"{world.timeout_s:g} s in a collective that {_ranks_text(exc.missing)} never "
+          f"entered ({'; '.join(instead) or 'they called different collectives'}): every rank "
+          f"of a group must make the same collective calls, on the same group, in the same "
+          f"order. (The world was restarted.)\nHint: {exercise.hint}")
+
+
+def _grade_cases(learners: Tuple[Callable, ...], exercise: Exercise, world) -> Verdict:
     for case in exercise.cases:
         try:
-            replies = world.run(_grade_on_rank, learner, exercise, case)
+            replies = world.run(_grade_on_rank, exercise.run_case, bool(exercise.parts), case,
+                                *learners)
         except CollectiveTimeout as exc:
             world.restart()
-            stuck = (f"ranks {exc.waiting} waited in a collective that ranks {exc.missing} never "
-                     f"entered" if exc.missing else
-                     f"ranks {exc.waiting} each waited in a collective that its peers never "
-                     f"joined (they called different collectives, or on different groups)")
-            print(f"{WRONG} on input '{case.name}' {stuck}: every rank of a group must make the "
-                  f"same collective calls, on the same group, in the same order. (The world was "
-                  f"restarted.)\nHint: {exercise.hint}")
+            _timeout_verdict(exc, case, exercise, world, learners)
             return Verdict(False)
         except RankError as exc:
             rank, out = min(exc.failures.items())
+            where = _learner_line(out.traceback, learners)
             print(f"{WRONG} on input '{case.name}' rank {rank} raised {out.error}\n"
-                  f"{_tail(out.traceback)}\nHint: {exercise.hint}")
+                  + (f"{where}\n" if where else "")
+                  + f"{_tail(out.traceback)}\nHint: {exercise.hint}")
             if world.broken:
                 world.restart()
             return Verdict(False)
-        if any(r.get("not_written") for r in replies):
-            print(f"{EMPTY} {exercise.name} still raises NotImplementedError: write its body, "
-                  f"then run this cell again.")
+        unwritten = [r for r in replies if r.get("not_written")]
+        if unwritten:
+            fn = unwritten[0].get("function") or exercise.name
+            print(f"{EMPTY} {fn} still raises NotImplementedError: write its body, then run "
+                  f"this cell again.")
             return Verdict(False)
-        for rank, r in enumerate(world._ranks(None)):
-            reply = replies[rank]
+        for rank, reply in zip(world._ranks(None), replies):
             if not reply["ok"]:
-                print(f"{WRONG} rank {r}, input '{case.name}': {reply['what']} expected "
+                print(f"{WRONG} rank {rank}, input '{case.name}': {reply['what']} expected "
                       f"{reply['expected']}, got {reply['got']}.\nHint: {exercise.hint}")
                 return Verdict(False)
     count = len(exercise.cases)
@@ -177,4 +284,3 @@ def _grade_cases(learner: Callable, exercise: Exercise, world) -> Verdict:
           f"for {count} input{'s' if count != 1 else ''}: "
           + "; ".join(c.name for c in exercise.cases) + ".")
     return Verdict(True)
-
