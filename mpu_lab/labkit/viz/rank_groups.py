@@ -164,24 +164,38 @@ def show_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1
     _display(fig)
 
 
+# What a saved notebook shows in place of the sliders (they live only while a kernel runs).
+WIDGET_HINT = ("[interactive view: sliders for world size, tp, pp, cp, order and GPUs per node "
+               "appear here when you run this cell in Jupyter]")
+
+
 def interactive_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1,
                             order: str = parallel_state.DEFAULT_ORDER, gpus_per_node: int = 8
                             ) -> None:
-    """ipywidgets sliders for :func:`show_rank_groups` (world size, t, p, c, order, box size)."""
+    """ipywidgets sliders for :func:`show_rank_groups` (world size, t, p, c, order, box size).
+
+    The view is displayed with :data:`WIDGET_HINT` as its plain-text form, so a notebook saved
+    without a live kernel (or run by papermill, which keeps no widget) shows that line instead
+    of the widget's ``interactive(children=(IntSlider(...`` repr. A figure is redrawn when a
+    slider is released, not at every step of a drag. Returns None.
+    """
     import ipywidgets as widgets    # optional (the labs extra): only when the widget is shown
+    from IPython.display import display   # IPython comes with ipywidgets
 
     orders = ["tp-cp-dp-pp", "tp-cp-pp-dp", "tp-pp-dp", "dp-tp-pp", "pp-dp-tp"]
     if order not in orders:
         orders.insert(0, order)
-    widgets.interact(
-        show_rank_groups,
-        world_size=widgets.IntSlider(value=world_size, min=1, max=64, description="world size"),
-        tp=widgets.IntSlider(value=tp, min=1, max=16, description="tp"),
-        pp=widgets.IntSlider(value=pp, min=1, max=16, description="pp"),
-        cp=widgets.IntSlider(value=cp, min=1, max=8, description="cp"),
-        order=widgets.Dropdown(options=orders, value=order, description="order"),
-        gpus_per_node=widgets.IntSlider(value=gpus_per_node, min=1, max=16,
-                                        description="GPUs/node"),
-        draw=widgets.fixed(True),
-    )   # interact displays the sliders itself; returning None keeps the cell output clean
 
+    def slider(value, low, high, label):
+        return widgets.IntSlider(value=value, min=low, max=high, description=label,
+                                 continuous_update=False)
+
+    view = widgets.interactive(
+        show_rank_groups,
+        world_size=slider(world_size, 1, 64, "world size"), tp=slider(tp, 1, 16, "tp"),
+        pp=slider(pp, 1, 16, "pp"), cp=slider(cp, 1, 8, "cp"),
+        order=widgets.Dropdown(options=orders, value=order, description="order"),
+        gpus_per_node=slider(gpus_per_node, 1, 16, "GPUs/node"), draw=widgets.fixed(True))
+    bundle = view._repr_mimebundle_()
+    bundle["text/plain"] = WIDGET_HINT
+    display(bundle, raw=True)
