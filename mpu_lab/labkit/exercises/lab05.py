@@ -1,10 +1,17 @@
 """Lab 05's checks: the lecture's shape table on one rank, the tensor-parallel sizes a layer
-accepts, a layer's collectives per step, and Korthikanti et al.'s activation memory."""
+accepts, a layer's collectives per step, Korthikanti et al.'s activation memory, and the
+write-the-code exercise :data:`VOCAB_PARALLEL_CE` (the vocab-parallel cross entropy's three
+all-reduces, graded on a live world)."""
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
+import torch
+import torch.nn.functional as F
+
+from mpu_lab import distributed, parallel_state, tensor_parallel
 from mpu_lab.labkit.exercises.common import Verdict, _as_int_list, _unanswered, _verdict
+from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, show
 from mpu_lab.models import TransformerConfig, expected_layer_counts, lecture_shapes
 from mpu_lab.perf import activation_memory_per_layer
 
@@ -76,6 +83,50 @@ def check_layer_collectives(answer: Any, sequence_parallel: bool, tp: int = 2) -
                     f"reduce-scatter, and each one's backward is the other.")
 
 
+# Megatron-core's transformer layer holds two column-parallel linears (the fused QKV, fc1) and
+# two row-parallel ones (the attention projection, fc2). Without sequence parallelism f before a
+# column-parallel linear all-reduces in backward and g after a row-parallel one in forward. With
+# it (Korthikanti et al. 2022, §4.2.2) f all-gathers forward and reduce-scatters backward, g
+# reduce-scatters forward and all-gathers backward, and each column-parallel linear keeps only
+# its [s/t, b, h] block of the input and all-gathers it again in backward for its weight
+# gradient (LinearWithGradAccumulationAndAsyncCommunication.backward, Megatron-core's
+# tensor_parallel/layers.py): one more all-gather per column-parallel linear.
+COLUMN_PARALLEL_LINEARS = ROW_PARALLEL_LINEARS = 2
+
+
+def megatron_layer_collectives(sequence_parallel: bool, tp: int = 2) -> dict:
+    """Megatron-core's collectives of one transformer layer per step, by direction (the
+    comment above), in the shape of :func:`mpu_lab.models.expected_layer_counts`."""
+    if tp == 1:
+        return {"forward": {}, "backward": {}}
+    c, r = COLUMN_PARALLEL_LINEARS, ROW_PARALLEL_LINEARS
+    if not sequence_parallel:
+        return {"forward": {"all_reduce": r}, "backward": {"all_reduce": c}}
+    return {"forward": {"all_gather": c, "reduce_scatter": r},
+            "backward": {"all_gather": r + c, "reduce_scatter": c}}
+
+
+def check_megatron_layer_collectives(answer: Any, sequence_parallel: bool = True,
+                                     tp: int = 2) -> Verdict:
+    """Collectives of one Megatron-core transformer layer per training step, forward plus
+    backward, ``(all_reduces, all_gathers, reduce_scatters)``, the re-gather of each
+    column-parallel input under sequence parallelism included."""
+    if _unanswered(answer, "a triple (all_reduces, all_gathers, reduce_scatters)"):
+        return Verdict(False)
+    counts = megatron_layer_collectives(sequence_parallel, tp)
+    expected = [_collective_total(counts, k) for k in ("all_reduce", "all_gather", "reduce_scatter")]
+    given = _as_int_list(answer)
+    mode = "with" if sequence_parallel else "without"
+    return _verdict(given == expected,
+                    f"{mode} sequence parallelism a Megatron-core layer issues {tuple(expected)} "
+                    f"per step (all-reduces, all-gathers, reduce-scatters), forward and backward "
+                    f"together.",
+                    f"{answer!r} is not it. Hint: count f and g of both blocks, forward and "
+                    f"backward (with sequence parallelism f is an all-gather, g a reduce-scatter, "
+                    f"and each one's backward is the other), then the all-gathers that re-gather "
+                    f"the column-parallel inputs in backward.")
+
+
 def check_activation_memory_mib(answer: Any, s: int, b: int, h: int, a: int, t: int = 1,
                                 sp: bool = False, rtol: float = 0.01) -> Verdict:
     """Korthikanti et al.'s activation memory of one layer, in MiB (within ``rtol``)."""
@@ -92,3 +143,73 @@ def check_activation_memory_mib(answer: Any, s: int, b: int, h: int, a: int, t: 
                     f"{answer!r} is not it. Hint: sbh/t (34 + 5as/h) bytes with sequence "
                     f"parallelism, sbh (10 + 24/t + 5as/(ht)) without; 1 MiB = 2^20 bytes.")
 
+
+
+# --------------------------------------------------------------------------- write the code
+# The learner writes ``my_vocab_parallel_ce(logits_shard, target, vocab_start, vocab_end)``:
+# the per-token loss of logits split along the vocabulary, with Megatron's three all-reduces
+# over the tensor-parallel group (max, target logit, sum of exponentials).
+
+def _ce_targets(how: str, n: int, vocab: int, per_rank: int, dp_rank: int) -> torch.Tensor:
+    """The case's target ids (global vocabulary ids), different on each data-parallel replica."""
+    if how == "first_shard":        # every target in tensor-parallel rank 0's slice
+        ids = [(3 * i + dp_rank) % per_rank for i in range(n)]
+    elif how == "spread":           # one target in each slice, then round again
+        ids = [((i % (vocab // per_rank)) * per_rank + (i + dp_rank) % per_rank) for i in range(n)]
+    elif how == "last":             # the last id of the vocabulary, and the first
+        ids = [vocab - 1 if i % 2 == 0 else dp_rank for i in range(n)]
+    else:
+        raise ValueError(f"unknown target layout {how!r}: 'first_shard', 'spread' or 'last'")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def ce_inputs(params: dict, tp: int, dp_rank: int):
+    """The full logits ``[n, V]`` and the targets ``[n]`` of a case, the same on every
+    tensor-parallel rank of a replica and different across data-parallel replicas (built on
+    the CPU from a seed; :func:`run_ce_case` moves them to the rank's device)."""
+    n, per_rank = params["tokens"], params["vocab_per_rank"]
+    vocab = per_rank * tp
+    gen = torch.Generator().manual_seed(1000 + 17 * dp_rank + n)
+    logits = params.get("offset", 0.0) + params.get("scale", 3.0) * torch.randn(n, vocab, generator=gen)
+    return logits, _ce_targets(params["targets"], n, vocab, per_rank, dp_rank)
+
+
+def run_ce_case(learner: Callable, case: Case) -> Outcome:
+    """Runs on every rank of the grading world: this rank's vocabulary slice of the case's
+    logits, the learner's loss against mpu_lab's ``vocab_parallel_cross_entropy`` (which is
+    first held against ``F.cross_entropy`` of the full logits)."""
+    device = distributed.get_device()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    full, target = ce_inputs(case.params, tp, parallel_state.get_data_parallel_rank())
+    per_rank = case.params["vocab_per_rank"]
+    start, end = tp_rank * per_rank, (tp_rank + 1) * per_rank
+    shard, target = full[:, start:end].contiguous().to(device), target.to(device)
+    expected = tensor_parallel.vocab_parallel_cross_entropy(shard.clone(), target.clone())
+    dense = F.cross_entropy(full, target.cpu(), reduction="none")
+    if not compare("reference", dense, expected, atol=1e-4).ok:
+        raise RuntimeError(f"mpu_lab's vocab_parallel_cross_entropy {show(expected)} disagrees "
+                           f"with F.cross_entropy of the full logits {show(dense)}")
+    got = learner(shard.clone(), target.clone(), start, end)
+    return compare(f"with targets {target.tolist()} (vocabulary ids [{start}, {end}) on this "
+                   f"rank, logits [{len(target)}, {per_rank}]) the loss", expected, got, atol=1e-4)
+
+
+VOCAB_PARALLEL_CE = Exercise(
+    name="my_vocab_parallel_ce",
+    run_case=run_ce_case,
+    cases=[
+        Case("targets all in rank 0's slice", dict(tokens=6, vocab_per_rank=5,
+                                                   targets="first_shard")),
+        Case("targets spread over every slice", dict(tokens=7, vocab_per_rank=5,
+                                                     targets="spread")),
+        Case("the last vocabulary id", dict(tokens=4, vocab_per_rank=3, targets="last")),
+        Case("a single token", dict(tokens=1, vocab_per_rank=4, targets="spread")),
+        Case("large logits (exp overflows without the max)",
+             dict(tokens=5, vocab_per_rank=5, targets="spread", offset=500.0, scale=40.0)),
+    ],
+    hint="three all-reduces over parallel_state.get_tensor_model_parallel_group(), never the "
+         "whole world: (1) MAX of each row's local max, subtracted before exp; (2) SUM of the "
+         "target's shifted logit, which only the rank whose [vocab_start, vocab_end) holds the "
+         "target contributes (the others add 0); (3) SUM of each row's sum of exp(logit - max). "
+         "loss = log(sum) - target logit.")
