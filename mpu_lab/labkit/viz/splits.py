@@ -1,12 +1,13 @@
 """Labs 02 and 03: a weight cut by columns or by rows across the tensor-parallel ranks.
 
-The shard arithmetic (:func:`shard_shapes`, :func:`print_shard_shapes`, :func:`strided_owners`)
-and its pictures: :func:`plot_column_split`, :func:`plot_row_split`, and :func:`plot_fg`, the
-tensor-parallel MLP with ``f`` and ``g`` (Megatron-LM §3, Fig. 3).
+The shard arithmetic (:func:`shard_shapes`, :func:`print_shard_shapes`, :func:`strided_owners`,
+and for fused weights :func:`fused_row_labels` and :func:`print_rows_kept`) and its pictures:
+:func:`plot_column_split`, :func:`plot_row_split`, and :func:`plot_fg`, the tensor-parallel MLP
+with ``f`` and ``g`` (Megatron-LM §3, Fig. 3).
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Sequence
 
 import torch
 from matplotlib.figure import Figure
@@ -45,27 +46,89 @@ def strided_owners(size: int, tp: int, stride: int) -> List[int]:
     """Which tensor-parallel rank owns each row of a fused ``[size, ...]`` weight with ``stride``.
 
     Megatron cuts the master weight into ``tp * stride`` pieces of ``size / (tp * stride)``
-    rows and gives rank ``r`` pieces ``r, r + tp, r + 2 tp, ...``: with ``[Q; K; V]`` fused
-    (``stride=3``) every rank gets its slice of Q, of K and of V.
+    rows and gives rank ``r`` pieces ``r, r + tp, r + 2 tp, ...``: with a weight stored part
+    after part (``[W_gate; W_up]`` with ``stride=2``, the legacy ``[W_Q; W_K; W_V]`` with
+    ``stride=3``) every rank gets its slice of each part.
     """
+    if tp < 1 or stride < 1:
+        raise ValueError(f"tp and stride must be at least 1, got tp={tp}, stride={stride}")
     if size % (tp * stride):
         raise ValueError(f"{size} rows cannot be cut into tp*stride = {tp}*{stride} equal pieces")
     piece = size // (tp * stride)
     return [(row // piece) % tp for row in range(size)]
 
 
+# Layouts of a small fused weight, by name: the order of its blocks of rows. "q1" is the block
+# of W_Q that belongs to head 1, "g1" the second block of columns of the gate projection.
+FUSED_LAYOUTS = {
+    "qkv by head": "Megatron-core's linear_qkv: [q0; k0; v0; q1; k1; v1; ...], head by head",
+    "qkv blocks": "the legacy layout: [W_Q; W_K; W_V] = [q0; q1; ...; k0; k1; ...; v0; v1; ...]",
+    "gate-up blocks": "a SwiGLU linear_fc1 stored [W_gate; W_up] = [g0; g1; ...; u0; u1; ...]",
+}
+
+
+def fused_row_labels(layout: str, blocks: int = 2, rows: int = 2) -> List[str]:
+    """One label per row of a small fused weight in ``layout`` (see :data:`FUSED_LAYOUTS`):
+    ``blocks`` heads (or blocks of the feed-forward width) of ``rows`` rows each.
+
+    >>> fused_row_labels("qkv by head", blocks=2, rows=1)
+    ['q0', 'k0', 'v0', 'q1', 'k1', 'v1']
+    >>> fused_row_labels("qkv blocks", blocks=2, rows=1)
+    ['q0', 'q1', 'k0', 'k1', 'v0', 'v1']
+    """
+    if layout not in FUSED_LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(FUSED_LAYOUTS)}, got {layout!r}")
+    if blocks < 1 or rows < 1:
+        raise ValueError(f"blocks and rows must be at least 1, got blocks={blocks}, rows={rows}")
+    if layout == "qkv by head":
+        names = [f"{part}{j}" for j in range(blocks) for part in "qkv"]
+    else:
+        parts = "qkv" if layout == "qkv blocks" else "gu"
+        names = [f"{part}{j}" for part in parts for j in range(blocks)]
+    return [name for name in names for _ in range(rows)]
+
+
+def print_rows_kept(labels: Sequence[str], tp: int, stride: int = 1) -> None:
+    """Print, rank by rank, the labels of the rows each tensor-parallel rank keeps when the
+    fused weight whose rows carry ``labels`` is split with ``stride`` (Megatron's split)."""
+    owners = strided_owners(len(labels), tp, stride)
+    for rank in range(tp):
+        kept = [label for label, owner in zip(labels, owners) if owner == rank]
+        print(f"rank {rank} keeps: {' '.join(kept)}")
+
+
+def _default_part_names(stride: int) -> Optional[List[str]]:
+    """The fused parts a ``stride`` usually means: 2, ``[W_gate; W_up]``; 3, ``[W_Q; W_K; W_V]``."""
+    return {1: None, 2: ["gate", "up"], 3: ["Q", "K", "V"]}.get(
+        stride, [f"P{i}" for i in range(stride)])
+
+
+def _bracket(ax, x0: float, x1: float, y: float, text: str) -> None:
+    """A bracket over ``[x0, x1]`` at height ``y`` with ``text`` above it."""
+    ax.plot([x0 + 0.03, x0 + 0.03, x1 - 0.03, x1 - 0.03], [y, y + 0.1, y + 0.1, y],
+            color="#222222", linewidth=1.0)
+    ax.text((x0 + x1) / 2, y + 0.14, text, ha="center", va="bottom", fontsize=8.5)
+
+
 @_styled
 def plot_column_split(input_size: int = 1024, output_size: int = 512, tp: int = 2,
-                      stride: int = 1) -> Figure:
+                      stride: int = 1, part_names: Optional[Sequence[str]] = None) -> Figure:
     """``Y = X A`` with ``A`` cut by columns: rank ``i`` holds ``A_i`` and computes ``Y_i``.
 
-    With ``stride > 1`` (a fused weight such as ``[Q K V]``) the columns are cut into
-    ``tp * stride`` pieces dealt out round-robin, so each rank owns one piece of every part.
+    With ``stride > 1`` (a fused weight stored part after part, such as a SwiGLU
+    ``[W_gate; W_up]`` or the legacy ``[W_Q; W_K; W_V]``) the columns are cut into
+    ``tp * stride`` pieces dealt out round-robin, so each rank owns one piece of every part;
+    brackets over ``A`` and ``Y`` name the parts (``part_names``, by default gate/up for
+    ``stride=2`` and Q/K/V for ``stride=3``).
     """
     owners = strided_owners(output_size, tp, stride)
+    names = list(part_names) if part_names is not None else _default_part_names(stride)
+    if names is not None and (stride < 2 or len(names) != stride):
+        raise ValueError(f"part_names names the {stride} fused parts of a stride-{stride} "
+                         f"weight, got {len(names)} names: {names}")
     colors = rank_colors(tp)
     pieces = tp * stride
-    fig = _figure(10.5, 3.7)
+    fig = _figure(10.5, 3.7 if names is None else 4.1)
     ax = fig.add_subplot()
     # Geometry (drawing units): X is [b, in], A is [in, out], Y is [b, out].
     in_h, out_w, b_h = 2.4, 3.0, 1.0
@@ -76,14 +139,26 @@ def plot_column_split(input_size: int = 1024, output_size: int = 512, tp: int = 
     for p in range(pieces):
         rank = owners[p * (output_size // pieces)]
         label = f"A{rank}" if stride == 1 else f"r{rank}"
-        _block(ax, a0 + p * w, 0.2, w, in_h, colors[rank], label)
-    ax.text(a0 + out_w / 2, 2.75, f"A [{input_size}, {output_size}], cut by columns", ha="center",
+        _block(ax, a0 + p * w, 0.2, w, in_h, colors[rank], label if pieces <= 16 else "",
+               fontsize=9 if pieces <= 8 else 6.5)
+    top = 2.75
+    if names is not None:
+        part_w = out_w / stride
+        for i, name in enumerate(names):
+            _bracket(ax, a0 + i * part_w, a0 + (i + 1) * part_w, 2.68,
+                     rf"$W_{{\mathrm{{{name}}}}}^\top$")
+            _bracket(ax, y0 + i * part_w, y0 + (i + 1) * part_w, 2.48, name)
+        top = 3.3
+    ax.text(a0 + out_w / 2, top, f"A [{input_size}, {output_size}], cut by columns", ha="center",
             fontsize=9)
     ax.text(6.8, 1.9, "=", fontsize=16, ha="center", va="center")
     for p in range(pieces):
         rank = owners[p * (output_size // pieces)]
-        _block(ax, y0 + p * w, 1.4, w, b_h, colors[rank], f"Y{rank}" if stride == 1 else "")
-    ax.text(y0 + out_w / 2, 2.55, f"Y [b, {output_size}]", ha="center", fontsize=9)
+        label = f"Y{rank}" if stride == 1 else f"r{rank}"
+        _block(ax, y0 + p * w, 1.4, w, b_h, colors[rank], label if pieces <= 16 else "",
+               fontsize=9 if pieces <= 8 else 6.5)
+    ax.text(y0 + out_w / 2, 2.55 if names is None else top, f"Y [b, {output_size}]", ha="center",
+            fontsize=9)
     shard = f"[{input_size}, {output_size // tp}]"
     note = (f"t = {tp}: rank i keeps A_i {shard} (stored as weight [{output_size // tp}, "
             f"{input_size}]) and computes Y_i = X A_i [b, {output_size // tp}]; "
@@ -93,7 +168,7 @@ def plot_column_split(input_size: int = 1024, output_size: int = 512, tp: int = 
                 f"round-robin; rank r keeps pieces r, r+{tp}, ... (its slice of each fused part)")
     ax.text(0, -0.35, note, fontsize=8, va="top")
     ax.set_xlim(-0.2, 10.6)
-    ax.set_ylim(-0.8, 3.0)
+    ax.set_ylim(-0.8, 3.0 if names is None else 3.55)
     ax.set_aspect("equal")
     ax.axis("off")
     ax.set_title("Column-parallel linear (Megatron-LM section 3): A = [A_0, ..., A_{t-1}]",
