@@ -8,16 +8,23 @@ fused QKV projection is column-parallel (each rank computes Q, K and V of its he
 attention runs locally, and the output projection ``W^O`` is row-parallel, so one all-reduce
 (``g``) finishes the block. Hence the lecture's rule ``d_tp <= n_H`` (and ``n_H % d_tp == 0``).
 
-Fused QKV layout (Megatron's). The master weight of ``linear_qkv`` is ``[3D, D]`` and its rows
-are grouped *by head*::
+Fused QKV layout: Megatron-core's, grouped by head. The master weight of ``linear_qkv`` is
+``[3D, D]`` and its rows are grouped *by head* (``[q_j; k_j; v_j]`` for head ``j``)::
 
     rows [3H*j, 3H*j + H)        W^Q of head j
     rows [3H*j + H, 3H*j + 2H)   W^K of head j
     rows [3H*j + 2H, 3H*(j+1))   W^V of head j
 
-Column-parallel slicing takes contiguous blocks of ``3D/t`` rows, so rank ``i`` holds heads
-``[i*n_H/t, (i+1)*n_H/t)`` with their Q, K and V — no ``stride`` needed. The same layout is
-used by :class:`mpu_lab.models.gpt.PlainGPT` so a consolidated checkpoint loads into either.
+Megatron-core does the same (``core/transformer/attention.py``,
+``get_query_key_value_tensors`` views the output as ``[s, b, ng, (np/ng + 2) * hn]``: query
+group by query group, which is head by head without grouped-query attention). Column-parallel
+slicing takes contiguous blocks of ``3D/t`` rows, so rank ``i`` holds heads
+``[i*n_H/t, (i+1)*n_H/t)`` with their Q, K and V — no ``stride`` needed. A ``stride`` matters
+only for a fused weight stored part after part: the first Megatron-LM (2019,
+``mpu/transformer.py``) stored ``[W_Q; W_K; W_V]`` and built ``query_key_value`` with
+``stride=3``; Megatron-core's SwiGLU MLP builds ``linear_fc1`` (``[W_gate; W_up]``) with
+``stride=2``. Lab 02 (section 5) shows both layouts. The same head-grouped layout is used by
+:class:`mpu_lab.models.gpt.PlainGPT` so a consolidated checkpoint loads into either.
 
 The attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with
 ``is_causal=True`` (``attention_impl="sdpa"``). ``attention_impl="explicit"`` computes the
@@ -91,7 +98,7 @@ class SelfAttention(torch.nn.Module):
 
         dropout_p = self.attention_dropout if self.training else 0.0
         # Each rank holds different heads: their dropout masks must differ, so draw them
-        # from the tensor-parallel RNG stream (Megatron-LM §3, last paragraph).
+        # from the tensor-parallel RNG stream (Shoeybi et al. 2019, appendix B.2; lab 02).
         with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             if self.attention_impl == "explicit":
                 z = explicit_causal_attention(q, k, v, dropout_p)

@@ -1,15 +1,27 @@
-"""Random-number streams for tensor parallelism, on CPU and on CUDA.
+"""Random-number streams for tensor parallelism, on CPU and on CUDA (Megatron-core's
+``core/tensor_parallel/random.py``).
 
-Why two streams (Shoeybi et al. 2019, §3, last paragraph): dropout *outside* a
-tensor-parallel region acts on activations that every rank of the group holds in full, so all
-ranks must draw the same mask — they use the ordinary (default) generator, seeded identically.
-Dropout *inside* a region acts on different slices (e.g. different attention heads), which
-must get independent masks — those draws happen inside ``get_rng_tracker().fork()``, a stream
-seeded differently on every tensor-parallel rank.
+Why two streams (Shoeybi et al. 2019, appendix B.2, "Model Parallel Random Number
+Generation"): dropout *outside* a tensor-parallel region acts on activations that every rank
+of the group holds in full (the output of ``g``'s all-reduce, the residual stream), so all
+ranks must draw the same mask, or their copies drift apart — they use the ordinary (default)
+generator, seeded identically. Dropout *inside* a region acts on different slices (each rank's
+attention heads, its columns of the MLP), which must get independent masks — those draws
+happen inside ``get_rng_tracker().fork()``, a stream seeded differently on every
+tensor-parallel rank (``seed + 2718 + tp_rank``, Megatron's offset) and the same on ranks with
+the same tensor-parallel rank (the data-parallel replicas).
 
-Megatron keeps only CUDA states (``CudaRNGStatesTracker``); this tracker keeps the CPU
-generator's state and, when this rank computes on a GPU, that GPU's state too, so the same
-code runs on a laptop.
+Weights. Megatron by default (``use_cpu_initialization=False``) draws each rank's shard on its
+GPU inside this fork (``layers.py: _initialize_affine_weight_gpu``), so a TP = 1 and a TP = k
+run start from different numbers. mpu_lab builds the full master weight under the default
+generator and keeps its slice (``_initialize_affine_weight_cpu``, what Megatron does with
+``--use-cpu-initialization``), so every shard is a slice of the dense twin's weight; lab 02
+shows both.
+
+Simplified: Megatron keeps only CUDA states (``CudaRNGStatesTracker``) and also tracks a
+data-parallel and an expert-parallel stream; this tracker keeps the CPU generator's state and,
+when this rank computes on a GPU, that GPU's state too, so the same code runs on a laptop, and
+has the tensor-parallel stream only.
 """
 from __future__ import annotations
 
