@@ -13,23 +13,46 @@ what is wrong with the bad ones — the answer to "why is my utilisation low".
 A configuration is valid when t divides the heads (and the ffn size), p·v divides the layers,
 t·p·d equals the GPU count and the global batch B is a multiple of b·d (m = B/(b·d)); the
 interleaved schedule also needs m to be a multiple of p (Megatron's rule).
+
+:meth:`Exploration.assumptions` says what the ranking took for granted (read from the
+configurations and the cluster), :meth:`Exploration.ranking_under_error` how much of the
+ranking survives a given error of the model.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import random
+import re
 from typing import Dict, List, Optional, Sequence
 
 from mpu_lab.perf.cost_model import (Cluster, IterationPrediction, ModelShape, ParallelConfig,
                                      RECOMPUTE_MODES, bubble_fraction, group_crosses_nodes,
                                      predict_iteration)
+from mpu_lab.perf.cost_model import predict as predict_module
 from mpu_lab.utils import divisors
 
 __all__ = ["Candidate", "Exploration", "enumerate_configs", "explore", "diagnose",
-           "DEFAULT_THRESHOLDS"]
+           "DEFAULT_THRESHOLDS", "not_modelled"]
 
 # When a share of the iteration counts as "bad" (plain-language flags).
 DEFAULT_THRESHOLDS = dict(bubble=0.15, tp_comm=0.15, dp_comm=0.10, pp_p2p=0.05,
                           memory_headroom=0.0)
+
+
+def not_modelled() -> List[str]:
+    """What the cost model leaves out, read from the "Not modelled:" line of
+    :mod:`mpu_lab.perf.cost_model.predict`'s docstring (the one place it is written)."""
+    found = re.search(r"Not modelled:(.*?)\.\s*$", predict_module.__doc__ or "", re.S | re.M)
+    if not found:
+        raise RuntimeError("mpu_lab.perf.cost_model.predict's docstring lost its "
+                           "'Not modelled:' line")
+    return [" ".join(item.split()) for item in found.group(1).split(",")]
+
+
+def _switch(configs: Sequence[ParallelConfig], attr: str) -> str:
+    values = {bool(getattr(c, attr)) for c in configs}
+    return "mixed" if len(values) > 1 else ("on" if values.pop() else "off")
 
 
 def _positive_int(name: str, value) -> int:
@@ -193,7 +216,8 @@ class Exploration:
         head = (f"{'#':>3} {'t':>3}{'p':>4}{'d':>5}{'b':>3}{'m':>6}{'v':>3}{'time s':>9}"
                 f"{'TFLOP/s':>9}{'MFU':>6}{'mem GB':>8}  flags")
         lines = [f"{self.model.name or 'model'} on {self.num_gpus} GPUs ({self.cluster.name}), "
-                 f"global batch {self.global_batch_size}", head, "-" * (len(head) + 12)]
+                 f"global batch {self.global_batch_size}; TFLOP/s and MFU count model FLOPs "
+                 f"(the 72 form, no recomputation)", head, "-" * (len(head) + 12)]
         for c in rows:
             rank = self.candidates.index(c) + 1
             r = c.record()
@@ -227,6 +251,85 @@ class Exploration:
                      f"batch {self.global_batch_size}, {self.cluster.name}")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
         return ax
+
+    def assumptions(self) -> str:
+        """What this ranking takes for granted, read from its configurations, the cluster and
+        :func:`predict_iteration`'s defaults, and what the cost model leaves out."""
+        cfgs = [c.config for c in self.candidates]
+        cl, model = self.cluster, self.model
+        sp = ("on wherever t > 1" if all(c.sequence_parallel == (c.tp > 1) for c in cfgs)
+              else _switch(cfgs, "sequence_parallel"))
+        recompute = ", ".join(sorted({c.recompute for c in cfgs}))
+        vs = sorted({c.v for c in cfgs})
+        overlaps = {name: _switch(cfgs, attr) for name, attr in (
+            ("data-parallel gradient all-reduce", "overlap_grad_reduce"),
+            ("tensor-parallel collectives", "overlap_tp_comm"),
+            ("pipeline send/recv", "overlap_p2p_comm"))}
+        dtype_bytes = inspect.signature(predict_iteration).parameters["dtype_bytes"].default
+        lines = [
+            f"The ranking of {len(cfgs)} configurations assumes:",
+            f"- splits: t·p·d = {self.num_gpus}, t divides the {model.a} heads, p the {model.L} "
+            f"layers; micro-batch b in {tuple(sorted({c.b for c in cfgs}))}; "
+            f"v in {tuple(vs)}" + (" (plain 1F1B, no interleaving)" if vs == [1] else ""),
+            f"- sequence parallelism: {sp}",
+            f"- activation recomputation: {recompute}",
+            f"- distributed optimizer: {_switch(cfgs, 'distributed_optimizer')}"
+            + (" (every data-parallel rank keeps all the Adam states of its shard of the model)"
+               if _switch(cfgs, "distributed_optimizer") == "off" else ""),
+            f"- flash attention: {_switch(cfgs, 'flash_attention')}",
+            "- overlap: " + ", ".join(f"{k} {v}" for k, v in overlaps.items()),
+            f"- {8 * dtype_bytes}-bit weights, gradients and activations",
+            f"- {cl.name}: {cl.peak_flops / 1e12:.0f} TFLOP/s peak per GPU, matmuls at "
+            f"{cl.matmul_efficiency:.2f} of it; links {cl.intra_node_bandwidth / 1e9:.0f} GB/s "
+            f"inside a node of {cl.gpus_per_node}, {cl.inter_node_bandwidth / 1e9:.0f} GB/s "
+            f"between nodes (each way, per GPU) at {cl.bandwidth_efficiency:.2f} of it, "
+            f"{cl.latency_s * 1e6:.0f} us per collective; {cl.memory_bytes / 1e9:.0f} GB per GPU",
+            "- not modelled: " + "; ".join(not_modelled())]
+        return "\n".join(lines)
+
+    def ranking_under_error(self, error: float, trials: int = 2000, seed: int = 0) -> dict:
+        """How much of the ranking survives a model error of up to ``±error`` (a share, e.g.
+        0.11). Each trial scales every fitting configuration's predicted time by its own factor
+        drawn uniformly from [1 - error, 1 + error] and notes which comes first: independent
+        errors, the worst case for a ranking (an error shared by all configurations scales them
+        together and changes nothing). Returns ``gap`` (#2 over #1, minus 1), ``contenders``
+        (fitting configurations within (1 + error)/(1 - error) of #1, each of which some draw
+        can put first) and ``first`` (rank → share of trials it came first), deterministic for
+        a given ``seed``."""
+        if not 0 <= error < 1:
+            raise ValueError(f"error must be a share in [0, 1), e.g. 0.11 for 11 %, got {error!r}")
+        if not isinstance(trials, int) or trials < 1:
+            raise ValueError(f"trials must be a positive integer, got {trials!r}")
+        fit = self.fitting()
+        if not fit:
+            raise ValueError(f"no configuration fits in {self.cluster.memory_bytes / 1e9:.0f} GB")
+        times = [c.prediction.total_s for c in fit]
+        rng = random.Random(seed)
+        wins = [0] * len(fit)
+        for _ in range(trials):
+            drawn = [t * rng.uniform(1 - error, 1 + error) for t in times]
+            wins[drawn.index(min(drawn))] += 1
+        bound = times[0] * (1 + error) / (1 - error)
+        return dict(error=error, trials=trials, fitting=len(fit),
+                    gap=times[1] / times[0] - 1 if len(times) > 1 else float("inf"),
+                    contenders=1 + sum(t < bound for t in times[1:]),
+                    first={i + 1: w / trials for i, w in enumerate(wins) if w})
+
+    def format_ranking_under_error(self, error: float, top: int = 6, **kwargs) -> str:
+        """:meth:`ranking_under_error` in words and a table of the first ``top`` ranks."""
+        r = self.ranking_under_error(error, **kwargs)
+        lines = [f"Model error up to ±{error:.1%}, independent per configuration "
+                 f"({r['trials']} draws):",
+                 f"  #2 is {r['gap']:.1%} slower than #1; {r['contenders']} of {r['fitting']} "
+                 f"fitting configurations lie within a factor {(1 + error) / (1 - error):.2f} "
+                 f"of #1, and any of them can come first",
+                 f"{'rank':>6}{'t':>4}{'p':>4}{'d':>5}{'b':>3}{'predicted s':>13}"
+                 f"{'first in':>10}"]
+        for i, c in enumerate(self.fitting()[:top]):
+            lines.append(f"{i + 1:>6}{c.config.tp:>4}{c.config.pp:>4}{c.config.dp:>5}"
+                         f"{c.config.b:>3}{c.prediction.total_s:>13.3f}"
+                         f"{r['first'].get(i + 1, 0.0):>10.0%}")
+        return "\n".join(lines)
 
     def explain(self, candidate: Candidate) -> str:
         """Why this candidate is where it is: its breakdown and its flags in words."""

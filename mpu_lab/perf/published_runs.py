@@ -2,7 +2,7 @@
 
 ``published_runs.yaml`` holds the shapes, splits, batches and reported throughput of published
 Megatron-LM runs: the ten rows of Narayanan et al. 2021 Table 1 (A100, TFLOP/s per GPU with
-recomputation, §5.1) and the Megatron-LM README's GPT-3 175B runs on H100 (MFU, Korthikanti et
+recomputation: the 96 form of the Appendix, eq. (3)) and the Megatron-LM README's GPT-3 175B runs on H100 (MFU, Korthikanti et
 al. 2022 §6). One ``matmul_efficiency`` per GPU generation is fitted on one run
 (:func:`fit_matmul_efficiency`) and held fixed to predict the others::
 
@@ -25,10 +25,15 @@ from mpu_lab.perf.cost_model import (CLUSTERS, EFFECTS, Cluster, IterationPredic
 
 __all__ = ["PUBLISHED_RUNS_PATH", "DEFAULT_CALIBRATION_RUNS", "load_published_runs",
            "run_inputs", "reported_tflops", "predicted_tflops", "fit_matmul_efficiency",
-           "published_runs_comparison", "effect_ablation", "format_published_comparison"]
+           "published_runs_comparison", "effect_ablation", "format_published_comparison",
+           "FLOP_CONVENTIONS", "worst_error"]
 
 PUBLISHED_RUNS_PATH = pathlib.Path(__file__).with_name("published_runs.yaml")
 DEFAULT_CALIBRATION_RUNS = {"a100": "GPT 1T", "h100": "GPT-3 175B (96 H100)"}
+# Which FLOPs each kind of reported throughput counts (the forms of
+# mpu_lab.perf.cost_model.counts.FLOP_FORMS): Narayanan et al. 2021 count the recomputed forward
+# pass (hardware FLOPs, the 96 form), the MFU figures only the model's (the 72 form).
+FLOP_CONVENTIONS = {"tflops_with_recompute": "96 form (HFU)", "mfu": "72 form (MFU)"}
 
 def load_published_runs(path: Optional[os.PathLike] = None) -> dict:
     """The YAML file as a dict: ``sources``, ``clusters`` (gpu → preset key) and ``runs``."""
@@ -69,8 +74,8 @@ def reported_tflops(run: dict, cluster: Cluster) -> float:
 
 
 def predicted_tflops(prediction: IterationPrediction, metric: str) -> float:
-    """The prediction in the run's convention: with recomputation FLOPs (Narayanan et al.) or
-    model FLOPs only (MFU)."""
+    """The prediction in the run's convention (:data:`FLOP_CONVENTIONS`): with recomputation
+    FLOPs (Narayanan et al., the 96 form) or model FLOPs only (MFU, the 72 form)."""
     if metric == "mfu":
         return prediction.model_tflops_per_gpu
     return prediction.hardware_tflops_per_gpu
@@ -142,15 +147,25 @@ def effect_ablation(calibrate_on: Optional[Dict[str, str]] = None) -> List[dict]
     return out
 
 
+def worst_error(rows: Sequence[dict]) -> float:
+    """The largest relative error, in absolute value, over the predicted (not fitted) rows of
+    :func:`published_runs_comparison`: how far the cost model has been seen to miss."""
+    errors = [abs(r["error"]) for r in rows if not r["calibration"]]
+    if not errors:
+        raise ValueError("no predicted rows: every row is a calibration run")
+    return max(errors)
+
+
 def format_published_comparison(rows: Sequence[dict]) -> str:
-    """A fixed-width text table of :func:`published_runs_comparison` (deterministic)."""
+    """A fixed-width text table of :func:`published_runs_comparison` (deterministic). The
+    TFLOP/s of a row count the FLOPs its source counts (:data:`FLOP_CONVENTIONS`)."""
     head = (f"{'run':<24}{'GPUs':>6}{'t':>3}{'p':>4}{'d':>5}{'m':>5}{'v':>3}"
-            f"{'reported':>10}{'predicted':>11}{'error':>8}  note")
+            f"{'reported':>10}{'predicted':>11}{'error':>8}  {'TFLOP/s count':<15}note")
     lines = [head, "-" * len(head)]
     for r in rows:
         note = f"fitted here (eff {r['efficiency']:.3f})" if r["calibration"] else ""
         lines.append(f"{r['name']:<24}{r['gpus']:>6}{r['t']:>3}{r['p']:>4}{r['d']:>5}{r['m']:>5}"
                      f"{r['v']:>3}{r['reported_tflops']:>10.1f}{r['predicted_tflops']:>11.1f}"
-                     f"{100 * r['error']:>7.1f}%  {note}")
+                     f"{100 * r['error']:>7.1f}%  {FLOP_CONVENTIONS[r['metric']]:<15}{note}")
     return "\n".join(lines)
 

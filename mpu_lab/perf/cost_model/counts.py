@@ -3,13 +3,14 @@
 Each function's docstring names its source:
 
 * Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-  Megatron-LM" (arXiv:2104.04473): parameter count and FLOPs — the ``72 B s L h²`` form without
-  and the ``96 B s L h²`` form with recomputation (§5.1) —, pipeline bubble (§2.2),
+  Megatron-LM" (arXiv:2104.04473): parameter count (§5.1) and FLOPs — the paper's Appendix
+  derives the ``96 B s L h²`` form with full recomputation (eq. (3)); without the recomputed
+  forward pass it is the ``72 B s L h²`` form (:data:`FLOP_FORMS`) —, pipeline bubble (§2.2),
   tensor-parallel communication (§3.3), scatter/gather of pipeline messages (§4.1).
 * Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
   (arXiv:2205.05198): activation memory per layer (§4, Table 2;
   :mod:`mpu_lab.perf.cost_model.activations`), in-flight micro-batches of 1F1B and interleaved
-  schedules (§4.2.3), selective recomputation (§5).
+  schedules (§4.2.3), selective recomputation (§5), model vs hardware FLOPs (MFU, HFU, §6).
 * Rajbhandari et al. 2020, "ZeRO" (arXiv:1910.02054) §3.1: mixed-precision Adam keeps 16 bytes
   per parameter.
 * Patarasuk & Yuan 2009 / NCCL's performance notes: a ring all-reduce moves 2(n-1)/n of the
@@ -17,13 +18,15 @@ Each function's docstring names its source:
 """
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Dict
 
 from mpu_lab.perf.cost_model.activations import activation_memory_per_layer
 from mpu_lab.perf.cost_model.inputs import RECOMPUTE_MODES, ModelShape, ParallelConfig
 
 __all__ = ["BYTES_PER_PARAM_ADAM", "parameter_count", "parameters_per_gpu", "flops_per_token",
-           "model_flops_per_iteration", "hardware_flops_per_iteration", "bubble_fraction",
+           "model_flops_per_iteration", "hardware_flops_per_iteration", "FLOP_FORMS",
+           "paper_flops_per_iteration", "format_flop_counts", "bubble_fraction",
            "ring_all_reduce_factor", "tp_comm_per_layer", "pipeline_p2p_bytes",
            "dp_allreduce_bytes", "in_flight_microbatches", "memory_per_gpu"]
 
@@ -71,9 +74,9 @@ def flops_per_token(model: ModelShape) -> Dict[str, float]:
 
 def model_flops_per_iteration(model: ModelShape, global_batch_size: int) -> float:
     """Model FLOPs of one iteration (forward + backward = 3 × forward, no recomputation):
-    ``72 B s L h² (1 + s/(6h) + V/(12 L h))`` for ffn = 4h — Narayanan et al. 2021 §5.1 without
-    the recomputation pass, i.e. 6N + 12·L·h·s per token (N without embeddings, plus 6hV for the
-    logits). MFU counts these (Korthikanti et al. 2022 §6)."""
+    ``72 B s L h² (1 + s/(6h) + V/(12 L h))`` for ffn = 4h — Narayanan et al. 2021, Appendix,
+    eq. (3) without the recomputation pass, i.e. 6N + 12·L·h·s per token (N without embeddings,
+    plus 6hV for the logits). MFU counts these (Korthikanti et al. 2022 §6)."""
     f = flops_per_token(model)
     return 3.0 * global_batch_size * model.s * (model.L * f["layer"] + f["logits"])
 
@@ -82,10 +85,10 @@ def hardware_flops_per_iteration(model: ModelShape, global_batch_size: int,
                                  recompute: str = "none") -> float:
     """FLOPs the GPUs really execute: model FLOPs plus recomputation.
 
-    ``full``: one more forward of every layer — Narayanan et al. 2021 §5.1's
+    ``full``: one more forward of every layer — Narayanan et al. 2021, Appendix, eq. (3):
     ``96 B s L h² (1 + s/(6h) + V/(16 L h))`` (8N + 16·L·h·s per token); the paper's reported
-    TFLOP/s count these. ``selective``: one more attention core (QKᵀ and the weighted sum),
-    Korthikanti et al. 2022 §5.
+    TFLOP/s count these. ``selective``: one more forward of the attention core (QKᵀ and the
+    weighted sum), Korthikanti et al. 2022 §5. HFU counts these (§6).
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -93,6 +96,50 @@ def hardware_flops_per_iteration(model: ModelShape, global_batch_size: int,
     extra = {"none": 0.0, "selective": f["attention_core"], "full": f["layer"]}[recompute]
     tokens = global_batch_size * model.s
     return model_flops_per_iteration(model, global_batch_size) + tokens * model.L * extra
+
+
+# The papers' closed forms for ffn = 4h, by recomputation mode (Narayanan et al. 2021, Appendix).
+FLOP_FORMS = {"none": "72·B·s·L·h²·(1 + s/(6h) + V/(12·h·L))",
+              "full": "96·B·s·L·h²·(1 + s/(6h) + V/(16·h·L))"}
+
+
+def paper_flops_per_iteration(model: ModelShape, global_batch_size: int,
+                              recompute: str = "none") -> float:
+    """The closed form of :data:`FLOP_FORMS` evaluated exactly (fractions), for a second
+    method beside the matmul-by-matmul sums of :func:`model_flops_per_iteration` and
+    :func:`hardware_flops_per_iteration`. The paper derives it for ffn = 4h only: other ffn
+    sizes, and ``selective`` (no closed form in the paper), raise ValueError."""
+    if recompute not in FLOP_FORMS:
+        raise ValueError(f"the paper gives a closed form for recompute in {tuple(FLOP_FORMS)}, "
+                         f"got {recompute!r}")
+    if model.ffn != 4 * model.h:
+        raise ValueError(f"the closed forms assume ffn = 4h = {4 * model.h}; this model has "
+                         f"ffn {model.ffn}: use the matmul sums instead")
+    B, s, L, h, V = global_batch_size, model.s, model.L, model.h, model.V
+    factor, logits = (72, 12) if recompute == "none" else (96, 16)
+    return float(factor * B * s * L * h * h
+                 * (1 + Fraction(s, 6 * h) + Fraction(V, logits * h * L)))
+
+
+def format_flop_counts(model: ModelShape, global_batch_size: int) -> str:
+    """A small table: FLOPs of one iteration without recomputation (model FLOPs, what MFU
+    counts), with selective and with full recomputation (hardware FLOPs, what HFU counts), each
+    as the paper's closed form where there is one and as the sum of the matmuls, and its ratio
+    to the model FLOPs."""
+    base = model_flops_per_iteration(model, global_batch_size)
+    rows = [("model FLOPs (MFU)", "none"), ("selective recompute (HFU)", "selective"),
+            ("full recompute (HFU)", "full")]
+    lines = [f"{model.name or 'model'}: one iteration of B = {global_batch_size} sequences "
+             f"(s = {model.s}, L = {model.L}, h = {model.h}, V = {model.V})",
+             f"{'FLOPs counted':<27}{'closed form (for ffn = 4h)':<42}{'= FLOPs':>11}"
+             f"{'matmul sum':>12}{'/ model':>9}"]
+    for label, mode in rows:
+        total = hardware_flops_per_iteration(model, global_batch_size, mode)
+        form = FLOP_FORMS.get(mode, "model FLOPs + attention core forward")
+        closed = (f"{paper_flops_per_iteration(model, global_batch_size, mode):.4g}"
+                  if mode in FLOP_FORMS and model.ffn == 4 * model.h else "-")
+        lines.append(f"{label:<27}{form:<42}{closed:>11}{total:>12.4g}{total / base:>9.3f}")
+    return "\n".join(lines)
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
