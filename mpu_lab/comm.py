@@ -11,7 +11,9 @@ Why one place:
 * **Timing.** While a :class:`CommTimer` is active every call is timed (the step-time
   breakdown of :mod:`mpu_lab.perf.measure`).
 
-All functions take ``group`` and return a *new* tensor (inputs are never modified).
+All functions take ``group`` and return a *new* tensor (inputs are never modified); the
+``*_async`` ones return a :class:`Pending` whose ``wait()`` gives it, so a layer can compute
+while the transfer runs (Megatron's linear does, in backward).
 """
 from __future__ import annotations
 
@@ -288,3 +290,91 @@ def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
     work, device = _to_backend(tensor.detach().clone().contiguous(), group)
     _timed("broadcast", group, work, lambda: dist.broadcast(work, src=src, group=group))
     return _from_backend(work, device)
+
+
+# --------------------------------------------------------------------------- asynchronous
+_SERIAL: List[bool] = []
+
+
+@contextlib.contextmanager
+def no_overlap():
+    """Inside the block every ``*_async`` collective is finished before it returns, so nothing
+    overlaps it: the baseline that measures what overlapping saves."""
+    _SERIAL.append(True)
+    try:
+        yield
+    finally:
+        _SERIAL.pop()
+
+
+class Pending:
+    """A collective in flight (``torch.distributed``'s ``async_op=True``): :meth:`wait` blocks
+    until it is done and returns its result. gloo runs it on its own thread and NCCL on its own
+    stream, so whatever the caller computes before ``wait()`` overlaps the transfer. While a
+    :class:`CommTimer` is active, only the time spent in ``wait()`` is booked: the part of the
+    transfer the computation did not hide."""
+
+    def __init__(self, kind: str, group, work, finish: Callable[[], torch.Tensor], nbytes: int):
+        self.kind, self.group, self._work, self._finish, self._nbytes = kind, group, work, finish, nbytes
+        self._result: Optional[torch.Tensor] = None
+        self.issued_at = time.perf_counter()
+        self.done_at: Optional[float] = None   # when it was known to be finished
+        if _SERIAL:                 # no_overlap(): done before the caller computes anything
+            self._work.wait()
+            self.done_at = time.perf_counter()
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            start = time.perf_counter()
+            self._work.wait()
+            self.done_at = self.done_at or time.perf_counter()
+            self._result = self._finish()
+            if _TIMERS:
+                ranks = tuple(dist.get_process_group_ranks(self.group)) if self.group is not None \
+                    else tuple(range(dist.get_world_size()))
+                for timer in _TIMERS:
+                    timer.add((self.kind, ranks, current_tag()), time.perf_counter() - start, 0.0,
+                              self._nbytes)
+        return self._result
+
+
+def all_gather_async(tensor: torch.Tensor, group=None, dim: int = 0) -> Pending:
+    """:func:`all_gather`, started and not waited for."""
+    _record("all_gather", group, tensor)
+    src, device = _to_backend(tensor.detach().contiguous(), group)
+    parts = [torch.empty_like(src) for _ in range(group_size(group))]
+    work = dist.all_gather(parts, src, group=group, async_op=True)
+    return Pending("all_gather", group, work,
+                   lambda: _from_backend(torch.cat(parts, dim=dim), device),
+                   tensor.numel() * tensor.element_size())
+
+
+def all_reduce_async(tensor: torch.Tensor, group=None) -> Pending:
+    """:func:`all_reduce` (a sum), started and not waited for."""
+    _record("all_reduce", group, tensor)
+    work_tensor, device = _to_backend(tensor.detach().clone().contiguous(), group)
+    work = dist.all_reduce(work_tensor, group=group, async_op=True)
+    return Pending("all_reduce", group, work, lambda: _from_backend(work_tensor, device),
+                   tensor.numel() * tensor.element_size())
+
+
+def reduce_scatter_async(tensor: torch.Tensor, group=None, dim: int = 0) -> Pending:
+    """:func:`reduce_scatter`, started and not waited for (on gloo, as there, an all-reduce
+    of which this rank keeps its chunk)."""
+    _record("reduce_scatter", group, tensor)
+    n = group_size(group)
+    if tensor.size(dim) % n:
+        raise ValueError(f"reduce_scatter: size {tensor.size(dim)} of dim {dim} is not divisible "
+                         f"by the group size {n}")
+    src, device = _to_backend(tensor.detach(), group)
+    nbytes = tensor.numel() * tensor.element_size()
+    if dist.get_backend(group) == "gloo":
+        full = src.contiguous().clone()
+        work = dist.all_reduce(full, group=group, async_op=True)
+        me = dist.get_rank(group=group)
+        return Pending("reduce_scatter", group, work, lambda: _from_backend(
+            torch.chunk(full, n, dim=dim)[me].contiguous(), device), nbytes)
+    chunks = [c.contiguous() for c in torch.chunk(src, n, dim=dim)]
+    out = torch.empty_like(chunks[0])
+    work = dist.reduce_scatter(out, chunks, group=group, async_op=True)
+    return Pending("reduce_scatter", group, work, lambda: _from_backend(out, device), nbytes)

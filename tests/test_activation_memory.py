@@ -67,13 +67,17 @@ def test_mpu_lab_terms_are_the_papers_in_fp32_without_dropout_plus_bookkeeping()
     ours = memory.total(memory.mpu_lab_terms(s, b, h, a))
     # 4-byte values, no masks, no separate dropout output: 2 x sbh (32 + 2as/h)
     assert ours == 2 * sbh * (32 + 2 * a * s // h) + 16 * s * b + s * s
-    # with SP the two gathered inputs stay full size: 2 x 4 sbh (1 - 1/t) above the paper's /t
+    # SP splits what TP leaves replicated, worked by hand for fp32 without dropout: the two
+    # LayerNorm inputs (2 x 4sbh), the two column-parallel inputs (2 x 4sbh: Megatron's linear
+    # keeps the [s/t, b, h] block) and the LayerNorm statistics (2 x 2 x 4sb): all / t
     t = 2
     sp = memory.total(memory.mpu_lab_terms(s, b, h, a, t, True))
+    tp = memory.total(memory.mpu_lab_terms(s, b, h, a, t, False))
+    assert tp - sp == (16 * sbh + 16 * s * b) * (t - 1) // t
     megatron_like = memory.total(memory.layer_activation_terms(
         s, b, h, a, t, True, bytes_per_value=4, dropout=False, layernorm_stats=True,
         causal_mask=True))
-    assert sp - megatron_like == 8 * sbh * (t - 1) // t
+    assert sp == megatron_like
 
 
 # --------------------------------------------------------------------------- measuring
@@ -117,9 +121,10 @@ def test_tp2_job_measures_the_mpu_lab_terms_and_the_papers_ratios(world):
     sbh = s * b * h
     # TP=2 keeps (16 + 48/2) sbh + 4as^2b/2 (+ LayerNorm statistics and the causal mask)
     assert tp2["measured"] == 4 * sbh * (4 + 12 // 2) + 4 * a * s * s * b // 2 + 16 * s * b + s * s
-    # the ratios follow the paper's within a few percent; SP saves exactly the replicated
-    # LayerNorm inputs and their statistics (the gathered f inputs stay)
+    # the ratios follow the paper's within a few percent; SP splits exactly the replicated
+    # LayerNorm inputs, their statistics and the two column-parallel inputs (worked by hand in
+    # test_mpu_lab_terms_are_the_papers_in_fp32_without_dropout_plus_bookkeeping)
     paper = lambda t, sp: activation_memory_per_layer(s, b, h, a, t, sp)  # noqa: E731
     assert tp2["measured"] / tp1["measured"] == pytest.approx(paper(2, False) / paper(1, False), rel=0.05)
-    assert tp2["measured"] - tp2_sp["measured"] == (8 * sbh + 16 * s * b) // 2
+    assert tp2["measured"] - tp2_sp["measured"] == (16 * sbh + 16 * s * b) // 2
     assert sdpa_sp["measured"] < sdpa["measured"] < tp2["measured"]

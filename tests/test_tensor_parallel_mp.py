@@ -117,6 +117,20 @@ def test_sequence_parallel_mlp_matches_dense(reports, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_sequence_parallel_column_keeps_only_the_block_and_regathers_in_backward(reports, layout):
+    """A [16, 2, 32] input split t ways: autograd keeps the rank's block, 16 * 2 * 32 / t
+    elements (512 at t = 2, 256 at t = 4), not the gathered 1,024; backward gathers it again
+    and reduce-scatters the input gradient (one each, no all-reduce)."""
+    tp = len(TP_GROUPS[layout][0])
+    for v in values(reports, layout, "sequence_parallel_column_keeps_only_its_block"):
+        assert v["saved_elements"] == [16 * 2 * 32 // tp], v["saved_elements"]
+        assert max(v["errors"].values()) <= 1e-6, v["errors"]
+        assert v["weight_grad_is_none_when_fused"] is True
+        assert v["backward_collectives"] == {"all_gather": 1, "reduce_scatter": 1,
+                                             "all_reduce": 0}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_parallel_mlp_issues_one_all_reduce_forward_and_one_backward(reports, layout):
     for v in values(reports, layout, "mlp_uses_one_all_reduce_each_way"):
         assert v["forward_all_reduce"] == v["backward_all_reduce"] == 1

@@ -177,13 +177,16 @@ def expected_layer_counts(sequence_parallel: bool, tensor_model_parallel_size: i
     Without sequence parallelism: ``g`` after attention and after the MLP (forward), ``f``
     before QKV and before fc1 (backward) — 2 all-reduces each way. With it, each ``g``
     becomes a reduce-scatter and each ``f`` an all-gather, in both directions (the backward
-    of an all-gather is a reduce-scatter and vice versa). Nothing at TP=1.
+    of an all-gather is a reduce-scatter and vice versa); and in backward each of the two
+    column-parallel linears gathers its input again for its weight gradient, because it kept
+    only its ``[s/t, b, h]`` block (Korthikanti et al. 2022, §4.2.2; Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication``): 2 more all-gathers. Nothing at TP=1.
     """
     if tensor_model_parallel_size == 1:
         return {"forward": {}, "backward": {}}
     if sequence_parallel:
-        pair = {"all_gather": 2, "reduce_scatter": 2}
-        return {"forward": dict(pair), "backward": dict(pair)}
+        return {"forward": {"all_gather": 2, "reduce_scatter": 2},
+                "backward": {"all_gather": 4, "reduce_scatter": 2}}
     return {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
 
 

@@ -16,10 +16,10 @@ matches this package's layer byte for byte:
   ``attention_impl="sdpa"`` (on CPU a flash-attention kernel) keeps no ``s x s`` tensor at all,
   only a log-sum-exp per row (``a s b / t`` fp32): the ``5as/h`` term is gone, as with the
   paper's selective recomputation (§5), because the kernel recomputes the scores in backward;
-* with sequence parallelism, ``ColumnParallelLinear`` saves the *gathered* input ``[s, b, h]``
-  for its weight gradient. Megatron saves the ``[s/t, b, h]`` shard and all-gathers it again
-  in backward (one more all-gather per linear, §4.2.2); here the two column-parallel inputs
-  stay full size, ``2 x 4sbh (1 - 1/t)`` bytes more than the paper's ``/t``.
+* with sequence parallelism, ``ColumnParallelLinear`` keeps only this rank's ``[s/t, b, h]``
+  block of its input and all-gathers it again in backward, as Megatron's
+  ``LinearWithGradAccumulationAndAsyncCommunication`` does
+  (:mod:`mpu_lab.tensor_parallel.linear_autograd`): the paper's ``/t`` (§4.2.2).
 
 :func:`compare`, :func:`format_comparison` and :func:`format_terms` make lab 05's tables
 (``launch/activation_memory.py`` runs the measurement at TP > 1).
@@ -45,7 +45,7 @@ def mpu_lab_terms(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel:
     return layer_activation_terms(
         s, b, h, a, t, sequence_parallel, bytes_per_value=torch.finfo(dtype).bits // 8,
         dropout=False, attention=attention, activation=activation, layernorm_stats=True,
-        causal_mask=True, saves_gathered_input=True)
+        causal_mask=True, saves_gathered_input=False)
 
 
 # --------------------------------------------------------------------------- measuring

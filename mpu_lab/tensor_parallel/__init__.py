@@ -7,6 +7,9 @@ Modules, named as in Megatron-core's ``megatron.core.tensor_parallel``:
   scatter/gather and sequence-parallel relatives (autograd Functions);
 * :mod:`~mpu_lab.tensor_parallel.layers` — ``ColumnParallelLinear``, ``RowParallelLinear``,
   ``VocabParallelEmbedding``;
+* :mod:`~mpu_lab.tensor_parallel.linear_autograd` — the layers' autograd function after
+  Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` (keeps the sequence-parallel
+  block, re-gathers in backward, overlaps the reductions with the gradient GEMMs);
 * :mod:`~mpu_lab.tensor_parallel.cross_entropy` — loss over vocab-split logits;
 * :mod:`~mpu_lab.tensor_parallel.data` — ``broadcast_data`` within a tensor-parallel group;
 * :mod:`~mpu_lab.tensor_parallel.random` — RNG streams for dropout inside/outside regions;
@@ -22,6 +25,10 @@ from mpu_lab.tensor_parallel.layers import (
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
+)
+from mpu_lab.tensor_parallel.linear_autograd import (
+    LinearWithGradAccumulationAndAsyncCommunication,
+    linear_with_grad_accumulation_and_async_allreduce,
 )
 from mpu_lab.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
@@ -71,6 +78,8 @@ __all__ = [
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "copy_tensor_model_parallel_attributes",
     "param_is_not_tensor_parallel_duplicate",
+    "LinearWithGradAccumulationAndAsyncCommunication",
+    "linear_with_grad_accumulation_and_async_allreduce",
     # cross entropy, data
     "vocab_parallel_cross_entropy",
     "broadcast_data",

@@ -5,7 +5,9 @@ Shoeybi et al. 2019 (Megatron-LM, §3). In the paper's notation ``Y = X A`` with
 is stored as ``(output_size, input_size)``, like ``torch.nn.Linear``.
 
 * Column parallel: ``A = [A_1, ..., A_t]`` split along its columns (``W`` along dim 0); rank
-  ``i`` computes ``Y_i = X A_i``. Needs ``f`` before (the input is used by every rank).
+  ``i`` computes ``Y_i = X A_i``. Needs ``f`` before (the input is used by every rank); as in
+  Megatron, f's backward all-reduce runs inside the layer's own autograd function
+  (:mod:`~mpu_lab.tensor_parallel.linear_autograd`), overlapping the weight-gradient GEMM.
 * Row parallel: ``A`` split along its rows (``W`` along dim 1) and ``X = [X_1, ..., X_t]``
   along its last dimension; rank ``i`` computes the partial sum ``X_i A_i``; ``g`` adds them.
 
@@ -25,12 +27,13 @@ from torch.nn.parameter import Parameter
 
 from mpu_lab import distributed, parallel_state
 from mpu_lab.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
+)
+from mpu_lab.tensor_parallel.linear_autograd import (
+    linear_with_grad_accumulation_and_async_allreduce,
 )
 from mpu_lab.tensor_parallel.utils import VocabUtility, divide
 
@@ -151,9 +154,11 @@ class ColumnParallelLinear(torch.nn.Module):
                  gather_output: bool = True, init_method: Callable = torch.nn.init.xavier_normal_,
                  stride: int = 1, keep_master_weight_for_test: bool = False,
                  skip_bias_add: bool = False, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None):
+                 params_dtype: torch.dtype = torch.float32, device=None,
+                 gradient_accumulation_fusion: bool = False):
         super().__init__()
         _, tp_size = _tp_rank_and_size("ColumnParallelLinear")
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
                              "sequence_parallel=True (the output stays split, as in Megatron)")
@@ -181,13 +186,17 @@ class ColumnParallelLinear(torch.nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor):
-        if self.sequence_parallel:
-            # [s/t, b, h] -> [s, b, h]; backward reduce-scatters the input gradient.
-            input_parallel = gather_from_sequence_parallel_region(input_)
-        else:
-            input_parallel = copy_to_tensor_model_parallel_region(input_)  # f
+        # Megatron's linear (linear_autograd): under sequence parallelism it gathers the
+        # [s/t, b, h] block to [s, b, h] but keeps only the block for backward, where it gathers
+        # it again and reduce-scatters the input gradient; otherwise f's backward all-reduce of
+        # the input gradient happens inside it (allreduce_dgrad), overlapping the weight-gradient
+        # GEMM. With one rank there is nothing to communicate.
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
         bias = self.bias if not self.skip_bias_add else None
-        output_parallel = F.linear(input_parallel, self.weight, bias)  # [*, out/t]
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(   # [*, out/t]
+            input_, self.weight, bias, self.gradient_accumulation_fusion,
+            allreduce_dgrad=tp_size > 1 and not self.sequence_parallel,
+            sequence_parallel=self.sequence_parallel and tp_size > 1)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output_parallel)  # [*, out]
         else:
@@ -214,9 +223,10 @@ class RowParallelLinear(torch.nn.Module):
                  init_method: Callable = torch.nn.init.xavier_normal_, stride: int = 1,
                  keep_master_weight_for_test: bool = False, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device=None):
+                 device=None, gradient_accumulation_fusion: bool = False):
         super().__init__()
         _, tp_size = _tp_rank_and_size("RowParallelLinear")
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs "
                              "input_is_parallel=True (as in Megatron)")
@@ -251,7 +261,9 @@ class RowParallelLinear(torch.nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_)  # [*, in/t]
-        output_parallel = F.linear(input_parallel, self.weight)  # partial sums, [*, out]
+        # Megatron's linear too, with nothing to communicate inside it: g comes after
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(   # partial sums
+            input_parallel, self.weight, None, self.gradient_accumulation_fusion)
         if self.sequence_parallel:
             output_ = reduce_scatter_to_sequence_parallel_region(output_parallel)  # [s/t, b, out]
         else:

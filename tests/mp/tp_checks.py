@@ -304,6 +304,56 @@ def sequence_parallel_mlp_matches_dense():
 
 
 @check
+def sequence_parallel_column_keeps_only_its_block():
+    """Megatron's linear (issue 17): under sequence parallelism the column-parallel layer saves
+    this rank's [s/t, b, h] block for backward (a saved-tensors hook counts what autograd
+    keeps, parameters aside), gathers it again in backward and reduce-scatters the input
+    gradient, with gradients equal to the dense layer's; with gradient-accumulation fusion the
+    weight gradient goes into an fp32 ``main_grad`` instead of ``weight.grad``."""
+    _, r, t, _ = me()
+    s, b, h, out = 16, 2, 32, 64
+    torch.manual_seed(15)
+    col = tp.ColumnParallelLinear(h, out, gather_output=False, sequence_parallel=True,
+                                  keep_master_weight_for_test=True)
+    x = torch.randn(s, b, h)
+    block = slice(r * s // t, (r + 1) * s // t)
+    x_local = x[block].clone().requires_grad_()
+    params = {p.data_ptr() for p in col.parameters()}
+    saved = []
+
+    def pack(tensor):
+        if tensor.data_ptr() not in params:
+            saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        y_local, _ = col(x_local)                                            # [s, b, out/t]
+    dy = torch.randn(s, b, out)
+    with comm.CommCounter() as backward:
+        y_local.backward(dy.chunk(t, dim=-1)[r])
+    w = col.master_weight.clone().requires_grad_()
+    x_d = x.clone().requires_grad_()
+    y_d = F.linear(x_d, w)
+    y_d.backward(dy)
+    errors = {"output": close(y_local, y_d.chunk(t, dim=-1)[r], "output columns"),
+              "input_grad": close(x_local.grad, x_d.grad[block], "input grad block"),
+              "weight_grad": close(col.weight.grad, w.grad.chunk(t, 0)[r], "weight grad")}
+    fused = tp.ColumnParallelLinear(h, out, gather_output=False, sequence_parallel=True,
+                                    gradient_accumulation_fusion=True)
+    fused.weight.data.copy_(col.weight.data)
+    fused.bias.data.copy_(col.bias.data)
+    fused.weight.main_grad = torch.zeros(fused.weight.shape, dtype=torch.float32)
+    for _ in range(2):       # accumulated over two micro-batches
+        fused(x_local.detach())[0].backward(dy.chunk(t, dim=-1)[r])
+    errors["fused_main_grad"] = close(fused.weight.main_grad, 2 * w.grad.chunk(t, 0)[r],
+                                      "main_grad after two backward passes")
+    return {"saved_elements": saved, "errors": errors,
+            "weight_grad_is_none_when_fused": fused.weight.grad is None,
+            "backward_collectives": {k: backward.count(k)
+                                     for k in ("all_gather", "reduce_scatter", "all_reduce")}}
+
+
+@check
 def mlp_uses_one_all_reduce_each_way():
     """Megatron-LM §3: the column -> row MLP needs one all-reduce forward (g), one backward (f)."""
     torch.manual_seed(14)

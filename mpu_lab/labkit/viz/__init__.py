@@ -31,6 +31,7 @@ from mpu_lab.labkit.viz.collectives import (
 from mpu_lab.labkit.viz.figures import figure_catalog, save_figure, save_figures
 from mpu_lab.labkit.viz.layer import plot_activation_memory, plot_transformer_layer
 from mpu_lab.labkit.viz.losses import LiveLossPlot, plot_loss_curves
+from mpu_lab.labkit.viz.overlap import plot_backward_timeline
 from mpu_lab.labkit.viz.performance import (
     BREAKDOWN_COLORS,
     plot_bandwidth,
@@ -63,6 +64,7 @@ from mpu_lab.labkit.viz.splits import (
 from mpu_lab.labkit.viz.style import CROSSING, STYLE, group_colors, rank_colors
 
 __all__ = [
+    "plot_backward_timeline",
     "STYLE", "CROSSING", "group_colors", "rank_colors",
     "FAMILY_NAMES", "SHOWN_FAMILIES", "node_of", "groups_crossing_nodes", "format_groups",
     "plot_rank_grid", "describe_crossings", "plot_group_families", "show_rank_groups",

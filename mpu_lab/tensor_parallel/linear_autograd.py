@@ -1,0 +1,135 @@
+"""The linear layers' own autograd function, after Megatron-core's
+``LinearWithGradAccumulationAndAsyncCommunication`` (``megatron/core/tensor_parallel/layers.py``,
+tag core_v0.16.0): a hand-written mirror for teaching, on :mod:`mpu_lab.comm`'s collectives.
+
+Why a function of its own, rather than ``F.linear`` after a gather:
+
+* **Memory.** Under sequence parallelism the layer's input is this rank's block of the sequence,
+  ``[s/t, b, h]``. Gathering it and handing ``[s, b, h]`` to ``F.linear`` makes autograd keep the
+  gathered tensor for the weight gradient: t times the activation memory sequence parallelism
+  exists to save (Korthikanti et al. 2022, §4.2.2). This function keeps only the block and
+  gathers it again in backward.
+* **Overlap.** In backward, every collective is started asynchronously and the gradient GEMMs run
+  while it is in flight (on gloo the collective runs on its own thread, on NCCL on its own stream).
+
+Backward, step by step (``X`` the input, ``W`` the weight shard, ``dY`` the output gradient):
+
+1. Sequence parallel: start the all-gather of the saved block ``X_i`` -> ``X`` (async).
+2. ``dX = dY W``: the input gradient, computed while that gather runs.
+3. Wait for the gather: the full ``X`` is needed for the weight gradient.
+4. Start the reduction of ``dX`` (async): a reduce-scatter along the sequence under sequence
+   parallelism (each rank gets the gradient of its own block), an all-reduce otherwise (this is
+   f's backward, folded into the layer so it can overlap).
+5. ``dW = dY^T X`` (and ``db = sum dY``) while ``dX`` is being reduced; with
+   ``gradient_accumulation_fusion`` it is added straight into ``W.main_grad`` in fp32 (Megatron's
+   ``--gradient-accumulation-fusion``; there a fused CUDA kernel does it) and ``W.grad`` stays
+   empty.
+6. Wait for the reduction and return ``dX``.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import List, Optional, Tuple
+
+import torch
+
+from mpu_lab import comm, parallel_state
+
+
+_RECORDERS: List[List[Tuple[str, float, float]]] = []
+
+
+@contextlib.contextmanager
+def record_backward():
+    """``with record_backward() as events:`` collects ``(what, start, end)`` (``time.perf_counter``
+    seconds) for each step of this function's backward: the GEMMs, and each collective from the
+    moment it was issued to the moment its ``wait()`` returned (it was in flight meanwhile).
+    For timelines (``launch/linear_overlap.py``)."""
+    events: List[Tuple[str, float, float]] = []
+    _RECORDERS.append(events)
+    try:
+        yield events
+    finally:
+        _RECORDERS.remove(events)
+
+
+def _mark(what: str, start: float, end: Optional[float] = None) -> None:
+    if _RECORDERS:
+        end = end if end is not None else time.perf_counter()
+        for events in _RECORDERS:
+            events.append((what, start, end))
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """``Y = X W^T + b`` for a tensor-parallel linear; see the module docstring for backward.
+
+    ``allreduce_dgrad``: all-reduce the input gradient over the tensor-parallel group (a column-
+    parallel layer without sequence parallelism: f's backward). ``sequence_parallel``: ``X`` is
+    this rank's ``[s/t, ...]`` block; gather it (dim 0) forward and again in backward, and
+    reduce-scatter the input gradient. ``group``: the tensor-parallel group (default: this
+    rank's).
+    """
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias, gradient_accumulation_fusion: bool,
+                allreduce_dgrad: bool, sequence_parallel: bool, group=None):
+        if gradient_accumulation_fusion and not hasattr(weight, "main_grad"):
+            raise RuntimeError("gradient_accumulation_fusion=True needs weight.main_grad (an "
+                               "fp32 buffer the weight gradient is added to, as Megatron's DDP "
+                               "gives every parameter); this weight has none")
+        ctx.save_for_backward(input_, weight)    # the block only, under sequence parallelism
+        ctx.use_bias = bias is not None
+        ctx.fusion, ctx.allreduce_dgrad = gradient_accumulation_fusion, allreduce_dgrad
+        ctx.sequence_parallel, ctx.group = sequence_parallel, group
+        total_input = comm.all_gather(input_, group=group, dim=0) if sequence_parallel else input_
+        output = torch.matmul(total_input, weight.t())
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        group = ctx.group
+        gather = (comm.all_gather_async(input_, group=group, dim=0)    # 1. re-gather, async
+                  if ctx.sequence_parallel else None)
+        start = time.perf_counter()
+        grad_input = grad_output.matmul(weight)                          # 2. while it runs
+        _mark("dX = dY W", start)
+        total_input = input_
+        if gather is not None:                                           # 3.
+            total_input = gather.wait()
+            _mark("all-gather X", gather.issued_at, gather.done_at)
+        reduce: Optional[comm.Pending] = None                            # 4. reduce dX, async
+        if ctx.sequence_parallel:
+            reduce = comm.reduce_scatter_async(grad_input, group=group, dim=0)
+        elif ctx.allreduce_dgrad:
+            reduce = comm.all_reduce_async(grad_input, group=group)
+        start = time.perf_counter()
+        dy = grad_output.reshape(-1, grad_output.shape[-1])              # 5. dW while it runs
+        x = total_input.reshape(-1, total_input.shape[-1])
+        if ctx.fusion:
+            weight.main_grad.add_(dy.t().float().matmul(x.float()))
+            grad_weight = None
+        else:
+            grad_weight = dy.t().matmul(x)
+        grad_bias = dy.sum(dim=0) if ctx.use_bias else None
+        _mark("dW = dY^T X", start)
+        if reduce is not None:                                           # 6.
+            grad_input = reduce.wait()
+            _mark(f"{reduce.kind.replace('_', '-')} dX", reduce.issued_at, reduce.done_at)
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def linear_with_grad_accumulation_and_async_allreduce(
+        input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+        gradient_accumulation_fusion: bool = False, allreduce_dgrad: bool = False,
+        sequence_parallel: bool = False, group=None) -> torch.Tensor:
+    """Megatron's entry point to :class:`LinearWithGradAccumulationAndAsyncCommunication`
+    (same name, same meaning of the flags)."""
+    if group is None and (allreduce_dgrad or sequence_parallel):
+        group = parallel_state.get_tensor_model_parallel_group()
+    return LinearWithGradAccumulationAndAsyncCommunication.apply(
+        input_, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+        group)
