@@ -222,7 +222,7 @@ def train(flags: Sequence, nproc: int, label: Optional[str] = None, live: bool =
         os.close(fd)
         flags += ["--metrics-file", metrics_file]
         plot = LiveLossPlot(f"{label}: lm loss while training ({nproc} ranks)",
-                                args.train_iters)
+                            args.train_iters, vocab_size=args.padded_vocab_size)
         on_line = functools.partial(_redraw, plot, metrics_file)
     else:
         flags.append("--quiet")
@@ -256,13 +256,27 @@ def max_relative_difference(run: TrainRun, reference: TrainRun) -> float:
     return max(abs(v - r) / abs(r) for v, r in common)
 
 
+def _padded_vocab(run: TrainRun) -> Optional[int]:
+    return model_shape(run.flags, run.nproc).V if run.flags else None
+
+
 def print_agreement(runs: Sequence[TrainRun], reference: TrainRun, rtol: float = 1e-5) -> bool:
     """One verdict line per run: does it follow ``reference`` within ``rtol`` relative on
-    every common iteration? (The value itself is in the plot; it depends on the machine.)"""
+    every common iteration? (The value itself is in the plot; it depends on the machine.)
+    A run whose vocabulary is padded to another size (a multiple of 128 x its TP) is another
+    model: it is named as such, not compared."""
     ok_all = True
     ref = set(reference.iterations)
+    ref_rows = _padded_vocab(reference)
     for run in runs:
         common = [i for i in run.iterations if i in ref]
+        rows = _padded_vocab(run)
+        if rows != ref_rows:
+            print(f"{run.label} vs {reference.label}: not compared: the vocabulary is padded to "
+                  f"{rows} rows, not {ref_rows}, so it is another model (the extra rows take "
+                  f"their own random draws, every weight after them differs, and the softmax "
+                  f"has more dummy ids)")
+            continue
         ok = max_relative_difference(run, reference) <= rtol
         ok_all &= ok
         print(f"{run.label} vs {reference.label}: iterations {common[0]}-{common[-1]}, max "

@@ -1,9 +1,11 @@
-"""Lab 07's checks: the micro-batches of a launch line, and Megatron's padded vocabulary."""
+"""Lab 07's checks: the loss of an untrained model, the micro-batches of a launch line, and
+Megatron's padded vocabulary."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from mpu_lab.labkit.exercises.common import Verdict, _as_int, _unanswered, _verdict
+from mpu_lab.labkit.exercises.common import Verdict, _as_floats, _as_int, _unanswered, _verdict
 from mpu_lab.labkit.gpt_runs import derived
 from mpu_lab.models import pad_vocab_size
 
@@ -32,3 +34,19 @@ def check_padded_vocab(answer: Any, vocab_size: int, divisible_by: int, tp: int)
                     f"--make-vocab-size-divisible-by x TP, so every rank holds the same number "
                     f"of whole rows.")
 
+
+
+def check_initial_loss(answer: Any, padded_vocab_size: int, rtol: float = 0.02) -> Verdict:
+    """The loss at iteration 1 of a GPT whose softmax runs over ``padded_vocab_size`` ids: a
+    freshly initialised model gives every id about the same logit, so ``ln V``."""
+    if _unanswered(answer, "the loss you expect at iteration 1 (a number)"):
+        return Verdict(False)
+    values = _as_floats(answer)
+    expected = math.log(padded_vocab_size)
+    ok = values is not None and len(values) == 1 and abs(values[0] - expected) <= rtol * expected
+    return _verdict(ok, f"ln {padded_vocab_size} = {expected:.3f}: small random weights give "
+                        f"every one of the {padded_vocab_size} ids (dummies included) about the "
+                        f"same logit, so the model guesses uniformly and the loss is -ln(1/V).",
+                    f"{answer!r} is not it. Hint: at iteration 1 the weights are small and random, "
+                    f"so every id gets about the same logit. What probability does the softmax "
+                    f"then give the right id, and what is -ln of it?")
