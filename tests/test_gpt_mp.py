@@ -146,11 +146,16 @@ def test_missing_partial_and_mismatched_checkpoints_are_named(reports, tmp_path,
         check_load=False)
     with pytest.raises(checkpointing.CheckpointError, match="hidden_size: checkpoint 64, this run 128"):
         checkpointing.check_compatible(checkpointing.read_checkpoint_info(saved), args)
-    args = training.parse_args(["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4,
-                                "--seq-length", 32, "--vocab-size", 256,
-                                "--tensor-model-parallel-size", 4, "--load", str(saved)])
-    with pytest.raises(checkpointing.CheckpointError, match="padded_vocab_size: checkpoint 256, this run 512"):
-        training.validate_args(args, 4)   # before any process starts
+    # a change of the vocabulary's padding (256 rows at the saved TP, 512 at TP=4 with the
+    # default divisor 128) is resharding: the loader trims or zero-fills the dummy rows
+    flags = ["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4,
+             "--seq-length", 32, "--tensor-model-parallel-size", 4, "--load", str(saved)]
+    assert training.validate_args(training.parse_args(flags + ["--vocab-size", 256]),
+                                  4).padded_vocab_size == 512
+    # a change of the real vocabulary is refused, before any process starts
+    with pytest.raises(checkpointing.CheckpointError,
+                       match="vocab_size: checkpoint 256, this run 200.*use --vocab-size 256"):
+        training.validate_args(training.parse_args(flags + ["--vocab-size", 200]), 4)
 
 
 def test_train_gpt_script_writes_metrics_saves_and_resumes_at_another_tp_and_pp(tmp_path):
