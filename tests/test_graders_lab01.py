@@ -122,3 +122,28 @@ def test_the_stub_says_no_answer_yet(grading_world, as_notebook, capsys):
     assert not exercises.grade(as_notebook(STUB)["my_groups"], RANK_GROUPS, grading_world)
     assert capsys.readouterr().out.startswith("No answer yet: my_groups still raises "
                                               "NotImplementedError")
+
+
+# --------------------------------------------------------------------------- the lab's widget
+def test_the_widget_saves_a_one_line_note_not_its_repr(monkeypatch, capsys):
+    """Lab 01's slider cell: what a notebook stores (text/plain, once the widget view is
+    dropped) is the note, not 'interactive(children=(IntSlider(...'; the view itself is still
+    displayed for a live front end, and the cell has no Out[] value."""
+    import json
+    import pathlib
+
+    import IPython.display
+
+    from mpu_lab.labkit import viz
+    from mpu_lab.labkit.viz.rank_groups import WIDGET_HINT
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda *a, **k: shown.append((a, k)))
+    assert viz.interactive_rank_groups(world_size=8, tp=2, pp=2) is None
+    (bundle,) = [a[0] for a, k in shown if k.get("raw")]
+    assert bundle["text/plain"] == WIDGET_HINT
+    assert "model_id" in bundle["application/vnd.jupyter.widget-view+json"]
+    assert "n = 8 = t*p*c*d = 2*2*1*2" in capsys.readouterr().out    # drawn once, at the start
+    lab = pathlib.Path(__file__).parent.parent / "labs" / "01_rank_groups.ipynb"
+    (cell,) = [c for c in json.loads(lab.read_text())["cells"]
+               if "viz.interactive_rank_groups(" in "".join(c["source"])]
+    assert ["".join(o["data"]["text/plain"]) for o in cell["outputs"]] == [WIDGET_HINT]
