@@ -38,7 +38,44 @@ from mpu_lab.launcher.diagnosis import (
 from mpu_lab.launcher.paths import LAUNCH_DIR, REPO_ROOT, RESULT_DIR_ENV
 from mpu_lab.launcher.process_tree import _alive, descendants, kill_tree
 
-_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
+_MARK = re.compile(r"\[rank(\d+)\]:")
+
+
+class RankLines:
+    """torchrun's output (``--tee``, each line prefixed ``[rankN]:``) split back into each rank's
+    lines. torchrun copies a worker's output file as it grows: a line the worker had only half
+    written comes out prefixed, without its end, and the next rank's prefix follows on the same
+    line (``[rank1]:ab[rank0]:whole line``). :meth:`feed` keeps such a half line until the rest
+    of it arrives (``[rank1]:c``) and returns complete ``(rank, text)`` lines; a line with no
+    prefix (torchrun's own) has rank ``None``."""
+
+    def __init__(self):
+        self._pending: Dict[int, str] = {}
+
+    def feed(self, raw: str) -> List[Tuple[Optional[int], str]]:
+        complete = raw.endswith("\n")
+        text = raw[:-1] if complete else raw
+        marks = list(_MARK.finditer(text))
+        out: List[Tuple[Optional[int], str]] = []
+        if not marks:
+            return [(None, text)] if complete or text else []
+        if marks[0].start() > 0:
+            out.append((None, text[:marks[0].start()]))
+        for i, m in enumerate(marks):
+            rank = int(m.group(1))
+            end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
+            piece = self._pending.pop(rank, "") + text[m.end():end]
+            if i + 1 < len(marks) or not complete:
+                self._pending[rank] = piece          # a half line: its end comes later
+            else:
+                out.append((rank, piece))
+        return out
+
+    def flush(self) -> List[Tuple[Optional[int], str]]:
+        """The half lines still waiting when the job ended, as lines."""
+        out = sorted(self._pending.items())
+        self._pending.clear()
+        return [(rank, text) for rank, text in out]
 
 
 class LaunchError(RuntimeError):
@@ -229,6 +266,7 @@ def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600
     command = torchrun_command(path, args, nproc, str(log_dir), python)
 
     lines: List[Tuple[Optional[int], str]] = []
+    splitter = RankLines()
     start = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, env=child_env, cwd=cwd, start_new_session=True)
@@ -252,17 +290,16 @@ def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600
                 raw = q.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 continue
+            got = splitter.flush() if raw is None else splitter.feed(raw)
+            for rank, text in got:
+                lines.append((rank, text))
+                if show == "live":
+                    print(f"[rank{rank}] {text}" if rank is not None else text, flush=True)
+                if on_line is not None:
+                    on_line(rank, text)
             if raw is None:
                 done = True
                 break
-            text = raw.rstrip("\n")
-            m = _PREFIX.match(text)
-            rank, text = (int(m.group(1)), m.group(2)) if m else (None, text)
-            lines.append((rank, text))
-            if show == "live":
-                print(f"[rank{rank}] {text}" if rank is not None else text, flush=True)
-            if on_line is not None:
-                on_line(rank, text)
         if not timed_out:
             proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
     except subprocess.TimeoutExpired:
