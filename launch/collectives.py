@@ -1,9 +1,11 @@
-"""Megatron's tensor-parallel unit tests, run for real on 8 ranks.
+"""mpu_lab's tensor-parallel operators on 8 real ranks, checked against the expected values of
+Megatron-LM's tensor-parallel unit tests (tests/unit_tests/tensor_parallel,
+https://github.com/NVIDIA/Megatron-LM/tree/core_v0.16.0/tests/unit_tests/tensor_parallel).
 
     torchrun --standalone --nproc-per-node 8 launch/collectives.py --test all
 
-Pick tests by name (``--test copy reduce`` ...) or, as the Megatron TP notebook does, with
-environment switches::
+Pick tests by name (``--test copy reduce`` ...) or with ``TEST_*`` environment switches (the
+way a common walkthrough of those tests runs them)::
 
     TEST_BROAD=1 TEST_COPY=1 torchrun --standalone --nproc-per-node 8 launch/collectives.py
 
@@ -166,7 +168,7 @@ TESTS = {
 
 
 def selected_tests(argv=None):
-    parser = argparse.ArgumentParser(description="Megatron's tensor-parallel unit tests on 8 ranks")
+    parser = argparse.ArgumentParser(description="mpu_lab's operators against the expected values of Megatron's tensor-parallel unit tests, on 8 ranks")
     parser.add_argument("--test", nargs="+", metavar="NAME", choices=[*TESTS, "all"],
                         help=f"tests to run: {', '.join(TESTS)} or all (default: the TEST_* "
                              f"switches that are set, else all)")
