@@ -55,7 +55,7 @@ def seeded(shape, seed, device):
 def column_case(args, name, step, gather_output=True, skip_bias_add=False, stride=1):
     t, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     dev = distributed.get_device()
-    out_size = args.output_size * stride                 # a fused [Q; K; V] is stride x wider
+    out_size = args.output_size * stride                 # a weight of `stride` parts stored one after another ([W_gate; W_up]: 2) is stride x wider
     torch.manual_seed(args.seed + step)                  # same master weight on every rank
     layer = tp.ColumnParallelLinear(args.input_size, out_size, gather_output=gather_output,
                                     skip_bias_add=skip_bias_add, stride=stride,
@@ -195,7 +195,7 @@ def main(argv=None):
     parser.add_argument("--input-size", type=int, default=1024)
     parser.add_argument("--output-size", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--stride", type=int, default=3, help="fused parts (3 for [Q; K; V])")
+    parser.add_argument("--stride", type=int, default=3, help="parts stored one after another (2 for a SwiGLU [W_gate; W_up]; 3 for the 2019 [Q; K; V])")
     parser.add_argument("--steps", type=int, default=1, help="random batches per variant")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)

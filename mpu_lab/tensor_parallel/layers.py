@@ -112,7 +112,8 @@ def _initialize_affine_weight_cpu(weight: torch.Tensor, output_size: int, input_
                                   params_dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
     """Build the full ``(output_size, input_size)`` master weight, keep this rank's slice.
 
-    ``stride > 1`` is for fused weights (e.g. ``[Q; K; V]`` with ``stride=3``): the master is
+    ``stride > 1`` is for weights stored one part after another (Megatron-core's SwiGLU
+    ``[W_gate; W_up]`` with ``stride=2``; the 2019 layout ``[Q; K; V]`` with ``stride=3``): the master is
     cut into pieces of ``per_partition_size // stride`` along ``partition_dim`` and rank ``r``
     keeps pieces ``r, r + t, r + 2t, ...`` — its slice of Q, of K and of V.
     """

@@ -139,7 +139,8 @@ def _live_case(learner: Callable) -> Outcome:
     answers, bad = _learner_groups(learner, n, tp, pp, label)
     ref = parallel_state.generate_rank_groups(n, tp, pp)
     outcomes: Dict[str, Outcome] = {}
-    mine = torch.zeros(len(FAMILIES), n, dtype=torch.int64)      # row f: my group as a mask
+    # row f: my group as a mask, filled on the host and moved to the rank's device to be gathered
+    mine = torch.zeros(len(FAMILIES), n, dtype=torch.int64, device="cpu")  # cpu: filled here
     for i, fam in enumerate(FAMILIES):
         if bad is None:
             outcomes[fam] = _group_of(rank, answers[fam], ref[fam],

@@ -83,12 +83,16 @@ def _row_inputs(params: Dict[str, Any], tp: int, tp_rank: int, dp_rank: int):
     """CPU tensors of one case: the master weight [out, in] and bias [out] (the same on every
     rank), this replica's X (the whole [..., in], or this rank's block of it) and dL/dY."""
     input_size, output_size = _row_sizes(params, tp)
+    # Drawn from CPU generators, so every rank and device gets the same numbers; the caller
+    # moves them to the rank's device.
     common = torch.Generator().manual_seed(params["seed"])
-    master = torch.randn(output_size, input_size, generator=common) / input_size ** 0.5
-    bias = 1.0 + torch.rand(output_size, generator=common)    # in [1, 2): visible when doubled
+    master = torch.randn(output_size, input_size, generator=common,
+                         device="cpu") / input_size ** 0.5  # cpu: CPU generator
+    bias = 1.0 + torch.rand(output_size, generator=common, device="cpu")  # cpu: in [1, 2)
     mine = torch.Generator().manual_seed(params["seed"] + 1000 * (dp_rank + 1))   # per replica
-    x = torch.randn(*params["batch"], input_size, generator=mine)
-    grad_y = torch.randn(*params["batch"], output_size, generator=mine)
+    x = torch.randn(*params["batch"], input_size, generator=mine, device="cpu")  # cpu: as above
+    grad_y = torch.randn(*params["batch"], output_size, generator=mine,
+                         device="cpu")  # cpu: CPU generator
     if params["input_is_parallel"]:
         x = x.chunk(tp, dim=-1)[tp_rank]
     return master, (bias if params["bias"] else None), x, grad_y
