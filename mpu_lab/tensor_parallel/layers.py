@@ -113,9 +113,9 @@ def _initialize_affine_weight_cpu(weight: torch.Tensor, output_size: int, input_
     """Build the full ``(output_size, input_size)`` master weight, keep this rank's slice.
 
     ``stride > 1`` is for weights stored one part after another (Megatron-core's SwiGLU
-    ``[W_gate; W_up]`` with ``stride=2``; the 2019 layout ``[Q; K; V]`` with ``stride=3``): the master is
-    cut into pieces of ``per_partition_size // stride`` along ``partition_dim`` and rank ``r``
-    keeps pieces ``r, r + t, r + 2t, ...`` — its slice of Q, of K and of V.
+    ``[W_gate; W_up]`` with ``stride=2``; the 2019 layout ``[Q; K; V]`` with ``stride=3``):
+    the master is cut into pieces of ``per_partition_size // stride`` along ``partition_dim``
+    and rank ``r`` keeps pieces ``r, r + t, r + 2t, ...`` — its slice of each part.
     """
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), \
