@@ -42,6 +42,16 @@ collective) under ``"breakdown"``; ``mpu_lab.perf.breakdown.format_breakdown`` t
 ``--breakdown-profile DIR`` also runs the timed steps under ``torch.profiler`` and writes a
 Chrome trace per rank to DIR.
 
+Debugging (lab 09): ``--inject-fault KIND[:RANK[:ITERATION]]`` makes one rank misbehave on
+purpose (hang, skip-collective, mismatched-shape, wrong-group, crash, pp-deadlock, divergence,
+fp16-overflow; ``mpu_lab.training.faults.FAULT_KINDS`` says what each does), and
+``--dense-twin`` has rank 0 train the dense TP=1 twin from the run's initial weights too and
+report its losses, for ``faults.compare_with_dense_twin``::
+
+    job = mpu_lab.launcher.run("train_gpt.py", ["--inject-fault", "divergence:1:3",
+                               "--dense-twin", "--train-iters", "6", "--log-interval", "1"], nproc=2)
+    print(faults.compare_with_dense_twin(job.results[0], job.results[0]["dense_losses"]))
+
 The flags are checked before anything starts (``PRECHECK`` below, which runs
 ``mpu_lab.training.validate_args``);
 ``launch/train_gpt.sh`` shows the lecture's ``GPT_ARGS``. ``--pipeline-schedule`` is this
@@ -49,6 +59,7 @@ project's flag (Megatron picks 1F1B, or interleaved when
 ``--num-layers-per-virtual-pipeline-stage`` is given, and has no GPipe); the default follows
 Megatron's rule.
 """
+import os
 import sys
 
 from mpu_lab import distributed, launcher, training
@@ -61,11 +72,14 @@ PRECHECK = "mpu_lab.training.arguments:check_launch_args"
 def main(argv=None):
     args = training.parse_args(argv)
     # Check the flags first (pure): a bad configuration fails here, naming the numbers.
-    import os
     training.validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     distributed.init()
-    metrics, state = training.pretrain(args=args)
+    state = training.setup(args)
+    weights = training.dense_twin_weights(state) if args.dense_twin else None
+    metrics = training.train(state)
     result = {"metrics": metrics, "iteration": state.iteration}
+    if weights is not None:   # rank 0, --dense-twin
+        result["dense_losses"] = training.dense_twin_losses(args, weights)
     if args.record_timeline:
         result["timeline"] = training.schedule_timeline_report()
     if getattr(state, "step_timer", None) is not None:   # --breakdown[-barrier|-profile]

@@ -6,7 +6,8 @@
 data-parallel, sequence-parallel and tied-embedding gradient reductions),
 :mod:`~mpu_lab.training.initialize` (``get_model``, ``setup``, ``get_batch``),
 :mod:`~mpu_lab.training.training` (``megatron/training/training.py``: ``train_step``,
-``train``, ``pretrain``) and :mod:`~mpu_lab.training.dense_twin` (the single-process twin);
+``train``, ``pretrain``) and :mod:`~mpu_lab.training.dense_twin` (the single-process twin); :mod:`~mpu_lab.training.faults`
+injects faults on purpose (``--inject-fault``, lab 09) and compares a run with its twin;
 AdamW, clipping and the fp16 loss scale are in :mod:`mpu_lab.optimizer`.
 
 Data parallelism at PP=1 is torch's ``DistributedDataParallel`` on the data-parallel group,
@@ -39,6 +40,14 @@ from mpu_lab.training.arguments import (
     vocab_padding_message,
 )
 from mpu_lab.training.dense_twin import train_dense_twin
+from mpu_lab.training.faults import (
+    FAULT_KINDS,
+    Fault,
+    TwinVerdict,
+    check_fault,
+    compare_with_dense_twin,
+    parse_fault,
+)
 from mpu_lab.training.finalize_model_grads import (
     _ddp_counted_allreduce_hook,
     allreduce_data_parallel_grads,
@@ -51,6 +60,8 @@ from mpu_lab.training.training import (
     _microbatches,
     _optimizer_step,
     _sync,
+    dense_twin_losses,
+    dense_twin_weights,
     forward_step,
     masked_mean_loss,
     pretrain,
@@ -68,4 +79,6 @@ __all__ = [
     "TrainState", "model_chunks_of", "get_model", "setup", "get_batch", "train_step",
     "train_step_pipelined", "forward_step", "masked_mean_loss", "schedule_timeline_report",
     "train", "pretrain", "train_dense_twin", "init_single_process", "StepTimer",
+    "dense_twin_weights", "dense_twin_losses", "FAULT_KINDS", "Fault", "TwinVerdict",
+    "parse_fault", "check_fault", "compare_with_dense_twin",
 ]

@@ -18,6 +18,13 @@ from mpu_lab.datasets import BYTE_VOCAB_SIZE, check_text_file
 from mpu_lab.models.gpt import pad_vocab_size
 from mpu_lab.models.transformer import TransformerConfig
 from mpu_lab.pipeline_parallel import validate_pipeline_args
+from mpu_lab.training.faults import (
+    DEFAULT_ITERATION,
+    DEFAULT_RANK,
+    FAULT_KINDS,
+    check_fault,
+    parse_fault,
+)
 from mpu_lab.utils import divisors
 
 
@@ -103,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a checkpoint folder, or a folder of iter_XXXXXXX checkpoints (latest)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g = p.add_argument_group("debugging (lab 09)")
+    g.add_argument("--inject-fault", default=None, metavar="KIND[:RANK[:ITERATION]]",
+                   help="make one rank misbehave on purpose (mpu_lab.training.faults): "
+                        + ", ".join(FAULT_KINDS) + f"; RANK default {DEFAULT_RANK}, the "
+                        f"1-based ITERATION default {DEFAULT_ITERATION}")
+    g.add_argument("--dense-twin", action="store_true",
+                   help="rank 0 also trains the dense TP=1 twin from the run's initial weights "
+                        "and reports its per-iteration losses under \"dense_losses\" "
+                        "(faults.compare_with_dense_twin)")
     return p
 
 
@@ -227,6 +243,14 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
                          f"{args.make_vocab_size_divisible_by}: the vocabulary is padded to a "
                          f"multiple of it x TP ({tp}); use 1 for no padding, or Megatron's 128")
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
+
+    inject = getattr(args, "inject_fault", None)
+    args.fault = parse_fault(inject) if inject else None
+    if args.fault is not None:
+        check_fault(args.fault, args)
+    if getattr(args, "dense_twin", False) and args.load:
+        raise ValueError(f"--dense-twin starts the twin from the run's initial weights; it "
+                         f"cannot follow a run resumed with --load {args.load}")
 
     if check_load and args.load:
         # complete and compatible; the files' sums are checked once by check_launch_args

@@ -29,7 +29,11 @@ from mpu_lab.pipeline_parallel import (
     unwrap_model,
 )
 from mpu_lab.timers import StepTimer
-from mpu_lab.training.arguments import parse_args, validate_args
+from mpu_lab.checkpointing import gather_model_state_dict
+from mpu_lab.models import PlainGPT
+from mpu_lab.training import faults
+from mpu_lab.training.arguments import model_config, parse_args, validate_args
+from mpu_lab.training.dense_twin import train_dense_twin
 from mpu_lab.training.finalize_model_grads import finalize_grads
 from mpu_lab.training.initialize import TrainState, get_batch, setup
 
@@ -40,11 +44,17 @@ def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> t
     return (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
 
 
-def _average_over_data_parallel(loss: torch.Tensor) -> torch.Tensor:
+def _average_over_data_parallel(loss: torch.Tensor, fault: Optional[faults.Fault] = None
+                                ) -> torch.Tensor:
     """The global batch's loss from this replica's mean over its micro-batches: the mean over
-    the data-parallel group (tag ``logging``)."""
+    the data-parallel group (tag ``logging``). ``fault``: this rank's injected fault of the
+    step (:mod:`~mpu_lab.training.faults`), if any."""
     dp_group = parallel_state.get_data_parallel_group()
     if comm.group_size(dp_group) > 1:
+        if fault is not None and fault.kind == "skip-collective":
+            return loss                                  # injected: no all-reduce on this rank
+        if fault is not None and fault.kind == "mismatched-shape":
+            loss = torch.stack([loss, torch.ones_like(loss)])   # injected: 2 elements, not 1
         with comm.comm_tag("logging"):
             loss = comm.all_reduce(loss, group=dp_group) / comm.group_size(dp_group)
     return loss
@@ -59,6 +69,15 @@ def _step_output(state: TrainState, loss, grad_norm: float, lr: float, skipped: 
     return out
 
 
+def _loss_scale(state: TrainState, fault: Optional[faults.Fault]) -> float:
+    """The factor this step's loss is multiplied by before backward: the fp16 loss scale
+    (1 without ``--fp16``); an injected fp16-overflow multiplies it by 2^64 on its rank."""
+    scale = state.scaler.scale if state.scaler else 1.0
+    if fault is not None and fault.kind == "fp16-overflow":
+        scale *= faults.OVERFLOW_FACTOR
+    return scale
+
+
 def _autocast(args, device):
     if args.bf16:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -67,13 +86,15 @@ def _autocast(args, device):
     return contextlib.nullcontext()
 
 
-def _optimizer_step(args, state, params):
+def _optimizer_step(args, state, params, fault: Optional[faults.Fault] = None):
     """Unscale (fp16), clip over the model-parallel group, step, advance the schedule.
 
     Returns ``(lr, grad_norm, skipped)``; ``grad_norm`` is NaN when fp16 overflow skipped
     the step.
     """
     mp_group = parallel_state.get_model_parallel_group()
+    if fault is not None and fault.kind == "wrong-group":
+        mp_group = parallel_state.get_data_parallel_group()   # injected: the wrong group
     skipped = False
     if state.scaler:
         skipped = state.scaler.unscale_and_check(params, mp_group)
@@ -96,10 +117,12 @@ def train_step(state: TrainState) -> Dict[str, float]:
         return train_step_pipelined(state)
     args, model, ddp_model = state.args, state.model, state.ddp_model
     device = distributed.get_device()
+    fault = faults.active(state)
+    faults.at_step_start(state)
     model.train()
     state.optimizer.zero_grad(set_to_none=True)
     M = args.num_micro_batches
-    scale = state.scaler.scale if state.scaler else 1.0
+    scale = _loss_scale(state, fault)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for m in range(M):
         batch = get_batch(state, state.iteration, m)
@@ -114,10 +137,11 @@ def train_step(state: TrainState) -> Dict[str, float]:
         comm.clear_backward_tag()
         loss_sum += loss.detach()
     finalize_grads(model)
+    faults.after_backward(state)
     params = [p for p in model.parameters() if p.requires_grad]
-    lr, grad_norm, skipped = _optimizer_step(args, state, params)
+    lr, grad_norm, skipped = _optimizer_step(args, state, params, fault)
     # Loss of the global batch: mean over micro-batches, then over the data-parallel group.
-    loss = _average_over_data_parallel(loss_sum / M)
+    loss = _average_over_data_parallel(loss_sum / M, fault)
     return _step_output(state, loss, grad_norm, lr, skipped)
 
 
@@ -161,10 +185,12 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
     is broadcast over the pipeline so every rank returns it."""
     args, chunks = state.args, state.model_chunks
     device = distributed.get_device()
+    fault = faults.active(state)
+    faults.at_step_start(state)
     for chunk in chunks:
         chunk.train()
     state.optimizer.zero_grad(set_to_none=True)
-    scale = state.scaler.scale if state.scaler else 1.0
+    scale = _loss_scale(state, fault)
     iterators = [_microbatches(state, state.iteration, chunk) for chunk in chunks]
     forward_backward = get_forward_backward_func(args.pipeline_schedule)
     store = forward_backward(
@@ -177,13 +203,14 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
     comm.clear_backward_tag()
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     finalize_grads(chunks, data_parallel_params=params)
-    lr, grad_norm, skipped = _optimizer_step(args, state, params)
+    faults.after_backward(state)
+    lr, grad_norm, skipped = _optimizer_step(args, state, params, fault)
     # The loss of the global batch: on the last stage the mean over micro-batches, averaged
     # over the data-parallel group; then sent from the last stage to the whole pipeline.
     loss = torch.zeros((), dtype=torch.float32, device=device)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         loss += average_losses_across_microbatches(store)["lm_loss"]
-        loss = _average_over_data_parallel(loss)
+        loss = _average_over_data_parallel(loss, fault)
     with comm.comm_tag("logging"):
         loss = comm.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                               group=parallel_state.get_pipeline_model_parallel_group())
@@ -242,7 +269,8 @@ def train(state: TrainState, train_iters: Optional[int] = None,
                               grad_norm=step["grad_norm"], lr=step["lr"], iteration_time_s=dt,
                               tokens_per_s=tokens_per_iteration / dt,
                               consumed_samples=it * args.global_batch_size,
-                              skipped_iterations=state.skipped_iterations)
+                              skipped_iterations=state.skipped_iterations,
+                              skipped_iter=bool(step["skipped"]))
                 if "loss_scale" in step:
                     record["loss_scale"] = step["loss_scale"]
                 logged.append(record)
@@ -265,6 +293,28 @@ def train(state: TrainState, train_iters: Optional[int] = None,
         if metrics_out:
             metrics_out.close()
     return logged
+
+
+def dense_twin_weights(state: TrainState) -> Optional[Dict[str, torch.Tensor]]:
+    """The run's full TP=1 weights, on global rank 0 (None on the others): collective over
+    the tensor- and pipeline-parallel groups, so every rank calls it (before training, for
+    the twin to start where the run starts)."""
+    pipeline = state.args.pipeline_model_parallel_size > 1
+    weights = gather_model_state_dict(state.model_chunks if pipeline else state.model,
+                                      pipeline=pipeline)
+    return weights if dist.get_rank() == 0 else None
+
+
+def dense_twin_losses(args: argparse.Namespace, weights: Dict[str, torch.Tensor],
+                      iterations: Optional[int] = None) -> List[float]:
+    """The per-iteration losses of the run's dense twin: a
+    :class:`~mpu_lab.models.PlainGPT` holding ``weights`` (:func:`dense_twin_weights`),
+    trained in this process like the run (:func:`~mpu_lab.training.dense_twin.train_dense_twin`);
+    what :func:`~mpu_lab.training.faults.compare_with_dense_twin` compares with."""
+    twin = PlainGPT.from_config(model_config(args), args.padded_vocab_size,
+                                args.max_position_embeddings)
+    twin.load_state_dict(weights)
+    return train_dense_twin(args, twin, args.train_iters if iterations is None else iterations)
 
 
 def pretrain(argv: Optional[Sequence[str]] = None, args: Optional[argparse.Namespace] = None,
