@@ -1,6 +1,7 @@
 """Lab 05's checks: the lecture's shape table on one rank, the tensor-parallel sizes a layer
-accepts, a layer's collectives per step, Korthikanti et al.'s activation memory, and the
-write-the-code exercise :data:`VOCAB_PARALLEL_CE` (the vocab-parallel cross entropy's three
+accepts, a layer's collectives per step (:func:`mpu_lab.models.expected_layer_counts`: with
+sequence parallelism Megatron's re-gather of each column-parallel input in backward included),
+Korthikanti et al.'s activation memory, and the write-the-code exercise :data:`VOCAB_PARALLEL_CE` (the vocab-parallel cross entropy's three
 all-reduces, graded on a live world)."""
 from __future__ import annotations
 
@@ -80,51 +81,8 @@ def check_layer_collectives(answer: Any, sequence_parallel: bool, tp: int = 2) -
                     f"(all-reduces, all-gathers, reduce-scatters), forward and backward together.",
                     f"{answer!r} is not it. Hint: count the f and g of both blocks, forward and "
                     f"backward; with sequence parallelism f becomes an all-gather and g a "
-                    f"reduce-scatter, and each one's backward is the other.")
-
-
-# Megatron-core's transformer layer holds two column-parallel linears (the fused QKV, fc1) and
-# two row-parallel ones (the attention projection, fc2). Without sequence parallelism f before a
-# column-parallel linear all-reduces in backward and g after a row-parallel one in forward. With
-# it (Korthikanti et al. 2022, §4.2.2) f all-gathers forward and reduce-scatters backward, g
-# reduce-scatters forward and all-gathers backward, and each column-parallel linear keeps only
-# its [s/t, b, h] block of the input and all-gathers it again in backward for its weight
-# gradient (LinearWithGradAccumulationAndAsyncCommunication.backward, Megatron-core's
-# tensor_parallel/layers.py): one more all-gather per column-parallel linear.
-COLUMN_PARALLEL_LINEARS = ROW_PARALLEL_LINEARS = 2
-
-
-def megatron_layer_collectives(sequence_parallel: bool, tp: int = 2) -> dict:
-    """Megatron-core's collectives of one transformer layer per step, by direction (the
-    comment above), in the shape of :func:`mpu_lab.models.expected_layer_counts`."""
-    if tp == 1:
-        return {"forward": {}, "backward": {}}
-    c, r = COLUMN_PARALLEL_LINEARS, ROW_PARALLEL_LINEARS
-    if not sequence_parallel:
-        return {"forward": {"all_reduce": r}, "backward": {"all_reduce": c}}
-    return {"forward": {"all_gather": c, "reduce_scatter": r},
-            "backward": {"all_gather": r + c, "reduce_scatter": c}}
-
-
-def check_megatron_layer_collectives(answer: Any, sequence_parallel: bool = True,
-                                     tp: int = 2) -> Verdict:
-    """Collectives of one Megatron-core transformer layer per training step, forward plus
-    backward, ``(all_reduces, all_gathers, reduce_scatters)``, the re-gather of each
-    column-parallel input under sequence parallelism included."""
-    if _unanswered(answer, "a triple (all_reduces, all_gathers, reduce_scatters)"):
-        return Verdict(False)
-    counts = megatron_layer_collectives(sequence_parallel, tp)
-    expected = [_collective_total(counts, k) for k in ("all_reduce", "all_gather", "reduce_scatter")]
-    given = _as_int_list(answer)
-    mode = "with" if sequence_parallel else "without"
-    return _verdict(given == expected,
-                    f"{mode} sequence parallelism a Megatron-core layer issues {tuple(expected)} "
-                    f"per step (all-reduces, all-gathers, reduce-scatters), forward and backward "
-                    f"together.",
-                    f"{answer!r} is not it. Hint: count f and g of both blocks, forward and "
-                    f"backward (with sequence parallelism f is an all-gather, g a reduce-scatter, "
-                    f"and each one's backward is the other), then the all-gathers that re-gather "
-                    f"the column-parallel inputs in backward.")
+                    f"reduce-scatter, each one's backward is the other, and in backward each "
+                    f"column-parallel layer all-gathers its input again for its weight gradient.")
 
 
 def check_activation_memory_mib(answer: Any, s: int, b: int, h: int, a: int, t: int = 1,

@@ -38,7 +38,7 @@ def _layer_block(ax, tp: int, sequence_parallel: bool, block: str) -> None:
     else:
         lanes = [("x W^1_{i}  (col.)", "[s, b, 4h/t]"), ("GeLU", "elementwise"),
                  ("A'_{i} W^2_{i}  (row)", "[s, b, h] partial")]
-    f_name, f_sub = (("AG", "all-gather along s\nbwd: reduce-scatter") if sequence_parallel
+    f_name, f_sub = (("AG", "all-gather along s\nbwd: AG again + RS") if sequence_parallel
                      else ("f", "fwd: identity\nbwd: all-reduce"))
     g_name, g_sub = (("RS", "reduce-scatter along s\nbwd: all-gather") if sequence_parallel
                      else ("g", "fwd: all-reduce\nbwd: identity"))
@@ -76,7 +76,8 @@ def _layer_block_bottom(tp: int) -> float:
 def plot_transformer_layer(tp: int = 2, sequence_parallel: bool = False) -> Figure:
     """One GPT layer under tensor parallelism (Megatron-LM Fig. 3; Korthikanti et al. Fig. 5
     with ``sequence_parallel``): the attention block and the MLP block, one lane per
-    tensor-parallel rank, with the two collectives of each block."""
+    tensor-parallel rank, with the two collectives of each block (under sequence parallelism the
+    all-gather's backward also gathers the layer's input again, §4.2.2)."""
     panel = 0.8 * tp + 0.05 - _layer_block_bottom(tp)       # drawing units; ~0.93 inch each
     fig = _figure(12.5, 2 * (0.93 * panel + 0.4))
     axes = fig.subplots(2, 1)
@@ -85,8 +86,8 @@ def plot_transformer_layer(tp: int = 2, sequence_parallel: bool = False) -> Figu
     if sequence_parallel:
         titles = (f"Attention block, t = {tp}, sequence parallel: LayerNorm on the rank's s/t "
                   f"tokens; all-gather before the QKV projection, reduce-scatter after W^O",
-                  "MLP block: all-gather before fc1, reduce-scatter after fc2 "
-                  "(4 collectives forward, 4 backward per layer)")
+                  "MLP block: all-gather before fc1, reduce-scatter after fc2 (per layer: 4 "
+                  "collectives forward, 6 backward with the inputs' re-gathers)")
     else:
         titles = (f"Attention block, t = {tp}: each rank computes n_H/t whole heads; f before "
                   f"the column-parallel QKV, g after the row-parallel W^O",
