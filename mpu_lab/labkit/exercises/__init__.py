@@ -33,6 +33,7 @@ from mpu_lab.labkit.exercises.lab04 import (
     group_sum_of_ranks,
 )
 from mpu_lab.labkit.exercises.lab05 import (
+    VOCAB_PARALLEL_CE,
     check_activation_memory_mib,
     check_layer_collectives,
     check_layer_shape,
@@ -40,7 +41,7 @@ from mpu_lab.labkit.exercises.lab05 import (
     lecture_shapes,
     valid_tensor_parallel_sizes,
 )
-from mpu_lab.labkit.exercises.lab06 import check_bubble_share, check_peak_in_flight
+from mpu_lab.labkit.exercises.lab06 import ONE_F_ONE_B, check_bubble_share, check_peak_in_flight
 from mpu_lab.labkit.exercises.lab07 import check_micro_batches, check_padded_vocab
 from mpu_lab.labkit.exercises.lab08 import (
     check_best_config,

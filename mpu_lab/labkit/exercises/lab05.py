@@ -1,8 +1,9 @@
 """Lab 05's checks: the lecture's shape table on one rank, the tensor-parallel sizes a layer
 accepts, a layer's collectives per step (:func:`mpu_lab.models.expected_layer_counts`: with
 sequence parallelism Megatron's re-gather of each column-parallel input in backward included),
-Korthikanti et al.'s activation memory, and the write-the-code exercise :data:`VOCAB_PARALLEL_CE` (the vocab-parallel cross entropy's three
-all-reduces, graded on a live world)."""
+Korthikanti et al.'s activation memory, and the write-the-code exercise
+:data:`VOCAB_PARALLEL_CE` (the vocab-parallel cross entropy's three all-reduces, graded on a
+live world)."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
@@ -128,7 +129,8 @@ def ce_inputs(params: dict, tp: int, dp_rank: int):
     n, per_rank = params["tokens"], params["vocab_per_rank"]
     vocab = per_rank * tp
     gen = torch.Generator().manual_seed(1000 + 17 * dp_rank + n)
-    logits = params.get("offset", 0.0) + params.get("scale", 3.0) * torch.randn(n, vocab, generator=gen)
+    noise = torch.randn(n, vocab, generator=gen)
+    logits = params.get("offset", 0.0) + params.get("scale", 3.0) * noise
     return logits, _ce_targets(params["targets"], n, vocab, per_rank, dp_rank)
 
 
