@@ -16,8 +16,12 @@ live playground world (:mod:`~mpu_lab.labkit.exercises.grader`). One module per 
 """
 from mpu_lab.labkit.exercises.common import EMPTY, RIGHT, WRONG, Verdict, summarize
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, grade
-from mpu_lab.labkit.exercises.lab01 import check_crossing_count, check_group_of_rank
-from mpu_lab.labkit.exercises.lab02 import check_column_weight_shape, check_strided_rows
+from mpu_lab.labkit.exercises.lab01 import RANK_GROUPS, check_crossing_count, check_group_of_rank
+from mpu_lab.labkit.exercises.lab02 import (
+    COLUMN_FORWARD,
+    check_column_weight_shape,
+    check_strided_rows,
+)
 from mpu_lab.labkit.exercises.lab03 import (
     MLP_ALL_REDUCES,
     ROW_FORWARD,
@@ -26,6 +30,8 @@ from mpu_lab.labkit.exercises.lab03 import (
     row_forward_exercise,
 )
 from mpu_lab.labkit.exercises.lab04 import (
+    F_EXERCISE,
+    G_EXERCISE,
     check_all_reduce_of_ranks,
     check_gather_split,
     check_megatron_expectations,
@@ -60,6 +66,9 @@ from mpu_lab.labkit.exercises.playground import (
 __all__ = [
     "RIGHT", "WRONG", "EMPTY", "Verdict", "summarize",
     "grade", "Exercise", "Case", "Outcome", "compare",
+    # write-the-code exercises, graded by grade(...) on a playground world
+    "RANK_GROUPS", "COLUMN_FORWARD", "ROW_FORWARD", "row_forward_exercise", "F_EXERCISE",
+    "G_EXERCISE", "VOCAB_PARALLEL_CE", "ONE_F_ONE_B",
     "check_group_of_rank", "check_crossing_count",
     "check_column_weight_shape", "check_strided_rows",
     "check_row_weight_shape", "MLP_ALL_REDUCES", "check_mlp_all_reduces",

@@ -243,9 +243,14 @@ def _timeout_verdict(exc: CollectiveTimeout, case: Case, exercise: Exercise, wor
         where = _learner_line(o.traceback, learners)
         instead.append(f"rank {r} raised {o.error.splitlines()[0]}" + (f" ({where.strip()})"
                                                                        if where else ""))
-    print(f"{WRONG} on input '{case.name}' {_ranks_text(exc.waiting)} waited "
-          f"{world.timeout_s:g} s in a collective that {_ranks_text(exc.missing)} never "
-          f"entered ({'; '.join(instead) or 'they called different collectives'}): every rank "
+    if exc.missing:
+        why = "; ".join(instead) or "they called different collectives"
+        stuck = (f"waited {world.timeout_s:g} s in a collective that "
+                 f"{_ranks_text(exc.missing)} never entered ({why})")
+    else:        # everyone waited: a deadlock, or each rank in a different call
+        stuck = (f"each waited {world.timeout_s:g} s in a collective or send/receive that its "
+                 f"peers never joined (a deadlock, or different calls on different ranks)")
+    print(f"{WRONG} on input '{case.name}' {_ranks_text(exc.waiting)} {stuck}: every rank "
           f"of a group must make the same collective calls, on the same group, in the same "
           f"order. (The world was restarted.)\nHint: {exercise.hint}")
 
