@@ -172,7 +172,8 @@ def plot_bandwidth(rows: Sequence[dict], title: str = "") -> Figure:
 def plot_published_runs(rows: Sequence[dict], band: float = 0.15, title: str = "") -> Figure:
     """Published runs, predicted vs reported (rows of
     :func:`mpu_lab.perf.published_runs.published_runs_comparison`): left, both TFLOP/s per GPU per
-    run; right, the relative error against a ``±band`` corridor. Calibration runs are hatched."""
+    run, each in its source's FLOP count (:data:`mpu_lab.perf.published_runs.FLOP_CONVENTIONS`);
+    right, the relative error against a ``±band`` corridor. Calibration runs are hatched."""
     fig = _figure(10.5, 0.32 * len(rows) + 1.4)
     fig.set_layout_engine("constrained")
     left, right = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [1.6, 1]})
@@ -188,7 +189,7 @@ def plot_published_runs(rows: Sequence[dict], band: float = 0.15, title: str = "
                           else f"{r['name']} ({r['gpus']} {r['gpu'].upper()})" for r in rows],
                          fontsize=8)
     left.invert_yaxis()
-    left.set_xlabel("TFLOP/s per GPU")
+    left.set_xlabel("TFLOP/s per GPU, in each source's count (96 or 72 form)")
     left.legend(frameon=False, fontsize=8, loc="lower right")
     right.axvspan(-100 * band, 100 * band, color="#dddddd", label=f"±{band:.0%}")
     right.axvline(0, color="#333333", linewidth=1)
