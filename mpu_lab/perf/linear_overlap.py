@@ -81,3 +81,31 @@ def measure(col, row, x, dy, steps: int) -> dict:
             "backward_ms": round(1e3 * backward_s, 3),
             "events": [(what, round(1e3 * (t0 - start), 3), round(1e3 * (t1 - start), 3))
                        for what, t0, t1 in events]}
+
+
+def in_flight(events) -> list:
+    """``[(collective, [GEMMs that ran while it was in flight])]`` from one recorded backward:
+    a GEMM counts when it started after the collective was issued and ended before it was
+    known to be done. Serial mode gives empty lists."""
+    gemms = [e for e in events if e[0].startswith(("dX", "dW"))]
+    return [(what, [g[0] for g in gemms if start <= g[1] and g[2] <= end])
+            for what, start, end in events if not what.startswith(("dX", "dW"))]
+
+
+def format_in_flight(report: dict) -> str:
+    """One line per mode and collective: what computed while it was in flight."""
+    lines = []
+    for mode, v in report["modes"].items():
+        for what, during in in_flight(v["events"]):
+            lines.append(f"{mode:<8} {what:<18} in flight during: {', '.join(during) or 'nothing'}")
+    return "\n".join(lines)
+
+
+def format_saving(reports) -> str:
+    """Per rank: the median step overlapped and serial, and the share saved."""
+    lines = []
+    for r in reports:
+        over, serial = r["modes"]["overlap"]["step_ms"], r["modes"]["serial"]["step_ms"]
+        lines.append(f"rank {r['rank']}: overlapped {over:.1f} ms, serial {serial:.1f} ms "
+                     f"({100 * (serial - over) / serial:+.0f} % saved) on {r['device']}")
+    return "\n".join(lines)
