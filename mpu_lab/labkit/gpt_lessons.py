@@ -135,15 +135,17 @@ def repad_effect(checkpoint, flags: Sequence, tp: int, iteration: int) -> Dict[s
     vocabulary before and after, the rise predicted from the saved logits alone (each zero row
     adds a logit 0, so ``log(1 + new rows / sum exp(saved logits))`` per token), and the loss
     over the real ids only."""
-    args = training.validate_args(training.parse_args(
-        [str(f) for f in flags] + ["--tensor-model-parallel-size", str(tp)]), tp, check_load=False)
+    # One process, one replica (as every job of the lab: each runs TP ranks, so DP = 1); the
+    # padded size is the one TP=``tp`` gives, which need not be a valid layout for this model.
+    args = training.validate_args(training.parse_args([str(f) for f in flags]), 1,
+                                  check_load=False)
+    rows = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     saved = checkpointing.consolidate(checkpoint)
     table = saved[checkpointing.TIED_EMBEDDING]
     repadded = dict(saved)
-    repadded[checkpointing.TIED_EMBEDDING] = vocab_padding.repadded_rows(
-        table, 0, args.padded_vocab_size)
+    repadded[checkpointing.TIED_EMBEDDING] = vocab_padding.repadded_rows(table, 0, rows)
     V, before, after = args.vocab_size, _twin(args, saved), _twin(args, repadded)
-    out = dict(vocab_size=V, saved_rows=table.shape[0], rows=args.padded_vocab_size, tp=tp,
+    out = dict(vocab_size=V, saved_rows=table.shape[0], rows=rows, tp=tp,
                saved_tp=checkpointing.read_checkpoint_info(checkpoint)["tensor_model_parallel_size"])
     sums = {k: 0.0 for k in ("loss_before", "loss_after", "rise_predicted", "real_before",
                              "real_after", "logit_change")}
@@ -158,8 +160,8 @@ def repad_effect(checkpoint, flags: Sequence, tp: int, iteration: int) -> Dict[s
                 sums[f"loss_{key}"] += float((z.logsumexp(-1) - z.gather(-1, y).squeeze(-1)).mean())
                 zr = z[..., :V]
                 sums[f"real_{key}"] += float((zr.logsumexp(-1) - zr.gather(-1, y).squeeze(-1)).mean())
-            added = max(0, args.padded_vocab_size - table.shape[0])
-            kept = z0[..., :min(args.padded_vocab_size, table.shape[0])].logsumexp(-1)
+            added = max(0, rows - table.shape[0])
+            kept = z0[..., :min(rows, table.shape[0])].logsumexp(-1)
             if added:   # each zero row adds exp(0) = 1 to the softmax's denominator
                 kept = torch.logaddexp(kept, torch.full_like(kept, math.log(added)))
             sums["rise_predicted"] += float((kept - z0.logsumexp(-1)).mean())
@@ -167,7 +169,7 @@ def repad_effect(checkpoint, flags: Sequence, tp: int, iteration: int) -> Dict[s
                                        float((z1[..., :V] - z0[..., :V]).abs().max()))
     n = len(batches)
     out.update({k: (v if k == "logit_change" else v / n) for k, v in sums.items()})
-    out["counts"] = vocab_padding.row_counts(V, table.shape[0], args.padded_vocab_size)
+    out["counts"] = vocab_padding.row_counts(V, table.shape[0], rows)
     out["iteration"] = iteration
     return out
 
