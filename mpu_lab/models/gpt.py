@@ -13,8 +13,9 @@ all-reduces of ``b x s`` scalars instead of all-gathering ``b x s x V`` logits.
 
 Vocabulary padding (Megatron's ``_vocab_size_with_padding``): the vocabulary is padded with
 dummy ids up to a multiple of ``make_vocab_size_divisible_by x t`` (128 x t by default) so
-every rank gets an equal, GEMM-friendly slice. The padding depends on ``t``: a checkpoint can
-only be loaded at another TP size when both pad to the same size.
+every rank gets an equal, GEMM-friendly slice. The padding depends on ``t``: a checkpoint loaded
+at another TP size may have more or fewer dummy rows, which the loader trims or fills with zeros
+(:mod:`mpu_lab.checkpointing`).
 
 :class:`PlainGPT` is the single-process twin written with ``torch.nn`` only (``nn.Embedding``,
 ``nn.Linear``, the same SDPA, batch-first like nanoGPT). Its parameter names equal
