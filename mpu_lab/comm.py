@@ -2,10 +2,13 @@
 
 Why one place:
 
-* **Portability.** The list-based ``all_gather`` / ``reduce_scatter`` work on gloo and NCCL in
-  torch 2.11 and 2.13 without the deprecation warnings of ``all_gather_into_tensor`` (2.13).
+* **Portability.** Only calls that every torch from 2.3 to 2.15 has, with the same meaning:
+  the list-based ``all_gather`` / ``reduce_scatter`` (and ``async_op=True`` for the
+  ``*_async`` ones), on gloo and NCCL alike, rather than ``all_gather_into_tensor`` /
+  ``reduce_scatter_tensor``, whose gloo support and deprecation notes changed between releases.
   gloo cannot run every collective on CUDA tensors, so when several ranks share one GPU
-  through gloo the tensor is staged through host memory here.
+  through gloo the tensor is staged through host memory here. The one version shim is
+  :func:`_compiling` (``torch.compiler.is_compiling``, absent before torch 2.3).
 * **Counting.** Every call is reported to the active :class:`CommCounter`s, which is how the
   labs measure "2 all-reduces forward and 2 backward per layer".
 * **Timing.** While a :class:`CommTimer` is active every call is timed (the step-time
@@ -115,6 +118,7 @@ class _LeaveBackwardRegion(torch.autograd.Function):
 
 def _compiling() -> bool:
     # Under torch.compile the tags are left out (a side effect in backward breaks the graph).
+    # Shim for torch < 2.3, which has no torch.compiler.is_compiling: never compiling there.
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
