@@ -54,6 +54,7 @@ from mpu_lab.labkit.exercises.lab08 import (
     check_dominant_communication,
     check_min_microbatches,
 )
+from mpu_lab.labkit.exercises.lab09 import EXCHANGE, check_cause, check_culprit, print_suspects
 from mpu_lab.labkit.exercises.playground import (
     check_copy_to_grad,
     check_reduce_from,
