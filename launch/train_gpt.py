@@ -59,7 +59,9 @@ project's flag (Megatron picks 1F1B, or interleaved when
 ``--num-layers-per-virtual-pipeline-stage`` is given, and has no GPipe); the default follows
 Megatron's rule.
 """
+import faulthandler
 import os
+import pathlib
 import sys
 
 from mpu_lab import distributed, launcher, training
@@ -68,8 +70,19 @@ from mpu_lab import distributed, launcher, training
 PRECHECK = "mpu_lab.training.arguments:check_launch_args"
 
 
+def _dump_stacks_on_abort():
+    """gloo aborts a rank (SIGABRT, from its C++ thread) when a message has another size than
+    the receiver expects: write where every thread of this rank stood next to the launcher's
+    SIGTERM dump, so the failure report can say where the aborted rank was."""
+    directory = os.environ.get(launcher.RESULT_DIR_ENV)
+    if directory:
+        path = pathlib.Path(directory) / f"stack_rank{os.environ.get('RANK', '0')}.txt"
+        faulthandler.enable(file=open(path, "a"), all_threads=True)
+
+
 @launcher.entrypoint
 def main(argv=None):
+    _dump_stacks_on_abort()
     args = training.parse_args(argv)
     # Check the flags first (pure): a bad configuration fails here, naming the numbers.
     training.validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))

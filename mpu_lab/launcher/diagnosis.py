@@ -62,18 +62,25 @@ def _root_cause(log_dir: pathlib.Path, result_dir: pathlib.Path) -> Tuple[Option
 # gloo: "Timed out waiting 5000ms for recv operation"; NCCL's watchdog: "Watchdog caught
 # collective operation timeout: WorkNCCL(... Timeout(ms)=...) ran for ... milliseconds".
 _COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting|operation timeout|Timeout\(ms\)", re.I)
+# TORCH_DISTRIBUTED_DEBUG=DETAIL's check of the ranks' calls before each collective.
+_DETAIL_MISMATCH = re.compile(r"Detected mismatch between collectives", re.I)
 # A traceback frame (File "x.py", line 3, in f) or a faulthandler one (File "x.py", line 3 in f).
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 _C10D_FILES = ("distributed_c10d.py",)
+_P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+# mpu_lab's thin wrapper around torch.distributed: its frames say nothing about who called it.
+_PLUMBING = (pathlib.Path(__file__).resolve().parent.parent / "comm.py",)
+_SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 
 
 def _own_frames(text: str) -> List[Tuple[str, int, str]]:
     """``(file, line, function)`` of the frames of ``text`` (a traceback, outermost first,
-    or a faulthandler dump, innermost first) that are neither torch's nor this launcher's."""
+    or a faulthandler dump, innermost first) that are neither torch's, this launcher's nor
+    :mod:`mpu_lab.comm`'s (so a place is the line that called the collective)."""
     out = []
     for path, line, func in _FRAME.findall(text):
         p = pathlib.Path(path)
-        if "torch" in p.parts or p.resolve().parent == _LAUNCHER_DIR:
+        if "torch" in p.parts or p.resolve().parent == _LAUNCHER_DIR or p.resolve() in _PLUMBING:
             continue
         out.append((path, int(line), func))
     return out
@@ -93,6 +100,18 @@ def _collective_in(traceback_text: str) -> Optional[str]:
     return ops[-1] if ops else None
 
 
+def _torch_call(traceback_text: str) -> Optional[str]:
+    """The innermost torch function of a traceback (a collective torch issues itself, e.g.
+    DistributedDataParallel's ``_pre_forward``), as ``function (torch/file.py)``."""
+    frames = [(path, func) for path, _, func in _FRAME.findall(traceback_text)
+              if "torch" in pathlib.Path(path).parts]
+    if not frames:
+        return None
+    path, func = frames[-1]
+    parts = pathlib.Path(path).parts
+    return f"{func} ({'/'.join(parts[len(parts) - 1 - parts[::-1].index('torch'):])})"
+
+
 def _where(text: str, innermost_last: bool = True) -> str:
     frames = _own_frames(text)
     if not frames:
@@ -101,58 +120,178 @@ def _where(text: str, innermost_last: bool = True) -> str:
     return f"{_short(path)}:{line} in {func}"
 
 
+def _rank_facts(result_dir: pathlib.Path, nproc: int, exit_codes: Dict[int, int]
+                ) -> Dict[int, Dict[str, object]]:
+    """Per rank: ``how`` it ended (raised, finished, stopped, aborted, exited, killed,
+    unknown), ``where`` (file:line in function), ``message`` and ``op`` (the collective its
+    traceback or stack dump was in)."""
+    facts: Dict[int, Dict[str, object]] = {}
+    for r in range(nproc):
+        code = exit_codes.get(r)
+        record, stack = result_dir / f"failed_rank{r}.json", result_dir / f"stack_rank{r}.txt"
+        try:
+            d = json.loads(record.read_text()) if record.exists() else None
+        except (OSError, ValueError):
+            d = None
+        text = stack.read_text() if stack.exists() else ""
+        if d is not None:
+            facts[r] = dict(how="raised", where=_where(d["traceback"]), message=d["message"],
+                            op=_collective_in(d["traceback"]), traceback=d["traceback"],
+                            time=d.get("time", 0.0))
+        elif (result_dir / f"finished_rank{r}.json").exists():
+            facts[r] = dict(how="finished")
+        elif text.strip():
+            facts[r] = dict(how="aborted" if code == -6 else "stopped",
+                            where=_where(text, innermost_last=False), op=_collective_in(text))
+        elif code is not None and code > 0:
+            facts[r] = dict(how="exited", code=code)
+        elif code is not None and code < 0:
+            facts[r] = dict(how="aborted" if code == -6 else "killed", code=code,
+                            where="an unknown place (no stack dump)")
+        else:
+            facts[r] = dict(how="unknown")
+    return facts
+
+
+def _brief(message: str) -> str:
+    """The first line and sentence of an exception message, without gloo's source location
+    (``RuntimeError: [/.../unbound_buffer.cc:78] Timed out waiting ...``)."""
+    text = message.splitlines()[0] if message else ""
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
+    text = re.split(r"(?<=[^.]{20})\. (?=[A-Z])", text)[0]
+    return text[:200]
+
+
+def _state(f: Dict[str, object]) -> str:
+    how = f["how"]
+    if how == "raised":
+        return f"raised at {f['where']}: {_brief(str(f['message']))}"
+    if how == "finished":
+        return "had returned from main (finished)"
+    if how == "stopped":
+        return f"was stopped at {f['where']}"
+    if how == "aborted":
+        return f"aborted (SIGABRT, from C++ code such as gloo's checks) at {f['where']}"
+    if how == "exited":
+        return f"exited with code {f['code']} without a Python exception (os._exit, or killed)"
+    if how == "killed":
+        return f"was killed by signal {-int(f['code'])}"
+    return "was stopped (no record of where)"
+
+
 def _diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: str,
               timeout_s: Optional[str], exit_codes: Optional[Dict[int, int]] = None
               ) -> Tuple[str, Dict[int, str]]:
-    """Explain a job that died in a collective: which call, where, which ranks were in it and
-    where the others were. Returns ``(text, state per rank)``; text is empty when the root
-    cause was no collective problem."""
-    states: Dict[int, str] = {}
-    failed = {}
-    for path in result_dir.glob("failed_rank*.json"):
-        try:
-            d = json.loads(path.read_text())
-            failed[d["rank"]] = d
-        except (OSError, ValueError, KeyError):
-            continue
-    for r in range(nproc):
-        if r in failed:
-            msg = failed[r]["message"].splitlines()[0] if failed[r]["message"] else ""
-            states[r] = f"raised at {_where(failed[r]['traceback'])}: {msg[:160]}"
-        elif (result_dir / f"finished_rank{r}.json").exists():
-            states[r] = "had returned from main (finished)"
-        else:
-            stack = result_dir / f"stack_rank{r}.txt"
-            text = stack.read_text() if stack.exists() else ""
-            code = (exit_codes or {}).get(r)
-            if text.strip():
-                states[r] = f"was stopped at {_where(text, innermost_last=False)}"
-            elif code is not None and code > 0:
-                states[r] = (f"exited with code {code} without a Python exception (os._exit, "
-                             f"or killed)")
-            elif code is not None and code < 0:
-                states[r] = f"was killed by signal {-code}"
-            else:
-                states[r] = "was stopped (no record of where)"
+    """Explain a failed job: which call, where, which ranks were in it and where the others
+    were, and the likely cause (:func:`_likely_cause`). Returns ``(text, state per rank)``;
+    text is empty when there is nothing to add to the root cause's own traceback (no
+    collective involved and no traceback)."""
+    facts = _rank_facts(result_dir, nproc, exit_codes or {})
+    states = {r: _state(f) for r, f in facts.items()}
     op = _collective_in(root_tb)
     timed_out = bool(_COLLECTIVE_TIMEOUT.search(root_message))
-    if op is None and not (timed_out or _SECONDARY.search(root_message)):
-        return "", states
-    in_op = sorted(r for r, d in failed.items() if _collective_in(d["traceback"]) == op
-                   and _where(d["traceback"]) == _where(root_tb))
+    secondary = bool(_SECONDARY.search(root_message))
+    # the root cause's rank: the earliest record with its traceback (ranks may fail alike)
+    same = [r for r, f in facts.items() if f["how"] == "raised" and root_tb
+            and f["traceback"].strip() == root_tb.strip()]
+    root = min(same, key=lambda r: facts[r]["time"]) if same else None
+    if op is None and not (timed_out or secondary):
+        if root is None:
+            return "", states
+        others = [r for r in range(nproc) if r != root]
+        lines = [f"Rank {root} raised in its own code at {_where(root_tb)}, not in a collective."]
+        if others:
+            lines.append("The others: " + "; ".join(f"rank {r} {states[r]}" for r in others) + ".")
+        lines.append("likely cause: " + _likely_cause(facts, root, op, root_message, root_tb))
+        return "\n".join(lines), states
+    in_op = sorted(r for r, f in facts.items() if f["how"] == "raised" and f["op"] == op
+                   and f["where"] == _where(root_tb))
     absent = [r for r in range(nproc) if r not in in_op]
-    what = f"{op}" if op else "a collective"
+    what = op or (f"a collective inside {_torch_call(root_tb)}" if _torch_call(root_tb)
+                  else "a collective")
     if timed_out:
         limit = f"{timeout_s} s" if timeout_s else "default 60 s"
         head = f"A collective timed out (MPU_LAB_TIMEOUT_S: {limit}): {what} at {_where(root_tb)}"
-    elif _SECONDARY.search(root_message):
+    elif secondary:
         head = f"A collective failed because a peer went away: {what} at {_where(root_tb)}"
     else:
         head = f"A collective failed: {what} at {_where(root_tb)}"
     lines = [f"{head}, reached by rank(s) {in_op}; every rank must call it, in the same order."]
     if absent:
         lines.append("Not in it: " + "; ".join(f"rank {r} {states[r]}" for r in absent) + ".")
+    lines.append("likely cause: " + _likely_cause(facts, root, op, root_message, root_tb))
     return "\n".join(lines), states
+
+
+def _names(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _likely_cause(facts: Dict[int, Dict[str, object]], root: Optional[int], op: Optional[str],
+                  root_message: str, root_tb: str) -> str:
+    """One sentence from what the ranks' records show (never from knowing what went wrong):
+    a rank that raised on its own, one that aborted, exited or returned early, one stuck
+    outside the collective, ranks waiting in different collectives, or all in the same one."""
+    place = _where(root_tb)
+    by = {how: sorted(r for r, f in facts.items() if f["how"] == how)
+          for how in ("raised", "finished", "stopped", "aborted", "exited", "killed")}
+    if _DETAIL_MISMATCH.search(root_message):
+        return ("TORCH_DISTRIBUTED_DEBUG=DETAIL found the ranks calling different collectives "
+                "here (another operation, shape or dtype: the message lists each rank's call); "
+                "every rank must pass the same collective the same tensor shape and dtype.")
+    own = [r for r in by["raised"] if facts[r]["op"] is None and not _SECONDARY.search(
+        str(facts[r]["message"])) and not _COLLECTIVE_TIMEOUT.search(str(facts[r]["message"]))]
+    if own:
+        r = root if root in own else own[0]
+        kind = str(facts[r]["message"]).split(":")[0]
+        return (f"rank {r} raised {kind} in its own code at {facts[r]['where']}; the other "
+                f"ranks failed only because it went away, so fix rank {r}'s error first.")
+    if by["aborted"]:
+        r = by["aborted"][0]
+        if facts[r]["where"] == place or "unknown" in str(facts[r]["where"]):
+            return (f"{_names(by['aborted'])} aborted inside the collective: gloo checks that each "
+                    f"message has the size its receiver expects ('Received data size doesn't "
+                    f"match expected size' on that rank's stderr), so the ranks passed tensors "
+                    f"of different sizes to the same collective.")
+        return (f"rank {r} aborted in a collective at {facts[r]['where']} while others were in "
+                f"another one at {place}: gloo paired two different calls (a rank that skips "
+                f"a collective or calls them in another order sends messages the others do "
+                f"not expect) and its size check failed.")
+    if by["exited"] or by["killed"]:
+        r = (by["exited"] + by["killed"])[0]
+        how = (f"exited with code {facts[r]['code']}" if facts[r]["how"] == "exited"
+               else f"was killed by signal {-int(facts[r]['code'])}")
+        return (f"rank {r} {how} without a Python exception (an os._exit or sys.exit in a "
+                f"library, or the operating system killed it: out of memory? see dmesg), and "
+                f"the others then lost their peer.")
+    if by["finished"]:
+        return (f"{_names(by['finished'])} returned from main without entering this collective: "
+                f"a collective that only some ranks call (a rank-dependent `if`, or a loop "
+                f"that runs more steps on some ranks) leaves the others waiting for it.")
+    stuck = [r for r in by["stopped"] if facts[r]["op"] is None]
+    if stuck:
+        return (f"{_names(stuck)} never reached the collective: when the job was stopped "
+                f"{'it was' if len(stuck) == 1 else 'they were'} still in {facts[stuck[0]]['where']}"
+                f" (a hang: a sleep, a lock, slow I/O, an endless loop, or far more work than "
+                f"the others), and the others waited until the timeout.")
+    places: Dict[str, List[int]] = {}
+    for r, f in sorted(facts.items()):
+        if f["how"] in ("raised", "stopped"):
+            places.setdefault(str(f["where"]), []).append(r)
+    if len(places) > 1:
+        where = "; ".join(f"{_names(rs)} at {p}" for p, rs in places.items())
+        return (f"the ranks wait in different collectives ({where}): they called collectives "
+                f"in another order or number "
+                f"(a skipped or an extra one) or on another process group; every rank of a "
+                f"group must make the same calls on it, in the same order.")
+    if op in _P2P_OPS:
+        return (f"every rank is blocked in {op} at {place}: two ranks that both send first "
+                f"(or both receive first) wait for each other forever; post each send with its "
+                f"receive (batch_isend_irecv), as Megatron's p2p_communication does.")
+    return (f"every rank reached the same {op or 'collective'} at {place} and it still did not "
+            f"complete: the ranks disagree on what it carries (a tensor of another size or "
+            f"dtype) or on its process group; TORCH_DISTRIBUTED_DEBUG=DETAIL compares the "
+            f"ranks' calls.")
 
 
 def _traceback_from_lines(lines, rank) -> str:

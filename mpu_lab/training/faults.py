@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from mpu_lab import parallel_state
+from mpu_lab import distributed, parallel_state
 
 FAULT_KINDS: Dict[str, Dict[str, str]] = {
     "hang": {
@@ -130,9 +130,6 @@ def check_fault(fault: Fault, args) -> None:
     dp = args.data_parallel_size
     here = (f"here: {world} ranks, --tensor-model-parallel-size {tp}, "
             f"--pipeline-model-parallel-size {pp}, data-parallel size {dp}")
-    if fault.rank >= world:
-        raise ValueError(f"--inject-fault {fault}: rank {fault.rank} is outside the world of "
-                         f"{world} ranks; valid ranks are 0..{world - 1}")
     if fault.iteration > args.train_iters:
         raise ValueError(f"--inject-fault {fault}: iteration {fault.iteration} is after the "
                          f"last one (--train-iters {args.train_iters})")
@@ -152,6 +149,9 @@ def check_fault(fault: Fault, args) -> None:
         need = "--fp16 (the dynamic loss scale lives there)"
     if need:
         raise ValueError(f"--inject-fault {fault.kind} needs {need}; {here}")
+    if fault.rank >= world:
+        raise ValueError(f"--inject-fault {fault}: rank {fault.rank} is outside the world of "
+                         f"{world} ranks; valid ranks are 0..{world - 1}")
     if fault.kind in ("skip-collective", "mismatched-shape") and pp > 1:
         stage = parallel_state.rank_coordinates(fault.rank, world, tp, pp)["pp"]
         if stage != pp - 1:
@@ -174,18 +174,27 @@ def active(state, kind: Optional[str] = None) -> Optional[Fault]:
     return fault
 
 
+def _announce(fault: Fault) -> None:
+    """One line on the faulty rank's output, with the wall clock (``time.time()``), so a test
+    or a lab can measure how long the job takes to fail from here."""
+    print(f"[inject-fault] {fault.kind} on rank {fault.rank} at iteration {fault.iteration} "
+          f"(time {time.time():.3f})", flush=True)
+
+
 def at_step_start(state) -> None:
-    """Faults injected before the step's forward: hang, divergence, pp-deadlock."""
+    """Announce this rank's fault of the step (:func:`_announce`) and inject the ones that
+    act before the forward: hang, divergence, pp-deadlock (on the fault's rank and its
+    pipeline neighbour)."""
     fault = getattr(state.args, "fault", None)
-    if fault is not None and fault.kind == "pp-deadlock" \
-            and state.iteration + 1 == fault.iteration:
-        _send_first_to_neighbour(state, fault)
-    fault = active(state)
-    if fault is None:
+    if fault is None or state.iteration + 1 != fault.iteration:
         return
-    if fault.kind == "hang":
+    if dist.get_rank() == fault.rank:
+        _announce(fault)
+    if fault.kind == "pp-deadlock":
+        _send_first_to_neighbour(state, fault)
+    elif dist.get_rank() == fault.rank and fault.kind == "hang":
         time.sleep(24 * 3600)   # stopped by torchrun when the others time out
-    elif fault.kind == "divergence":
+    elif dist.get_rank() == fault.rank and fault.kind == "divergence":
         _redraw_one_shard(state)
 
 
@@ -199,7 +208,7 @@ def after_backward(state) -> None:
 
 def _redraw_one_shard(state) -> None:
     """Re-draw this rank's part of the first 2-D weight of its model from another seed."""
-    name, weight = next((n, p) for n, p in state.model.named_parameters() if p.dim() == 2)
+    weight = next(p for p in state.model.parameters() if p.dim() == 2)
     generator = torch.Generator().manual_seed(state.args.seed + 7919 * (dist.get_rank() + 1))
     fresh = torch.randn(weight.shape, generator=generator) * state.args.init_method_std
     with torch.no_grad():
@@ -222,7 +231,8 @@ def _send_first_to_neighbour(state, fault: Fault) -> None:
         return
     other = peer if me == fault.rank else fault.rank
     shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
-    activation = torch.zeros(shape)
+    on_device = dist.get_backend(group) == "nccl"   # gloo sends from host memory
+    activation = torch.zeros(shape, device=distributed.get_device() if on_device else "cpu")
     dist.send(activation, dst=other, group=group)
     dist.recv(activation, src=other, group=group)
 

@@ -104,9 +104,9 @@ def _optimizer_step(args, state, params, fault: Optional[faults.Fault] = None):
     if not skipped:
         grad_norm = clip_grad_norm(params, args.clip_grad, mp_group)
         state.optimizer.step()
+        state.scheduler.step()   # as Megatron's train_step: only after a successful update
     else:
         state.skipped_iterations += 1
-    state.scheduler.step()
     state.iteration += 1
     return lr, grad_norm, skipped
 
