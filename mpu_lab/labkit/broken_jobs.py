@@ -78,6 +78,31 @@ def _steady(text: str) -> str:
     return text
 
 
+# How a rank that waited ended; which of the two a rank sees first depends on timing.
+_TIMED_OUT = re.compile(r"Timed out waiting|timed out|Timeout\(ms\)|monitoredBarrier", re.I)
+_LOST_PEER = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|"
+                        r"communicator was aborted|failed to recv|Socket Timeout", re.I)
+_RAISED = re.compile(r"^raised at (?P<where>.+?): (?P<message>.*)$", re.S)
+_OWN_ERROR = re.compile(r"^Rank (\d+) raised in its own code")
+
+
+def steady_state(state: str, after: Optional[int] = None) -> str:
+    """A rank's state from the launcher (``LaunchError.states``) without what depends on
+    timing: a rank that waited "timed out" or "lost its peer" at its place, whichever gloo
+    told it first; with ``after`` (the rank whose own error ended the job), any other rank
+    "ended after" it, wherever torchrun's SIGTERM found it."""
+    if after is not None:
+        return f"ended after rank {after} failed (it lost its peer)"
+    m = _RAISED.match(state)
+    if m is None:
+        return _steady(state)
+    if _TIMED_OUT.search(m["message"]):
+        return f"timed out waiting at {m['where']}"
+    if _LOST_PEER.search(m["message"]):
+        return f"lost its peer at {m['where']}"
+    return f"raised at {m['where']}: {_steady(m['message'])}"
+
+
 @dataclasses.dataclass
 class BrokenRun:
     """What one broken job did: ``error`` (the :class:`~mpu_lab.launcher.LaunchError`) when it
@@ -99,8 +124,8 @@ class BrokenRun:
         return text.split("Traceback (most recent call last)")[0].rstrip().splitlines()
 
     def show(self) -> None:
-        """The command, how it ended and after how long, and the launcher's message (its
-        timings and ports change from run to run; the tracebacks are in
+        """The command, how it ended and after how long, and the launcher's message but its
+        likely cause (timings and ports change from run to run; the tracebacks are in
         ``run.error.traceback``)."""
         print(self.job.command)
         after = f" after {self.elapsed_s:.1f} s" if self.elapsed_s is not None else ""
@@ -108,19 +133,31 @@ class BrokenRun:
             print(f"finished{after}, exit code 0")
             return
         print(f"{type(self.error).__name__}{after}:")
-        print("\n".join(self.report))
+        print("\n".join(ln for ln in self.report if not ln.lower().startswith("likely cause")))
+        print("(the launcher's likely cause: run.likely_cause(); each rank's traceback: "
+              "run.error.traceback)")
+
+    @property
+    def metrics(self) -> List[dict]:
+        """Rank 0's logged metrics of a job that finished."""
+        if self.result is None:
+            raise RuntimeError(f"the {self.job.name} job did not finish: {self.report[0]}")
+        return self.result.results[0]["metrics"]
 
     def diagnosis(self) -> None:
-        """What stays the same from run to run: each rank's state when the job ended, in rank
-        order (where it stood, file:line), and the launcher's diagnosis lines."""
+        """What stays the same from run to run: the launcher's reading of the failure (which
+        call, where, which ranks were in it), then how each rank ended and where it stood
+        (:func:`steady_state`), in rank order."""
         if self.error is None:
             print(f"finished: {len(self.result.results)} ranks reported back")
             return
+        head = [ln for ln in self.report[1:] if ln.startswith("A collective") or _OWN_ERROR.match(ln)]
+        own = [int(_OWN_ERROR.match(ln).group(1)) for ln in head if _OWN_ERROR.match(ln)]
+        for line in head:
+            print(_steady(line))
         for rank, state in sorted(self.error.states.items()):
-            print(f"rank {rank}: {_steady(state)}")
-        for line in self.report[1:]:
-            if "likely cause" not in line.lower():
-                print(_steady(line))
+            after = own[0] if own and rank != own[0] else None
+            print(f"  rank {rank}: {steady_state(state, after)}")
 
     def likely_cause(self) -> None:
         """The launcher's one-sentence guess at the cause."""

@@ -33,6 +33,8 @@ import torch.distributed as dist
 from mpu_lab.launcher import REPO_ROOT
 
 STACK_SIGNAL = signal.SIGUSR1
+FR_BUFFER = "TORCH_FR_BUFFER_SIZE"   # the Flight Recorder's ring buffer (NCCL's older name:
+                                     # TORCH_NCCL_TRACE_BUFFER_SIZE); 0 or unset: off
 _FAULTHANDLER_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _ENGINE_FILE = os.path.join("playground", "engine.py")
 _STACK_FILES: Dict[int, Any] = {}   # engine side: the open file faulthandler writes into
@@ -88,6 +90,7 @@ def _skipping_steps(skipper: int, timeout_s: float) -> List[Dict[str, Any]]:
     """Runs inside a rank: three collectives, the third one skipped by ``skipper``; then this
     rank's Flight Recorder entries since the call (what the ring buffer holds), whatever
     happened."""
+    os.environ.setdefault(FR_BUFFER, "64")        # read when a group is made
     seen = max((e["record_id"] for e in _recorded()), default=-1)
     group, x = _side_group(timeout_s), torch.ones(4)     # cpu: a gloo side group
     try:
@@ -200,15 +203,14 @@ def dump_hung_stacks(world, late_rank: int = 1, timeout_s: float = 2.0,
 
 def flight_recorder_demo(world, skipper: int = 1,
                          timeout_s: float = 2.0) -> Dict[int, List[Dict[str, Any]]]:
-    """On every rank of ``world`` (started with ``TORCH_FR_BUFFER_SIZE`` set), on a group with
-    a ``timeout_s`` timeout: an all-reduce, a broadcast and a second all-reduce that
+    """On every rank of ``world``, with ``TORCH_FR_BUFFER_SIZE`` set (64 unless the rank has a
+    value) before a group with a ``timeout_s`` timeout is made: an all-reduce, a broadcast and a second all-reduce that
     ``skipper`` skips; after the timeout, each rank's Flight Recorder entries. Prints them (one
     line per rank: the collectives it issued, by sequence number), then which ranks lack the
     last one. Returns ``{rank: entries}``."""
     entries = dict(enumerate(world.run(_skipping_steps, skipper, timeout_s)))
     if not any(entries.values()):
-        print("The Flight Recorder recorded nothing: set TORCH_FR_BUFFER_SIZE (e.g. 64) in "
-              "the environment before the world starts.")
+        print(f"The Flight Recorder recorded nothing: the ranks' {FR_BUFFER} is 0.")
         return entries
     for rank, rows in entries.items():
         calls = ", ".join(f"#{e['collective_seq_id']} {e['profiling_name']} "
