@@ -30,47 +30,56 @@ import torch.distributed as dist
 
 from mpu_lab import distributed, parallel_state
 
+# kind -> what is injected, what a learner should take from it, which flags it needs
 FAULT_KINDS: Dict[str, Dict[str, str]] = {
     "hang": {
         "what": "the rank sleeps at the start of the step instead of computing it",
+        "needs": "at least 2 ranks",
         "cause": "A rank that never reaches a collective (stuck in its own code: a sleep, a "
                  "lock, slow I/O, an endless loop) leaves every other rank waiting in it until "
                  "the collective timeout."},
     "skip-collective": {
         "what": "the rank does not enter the all-reduce that averages the loss over the "
                 "data-parallel group (a rank-dependent `if` around a collective)",
+        "needs": "a data-parallel size > 1 (at PP > 1: a last-stage rank)",
         "cause": "A collective that not every rank calls never completes: the ranks that "
                  "entered it wait, and the rank that skipped it waits in its next one."},
     "mismatched-shape": {
         "what": "the rank all-reduces a tensor of 2 elements where the others all-reduce the "
                 "1-element loss",
+        "needs": "a data-parallel size > 1 (at PP > 1: a last-stage rank)",
         "cause": "Ranks that pass tensors of different sizes to the same collective cannot "
                  "agree on the message: gloo refuses it or waits until the timeout, NCCL may "
                  "hang or return garbage."},
     "wrong-group": {
         "what": "the rank sums the gradient norm over the data-parallel group where the "
                 "tensor-parallel (model-parallel) group was meant",
+        "needs": "--tensor-model-parallel-size > 1 and a data-parallel size > 1",
         "cause": "A collective issued on the wrong process group pairs ranks that are not "
                  "waiting for each other: some wait forever, others silently combine "
                  "unrelated values."},
     "crash": {
         "what": "the rank raises a RuntimeError after its backward, before the optimizer step",
+        "needs": "nothing",
         "cause": "One rank raised an exception of its own; the other ranks fail only because "
                  "their peer went away, so the first traceback is the one to read."},
     "pp-deadlock": {
         "what": "the rank's pipeline stage and its neighbour both send an activation first "
                 "with a blocking send, then receive",
+        "needs": "--pipeline-model-parallel-size > 1",
         "cause": "Two stages that both block in send before receiving wait for each other "
                  "forever: post the send and the receive together (batch_isend_irecv), as "
                  "Megatron's p2p_communication does."},
     "divergence": {
         "what": "the rank's shard of one weight matrix is re-drawn from another seed at the "
                 "start of the step (as a shard initialised apart from the master weight)",
+        "needs": "nothing (add --dense-twin to compare)",
         "cause": "Ranks whose weights (or dropout seeds) disagree train a different model "
                  "without any error: the loss drifts from the dense twin's."},
     "fp16-overflow": {
         "what": "the rank's fp16 gradients overflow (its loss scale is multiplied by 2^64 for "
                 "one backward)",
+        "needs": "--fp16",
         "cause": "A loss scale too large for fp16 turns gradients into inf: the dynamic loss "
                  "scaler skips the step on every rank and halves the scale, and the loss goes "
                  "on as if that iteration had not happened."},
