@@ -50,7 +50,7 @@ report its losses, for ``faults.compare_with_dense_twin``::
 
     job = mpu_lab.launcher.run("train_gpt.py", ["--inject-fault", "divergence:1:3",
                                "--dense-twin", "--train-iters", "6", "--log-interval", "1"], nproc=2)
-    print(faults.compare_with_dense_twin(job.results[0], job.results[0]["dense_losses"]))
+    print(faults.compare_with_dense_twin(job))   # "Drifts from the dense twin at iteration 3: ..."
 
 The flags are checked before anything starts (``PRECHECK`` below, which runs
 ``mpu_lab.training.validate_args``);

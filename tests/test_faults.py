@@ -229,7 +229,7 @@ def test_dense_twin_check_flags_the_diverged_run_and_passes_a_correct_one(fault_
     assert not verdict and verdict.iteration == 3 and verdict.rel_diff > 1e-3
     assert str(verdict).startswith("Drifts from the dense twin at iteration 3: loss ")
     good = fault_jobs["correct"]["result"].results[0]
-    verdict = faults.compare_with_dense_twin(good, good["dense_losses"])
+    verdict = faults.compare_with_dense_twin(fault_jobs["correct"]["result"])  # the job itself
     assert verdict and verdict.checked == 4, str(verdict)
     # the twin starts from the run's weights before the fault: the same in both jobs
     assert good["dense_losses"] == broken["dense_losses"]
@@ -308,6 +308,8 @@ def test_compare_with_dense_twin_on_hand_worked_losses():
     assert verdict.rel_diff == pytest.approx(3e-5) and verdict.dense_loss == 1.5
     assert "iteration 4" in str(verdict) and "the 1 before it matched" in str(verdict)
     assert not faults.compare_with_dense_twin([{"iteration": 1, "lm_loss": float("nan")}], dense)
+    with pytest.raises(ValueError, match="--dense-twin"):
+        faults.compare_with_dense_twin({"metrics": records})
     with pytest.raises(ValueError, match="only 4 losses"):
         faults.compare_with_dense_twin([{"iteration": 5, "lm_loss": 1.0}], dense)
 

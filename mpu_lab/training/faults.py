@@ -273,13 +273,13 @@ class TwinVerdict:
                 f"{self.rel_diff:.1e} > rtol {self.rtol:.0e}{before}.")
 
 
-def _records(metrics) -> List[Dict[str, Any]]:
-    if isinstance(metrics, dict):
-        metrics = metrics["metrics"]
-    return list(metrics)
+def _rank0(metrics):
+    """A job (anything with ``.results``: rank 0's report) or a report, as given."""
+    return metrics.results[0] if hasattr(metrics, "results") else metrics
 
 
-def compare_with_dense_twin(metrics, dense_losses: Sequence, rtol: float = 1e-5) -> TwinVerdict:
+def compare_with_dense_twin(metrics, dense_losses: Optional[Sequence] = None,
+                            rtol: float = 1e-5) -> TwinVerdict:
     """Compare a run's logged losses with its dense twin's, iteration by iteration.
 
     ``metrics``: the run's logged records (``job.results[0]["metrics"]``, or that result dict
@@ -287,8 +287,16 @@ def compare_with_dense_twin(metrics, dense_losses: Sequence, rtol: float = 1e-5)
     previous record); ``dense_losses``: the twin's loss per iteration, iteration 1 first
     (``job.results[0]["dense_losses"]`` with ``--dense-twin``). Returns a
     :class:`TwinVerdict`: the first iteration whose relative difference exceeds ``rtol``,
-    by how much; true when none does."""
-    records = _records(metrics)
+    by how much; true when none does. ``metrics`` may also be the job
+    (:class:`~mpu_lab.launcher.LaunchResult`); ``dense_losses`` left out: the report's own
+    ``"dense_losses"``."""
+    report = _rank0(metrics)
+    if dense_losses is None:
+        if not (isinstance(report, dict) and "dense_losses" in report):
+            raise ValueError("no dense losses: run train_gpt.py with --dense-twin, or pass "
+                             "dense_losses (the twin's loss per iteration)")
+        dense_losses = report["dense_losses"]
+    records = list(report["metrics"] if isinstance(report, dict) else report)
     if not records:
         raise ValueError("no logged iterations to compare (metrics is empty)")
     dense = [float(x["lm_loss"]) if isinstance(x, dict) else float(x) for x in dense_losses]
