@@ -9,7 +9,7 @@ iteration, TFLOP/s per GPU, MFU and memory per GPU. Pure Python: no torch, no pr
 * :mod:`~mpu_lab.perf.cost_model.inputs` — the three inputs and the papers' presets;
 * :mod:`~mpu_lab.perf.cost_model.activations` — activation memory per layer, term by term
   (Korthikanti et al. 2022 §4, Table 2);
-* :mod:`~mpu_lab.perf.cost_model.counts` — parameters and FLOPs (Narayanan et al. 2021 §5.1),
+* :mod:`~mpu_lab.perf.cost_model.counts` — parameters and FLOPs (Narayanan et al. 2021, Appendix eq. (3)),
   bubble (§2.2), communication bytes (§3.3, §4.1), memory per GPU (ZeRO §3.1, Korthikanti
   §4.2.3);
 * :mod:`~mpu_lab.perf.cost_model.predict` — the time of one iteration, with the modelling
@@ -18,7 +18,7 @@ iteration, TFLOP/s per GPU, MFU and memory per GPU. Pure Python: no torch, no pr
 Sources, one per formula (each function's docstring says which):
 
 * Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-  Megatron-LM" (arXiv:2104.04473): parameter count and FLOPs (§5.1), pipeline bubble (§2.2),
+  Megatron-LM" (arXiv:2104.04473): parameter count and FLOPs (Appendix eq. (3)), pipeline bubble (§2.2),
   tensor-parallel communication (§3.3), scatter/gather of pipeline messages (§4.1).
 * Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
   (arXiv:2205.05198): activation memory per layer (§4, Table 2), in-flight micro-batches of
