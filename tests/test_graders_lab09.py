@@ -203,3 +203,18 @@ def test_every_fault_kind_has_one_lab_job_that_the_launcher_accepts():
     assert sorted(job.fault.split(":")[0] for job in jobs.values()) == sorted(FAULT_KINDS)
     for job in jobs.values():
         launcher.precheck(launcher.resolve_script("train_gpt.py"), job.args, job.nproc)
+
+
+def test_one_ranks_fp16_overflow_makes_every_rank_skip_the_step(grading_world, capsys):
+    """tp = 2, dp = 2: the model-parallel groups are [0, 1], [2, 3], the data-parallel ones
+    [0, 2], [1, 3]. Rank 1 overflows; its data-parallel partner 3 gets the inf through the
+    gradient all-reduce; 0 and 2 learn of it from the overflow check of their model-parallel
+    group. Every rank skips and halves the scale (Megatron's DynamicGradScaler)."""
+    rows = debugging.overflow_demo(grading_world, bad_rank=1)
+    capsys.readouterr()
+    assert [row["own"] for row in rows] == [False, True, False, False]
+    assert [row["after_dp"] for row in rows] == [False, True, False, True]
+    assert all(row["skipped"] and row["after"] == row["before"] / 2 for row in rows)
+    no_fault = debugging.overflow_demo(grading_world, bad_rank=1, factor=1.0)
+    capsys.readouterr()
+    assert not any(row["skipped"] for row in no_fault)

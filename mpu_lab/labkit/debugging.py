@@ -7,7 +7,9 @@
   (``TORCH_FR_BUFFER_SIZE``; NCCL's older name ``TORCH_NCCL_TRACE_BUFFER_SIZE``), which shows
   the collective one rank never issued;
 * :func:`detail_demo` — ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s check of every collective's
-  fingerprint (operation, shapes) across the ranks, on a collective with mismatched shapes.
+  fingerprint (operation, shapes) across the ranks, on a collective with mismatched shapes;
+* :func:`overflow_demo` — an fp16 overflow on one rank, and how the dynamic loss scaler makes
+  every rank skip the step.
 
 The torchrun side (the lab's broken ``train_gpt.py`` jobs and their diagnosis) is
 :mod:`mpu_lab.labkit.broken_jobs`.
@@ -30,7 +32,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from mpu_lab import comm, distributed, parallel_state
 from mpu_lab.launcher import REPO_ROOT
+from mpu_lab.optimizer import DynamicLossScaler
 
 STACK_SIGNAL = signal.SIGUSR1
 FR_BUFFER = "TORCH_FR_BUFFER_SIZE"   # the Flight Recorder's ring buffer (NCCL's older name:
@@ -130,6 +134,27 @@ def _detail_mismatch(odd_rank: int) -> str:
     except RuntimeError as exc:
         return str(exc)
     return "finished"
+
+
+def _overflow_step(bad_rank: int, factor: float) -> Dict[str, Any]:
+    """Runs inside a rank: one fp16 backward of a tiny layer with the loss scale of
+    :class:`~mpu_lab.optimizer.DynamicLossScaler`, ``factor`` times larger on ``bad_rank``;
+    the gradient averaged over the data-parallel group (what DDP does), then the scaler's
+    overflow check agreed over the model-parallel group and its update, as ``train_gpt.py``
+    does after every backward."""
+    device = distributed.get_device()
+    scaler = DynamicLossScaler()
+    before = scaler.scale
+    weight = torch.ones(4, 4, dtype=torch.float16, device=device, requires_grad=True)
+    x = torch.ones(2, 4, dtype=torch.float16, device=device)
+    scale = scaler.scale * (factor if dist.get_rank() == bad_rank else 1.0)
+    ((x @ weight).float().mean() * scale).backward()
+    own = not bool(weight.grad.isfinite().all())
+    weight.grad = comm.all_reduce(weight.grad, group=parallel_state.get_data_parallel_group())
+    after_dp = not bool(weight.grad.isfinite().all())
+    skipped = scaler.unscale_and_check([weight], parallel_state.get_model_parallel_group())
+    scaler.update(skipped)
+    return dict(own=own, after_dp=after_dp, skipped=skipped, before=before, after=scaler.scale)
 
 
 # --------------------------------------------------------------------------- notebook side
@@ -255,6 +280,19 @@ def detail_demo(world, odd_rank: int = 1) -> List[str]:
              for r, text in enumerate(world.run(_detail_mismatch, odd_rank))]
     print("\n".join(lines))
     return lines
+
+
+def overflow_demo(world, bad_rank: int = 1, factor: float = 2.0 ** 64) -> List[Dict[str, Any]]:
+    """One fp16 step on every rank of ``world`` in which ``bad_rank``'s loss scale is
+    ``factor`` times too large (:func:`_overflow_step`). Prints, per rank, whether its own
+    gradient overflowed, whether it did after the data-parallel all-reduce, whether the
+    model-parallel group agreed to skip the step, and the loss scale before and after."""
+    rows = world.run(_overflow_step, bad_rank, factor)
+    for rank, row in enumerate(rows):
+        print(f"rank {rank}: inf in its own gradient {row['own']!s:5}, after the data-parallel "
+              f"all-reduce {row['after_dp']!s:5}; step skipped {row['skipped']!s:5}; loss scale "
+              f"{row['before']:g} -> {row['after']:g}")
+    return rows
 
 
 def py_spy() -> Optional[str]:
