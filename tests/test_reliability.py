@@ -513,6 +513,9 @@ def test_failure_report_wording_from_the_ranks_records(tmp_path):
         "A collective failed: broadcast at launch/x.py:7 in main, reached by rank(s) [0]; every "
         "rank must call it, in the same order.",
         "Not in it: rank 1 was stopped at launch/x.py:5 in main; rank 2 exited with code 9 "
-        "without a Python exception (os._exit, or killed)."]
+        "without a Python exception (os._exit, or killed).",
+        "likely cause: rank 2 exited with code 9 without a Python exception (an os._exit or "
+        "sys.exit in a library, or the operating system killed it: out of memory? see dmesg), "
+        "and the others then lost their peer."]
     text, _ = diagnosis._diagnose(tmp_path, 3, "ValueError: timeout_s must be > 0", "", None)
     assert text == ""

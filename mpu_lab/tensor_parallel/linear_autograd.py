@@ -33,6 +33,7 @@ import time
 from typing import List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from mpu_lab import comm, parallel_state
 
@@ -82,15 +83,19 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.use_bias = bias is not None
         ctx.fusion, ctx.allreduce_dgrad = gradient_accumulation_fusion, allreduce_dgrad
         ctx.sequence_parallel, ctx.group = sequence_parallel, group
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         total_input = comm.all_gather(input_, group=group, dim=0) if sequence_parallel else input_
-        output = torch.matmul(total_input, weight.t())
-        if bias is not None:
-            output = output + bias
-        return output
+        # F.linear, as torch.nn.Linear: under torch.autocast (mpu_lab's --fp16 / --bf16) the
+        # product is computed in the autocast dtype, and backward then gets a 16-bit dY
+        return F.linear(total_input, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_, weight = ctx.saved_tensors
+        saved_input, saved_weight = ctx.saved_tensors
+        # The GEMMs run in dY's dtype (16-bit under autocast, as the forward's product was);
+        # each gradient is returned in the dtype of what it is the gradient of.
+        compute = grad_output.dtype
+        input_, weight = saved_input.to(compute), saved_weight.to(compute)
         group = ctx.group
         gather = (comm.all_gather_async(input_, group=group, dim=0)    # 1. re-gather, async
                   if ctx.sequence_parallel else None)
@@ -110,16 +115,17 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         dy = grad_output.reshape(-1, grad_output.shape[-1])              # 5. dW while it runs
         x = total_input.reshape(-1, total_input.shape[-1])
         if ctx.fusion:
-            weight.main_grad.add_(dy.t().float().matmul(x.float()))
+            saved_weight.main_grad.add_(dy.t().float().matmul(x.float()))
             grad_weight = None
         else:
-            grad_weight = dy.t().matmul(x)
-        grad_bias = dy.sum(dim=0) if ctx.use_bias else None
+            grad_weight = dy.t().matmul(x).to(saved_weight.dtype)
+        grad_bias = dy.sum(dim=0).to(ctx.bias_dtype) if ctx.use_bias else None
         _mark("dW = dY^T X", start)
         if reduce is not None:                                           # 6.
             grad_input = reduce.wait()
             _mark(f"{reduce.kind.replace('_', '-')} dX", reduce.issued_at, reduce.done_at)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return (grad_input.to(saved_input.dtype), grad_weight, grad_bias,
+                None, None, None, None)
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
