@@ -67,9 +67,11 @@ def lab_jobs(world_size: int) -> Dict[str, BrokenJob]:
 
 
 # What changes from run to run in a failure's text: gloo's source file, ports, process ids.
+# Line numbers too: they move whenever the file is edited (run.show() keeps them).
 _VOLATILE = [(re.compile(r"\[/[^\]]*\.(?:cc|cpp|h):\d+\]\s*"), ""),
              (re.compile(r"\[?127\.0\.0\.1\]?:\d+"), "127.0.0.1:PORT"),
-             (re.compile(r"\b(pid:?\s*)\d+"), r"\1PID")]
+             (re.compile(r"\b(pid:?\s*)\d+"), r"\1PID"),
+             (re.compile(r"(\.py):\d+ in "), r"\1, in ")]
 
 
 def _steady(text: str) -> str:
@@ -88,7 +90,7 @@ _OWN_ERROR = re.compile(r"^Rank (\d+) raised in its own code")
 
 def steady_state(state: str, after: Optional[int] = None) -> str:
     """A rank's state from the launcher (``LaunchError.states``) without what depends on
-    timing: a rank that waited "timed out" or "lost its peer" at its place, whichever gloo
+    timing or on the files' line numbers: a rank that waited "timed out" or "lost its peer" at its place, whichever gloo
     told it first; with ``after`` (the rank whose own error ended the job), any other rank
     "ended after" it, wherever torchrun's SIGTERM found it."""
     if after is not None:
@@ -97,10 +99,10 @@ def steady_state(state: str, after: Optional[int] = None) -> str:
     if m is None:
         return _steady(state)
     if _TIMED_OUT.search(m["message"]):
-        return f"timed out waiting at {m['where']}"
+        return _steady(f"timed out waiting at {m['where']}")
     if _LOST_PEER.search(m["message"]):
-        return f"lost its peer at {m['where']}"
-    return f"raised at {m['where']}: {_steady(m['message'])}"
+        return _steady(f"lost its peer at {m['where']}")
+    return _steady(f"raised at {m['where']}: {m['message']}")
 
 
 @dataclasses.dataclass
@@ -168,7 +170,7 @@ class BrokenRun:
 
     def likely_cause(self) -> None:
         """The launcher's one-sentence guess at the cause."""
-        lines = [ln for ln in self.report if "likely cause" in ln.lower()]
+        lines = [_steady(ln) for ln in self.report if "likely cause" in ln.lower()]
         print("\n".join(lines) if lines else "(the launcher names no likely cause)")
 
 
