@@ -73,7 +73,7 @@ def precision_bytes() -> Dict[str, Dict[str, int]]:
                               adam_eps=1e-8)
     optimizer = build_optimizer(layer, args)
     with torch.autocast(device_type="cpu", dtype=torch.float16):
-        layer(torch.randn(2, 8)).float().sum().backward()
+        layer(torch.randn(2, 8, device="cpu")).float().sum().backward()  # cpu: CPU autocast
     optimizer.step()
     p = layer.weight
     state = optimizer.state[p]

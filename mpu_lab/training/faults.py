@@ -219,7 +219,8 @@ def _redraw_one_shard(state) -> None:
     """Re-draw this rank's part of the first 2-D weight of its model from another seed."""
     weight = next(p for p in state.model.parameters() if p.dim() == 2)
     generator = torch.Generator().manual_seed(state.args.seed + 7919 * (dist.get_rank() + 1))
-    fresh = torch.randn(weight.shape, generator=generator) * state.args.init_method_std
+    fresh = torch.randn(weight.shape, generator=generator,
+                        device="cpu") * state.args.init_method_std  # cpu: CPU generator
     with torch.no_grad():
         weight.copy_(fresh.to(weight.device, weight.dtype))
 

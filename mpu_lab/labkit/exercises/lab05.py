@@ -119,7 +119,7 @@ def _ce_targets(how: str, n: int, vocab: int, per_rank: int, dp_rank: int) -> to
         ids = [vocab - 1 if i % 2 == 0 else dp_rank for i in range(n)]
     else:
         raise ValueError(f"unknown target layout {how!r}: 'first_shard', 'spread' or 'last'")
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long, device="cpu")  # cpu: moved by run_ce_case
 
 
 def ce_inputs(params: dict, tp: int, dp_rank: int):
@@ -129,7 +129,7 @@ def ce_inputs(params: dict, tp: int, dp_rank: int):
     n, per_rank = params["tokens"], params["vocab_per_rank"]
     vocab = per_rank * tp
     gen = torch.Generator().manual_seed(1000 + 17 * dp_rank + n)
-    noise = torch.randn(n, vocab, generator=gen)
+    noise = torch.randn(n, vocab, generator=gen, device="cpu")  # cpu: a CPU generator
     logits = params.get("offset", 0.0) + params.get("scale", 3.0) * noise
     return logits, _ce_targets(params["targets"], n, vocab, per_rank, dp_rank)
 
