@@ -223,9 +223,9 @@ def _run_broken(job: BrokenJob, env: Dict[str, str], limit_s: float) -> BrokenRu
 # The lab runs this one itself, in the foreground, to show how any of them is started.
 FOREGROUND = ("crash",)
 # Jobs the lab leaves out, and why (the lab shows the fault another way).
-NOT_RUN = {"fp16-overflow": "--fp16 stops in linear_autograd's backward on the CPU (fp16 "
-                            "gradient, fp32 weight); the lab runs the overflowing step on the "
-                            "playground's ranks instead"}
+NOT_RUN = {"fp16-overflow": "the job itself runs in tests/test_faults.py (every rank skips the "
+                            "step, the scale halves); here the overflowing step runs on the "
+                            "playground's ranks, so each rank's scaler can be printed side by side"}
 
 
 def start_broken_jobs(world_size: int, timeout_s: float, parallel: int = 2,
