@@ -56,14 +56,26 @@ def four_rank_job(tmp_path_factory):
     return job.results, ckpt, traces, cpu.result(), runnable.result()
 
 
-@pytest.fixture(scope="session")
+_GRADING = {}   # the grading world while its unit runs
+
+
+@pytest.fixture
 def grading_world():
     """One 4-rank playground world (tp = 2, pp = 1, so dp = 2; a 4 s collective timeout) for
-    every write-the-code grader test (tests/test_graders_lab*.py): the engines start once."""
+    every write-the-code grader test (tests/test_graders_lab*.py, one unit: see SHARED_JOBS):
+    started by the unit's first test, stopped after its last (pytest_runtest_teardown below),
+    so no engine outlives the unit into tests that count this process's children."""
     from mpu_lab.labkit import playground
-    world = playground.start_world(4, tensor_model_parallel_size=2, timeout_s=4.0)
-    yield world
-    world.stop()
+    world = _GRADING.get("world")
+    if world is None or not world.running:
+        world = _GRADING["world"] = playground.start_world(4, tensor_model_parallel_size=2,
+                                                           timeout_s=4.0)
+    return world
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if "world" in _GRADING and (nextitem is None or _unit(nextitem.nodeid) != "grading world"):
+        _GRADING.pop("world").stop()
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,9 @@ class ProcessWatch:
         self.seen, self.gone, self.parent = {}, {}, {}
         self._stop = threading.Event()
         self._me = psutil.Process()
+        # Processes this test process already had (a playground world a session fixture keeps
+        # up for other tests of this pytest worker) and anything they start are not the job's.
+        self._before = {c.pid for c in self._me.children(recursive=True)}
 
     def _poll(self):
         try:
@@ -54,6 +57,14 @@ class ProcessWatch:
         except psutil.Error:
             children = []
         for c in children:
+            if c.pid in self._before:
+                continue
+            try:
+                if c.pid not in self.parent and c.ppid() in self._before:
+                    self._before.add(c.pid)      # started by a process that was there already
+                    continue
+            except psutil.Error:
+                continue
             try:   # re-read: a fresh child shows its parent's command line until it execs
                 cmd = " ".join(c.cmdline())
                 if cmd or c.pid not in self.seen:   # a zombie's command line is empty
