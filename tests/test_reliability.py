@@ -8,11 +8,13 @@ test process (psutil) every 20 ms — when it was first seen and when it was gon
 worker remains" is checked by PID, not by what the launcher says about itself.
 """
 import _thread
+import contextlib
 import hashlib
 import json
 import pathlib
 import re
 import shutil
+import signal
 import threading
 import time
 
@@ -486,8 +488,13 @@ def test_keyboard_interrupt_stops_the_job_and_every_worker_within_10_s():
         if "enters the second all-reduce" in text:
             started.set()
 
+    # The notebook's stop button raises KeyboardInterrupt through Python's default SIGINT
+    # handler; interrupt_main() does nothing while SIGINT is ignored or left to the OS
+    # (SIG_IGN / SIG_DFL), as something earlier in the same pytest worker may have set it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt_when_running, daemon=True).start()
-    with ProcessWatch() as watch:
+    with ProcessWatch() as watch, contextlib.ExitStack() as restore:
+        restore.callback(signal.signal, signal.SIGINT, previous)
         with pytest.raises(KeyboardInterrupt):
             run(PROBE, nproc=2, show="none", env={"HANG_RANK": "0"}, timeout_s=120,
                 on_line=on_line)

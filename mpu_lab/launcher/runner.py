@@ -39,6 +39,9 @@ from mpu_lab.launcher.paths import LAUNCH_DIR, REPO_ROOT, RESULT_DIR_ENV
 from mpu_lab.launcher.process_tree import _alive, descendants, kill_tree
 
 _MARK = re.compile(r"\[rank(\d+)\]:")
+# Two launches at once (threads) both read their script's PRECHECK with ast.parse, which in
+# CPython 3.11 can fail with "AST constructor recursion depth mismatch" when run concurrently.
+_PARSE_LOCK = threading.Lock()
 
 
 class RankLines:
@@ -141,7 +144,8 @@ def precheck_spec(path) -> Optional[str]:
     """The ``PRECHECK`` string a script declares at module level (``"module:function"``), read
     from its source with :mod:`ast` — the script is not imported — or None."""
     try:
-        tree = ast.parse(pathlib.Path(path).read_text(), filename=str(path))
+        with _PARSE_LOCK:    # CPython 3.11's parser is not safe in two threads at once
+            tree = ast.parse(pathlib.Path(path).read_text(), filename=str(path))
     except (OSError, SyntaxError, ValueError):
         return None
     for node in tree.body:
