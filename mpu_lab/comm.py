@@ -265,13 +265,19 @@ def all_gather(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
     return _from_backend(torch.cat(parts, dim=dim), device)
 
 
-def reduce_scatter(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
-    """Sum over ``group``, then keep this rank's chunk of ``dim`` (chunks in group-rank order)."""
-    _record("reduce_scatter", group, tensor)
+def _scatter_size(tensor: torch.Tensor, group, dim: int) -> int:
+    """The group size, after checking that ``dim`` of ``tensor`` splits into that many chunks."""
     n = group_size(group)
     if tensor.size(dim) % n:
         raise ValueError(f"reduce_scatter: size {tensor.size(dim)} of dim {dim} is not divisible "
                          f"by the group size {n}")
+    return n
+
+
+def reduce_scatter(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
+    """Sum over ``group``, then keep this rank's chunk of ``dim`` (chunks in group-rank order)."""
+    _record("reduce_scatter", group, tensor)
+    n = _scatter_size(tensor, group, dim)
     src, device = _to_backend(tensor.detach(), group)
     if dist.get_backend(group) == "gloo":
         # gloo's reduce_scatter is several times slower than its all-reduce when ranks share
@@ -366,10 +372,7 @@ def reduce_scatter_async(tensor: torch.Tensor, group=None, dim: int = 0) -> Pend
     """:func:`reduce_scatter`, started and not waited for (on gloo, as there, an all-reduce
     of which this rank keeps its chunk)."""
     _record("reduce_scatter", group, tensor)
-    n = group_size(group)
-    if tensor.size(dim) % n:
-        raise ValueError(f"reduce_scatter: size {tensor.size(dim)} of dim {dim} is not divisible "
-                         f"by the group size {n}")
+    n = _scatter_size(tensor, group, dim)
     src, device = _to_backend(tensor.detach(), group)
     nbytes = tensor.numel() * tensor.element_size()
     if dist.get_backend(group) == "gloo":
