@@ -188,10 +188,13 @@ def test_detail_names_both_shapes_on_every_rank(grading_world, capsys):
 def test_steady_states_drop_what_depends_on_timing():
     gloo = "raised at a.py:3 in f: RuntimeError: [/__w/gloo/pair.cc:537] Read error "
     assert broken_jobs.steady_state(gloo + "[127.0.0.1]:1737: Connection reset by peer.") == \
-        "lost its peer at a.py, in f"
+        "stuck waiting at a.py, in f"
     assert broken_jobs.steady_state("raised at a.py:3 in f: RuntimeError: [/__w/x.cc:1] Timed "
                                     "out waiting 8000ms for send operation to complete") == \
-        "timed out waiting at a.py, in f"
+        "stuck waiting at a.py, in f"
+    assert broken_jobs.steady_state("was stopped at a.py:3 in f, waiting in all_reduce") == \
+        "stuck waiting at a.py, in f"
+    assert broken_jobs.steady_state("was stopped at c.py:7 in h") == "was stopped at c.py, in h"
     assert broken_jobs.steady_state("raised at b.py:9 in g: RuntimeError: boom") == \
         "raised at b.py, in g: RuntimeError: boom"
     assert broken_jobs.steady_state("was stopped at linecache.py:137 in updatecache", after=1) \

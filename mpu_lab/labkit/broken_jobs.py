@@ -80,28 +80,33 @@ def _steady(text: str) -> str:
     return text
 
 
-# How a rank that waited ended; which of the two a rank sees first depends on timing.
+# How a rank that waited ended; which of the two a rank sees depends on timing.
 _TIMED_OUT = re.compile(r"Timed out waiting|timed out|Timeout\(ms\)|monitoredBarrier", re.I)
 _LOST_PEER = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|"
                         r"communicator was aborted|failed to recv|Socket Timeout", re.I)
 _RAISED = re.compile(r"^raised at (?P<where>.+?): (?P<message>.*)$", re.S)
+_STOPPED_WAITING = re.compile(r"^was stopped at (?P<where>.+?), waiting in \w+$")
 _OWN_ERROR = re.compile(r"^Rank (\d+) raised in its own code")
 
 
 def steady_state(state: str, after: Optional[int] = None) -> str:
     """A rank's state from the launcher (``LaunchError.states``) without what depends on
-    timing or on the files' line numbers: a rank that waited "timed out" or "lost its peer" at its place, whichever gloo
-    told it first; with ``after`` (the rank whose own error ended the job), any other rank
-    "ended after" it, wherever torchrun's SIGTERM found it."""
+    timing or on the files' line numbers. A rank that waited in a collective was "stuck
+    waiting" at its place: whether gloo told it "timed out" or "connection closed by peer", or
+    torchrun stopped it first, depends on which rank's timeout fired first, so the three read
+    alike here (``run.error.states`` keeps the launcher's words). With ``after`` (the rank
+    whose own error ended the job), any other rank "ended after" it, wherever torchrun's
+    SIGTERM found it."""
     if after is not None:
         return f"ended after rank {after} failed (it lost its peer)"
+    waiting = _STOPPED_WAITING.match(state)
+    if waiting:
+        return _steady(f"stuck waiting at {waiting['where']}")
     m = _RAISED.match(state)
     if m is None:
         return _steady(state)
-    if _TIMED_OUT.search(m["message"]):
-        return _steady(f"timed out waiting at {m['where']}")
-    if _LOST_PEER.search(m["message"]):
-        return _steady(f"lost its peer at {m['where']}")
+    if _TIMED_OUT.search(m["message"]) or _LOST_PEER.search(m["message"]):
+        return _steady(f"stuck waiting at {m['where']}")
     return _steady(f"raised at {m['where']}: {m['message']}")
 
 
@@ -155,15 +160,16 @@ class BrokenRun:
             print(f"finished: {len(self.result.results)} ranks reported back")
             return
         own = [int(m.group(1)) for m in map(_OWN_ERROR.match, self.report[1:]) if m]
-        places = {m["where"] for m in map(_RAISED.match, self.error.states.values()) if m}
+        places = {m["where"] for state in self.error.states.values()
+                  for m in (_RAISED.match(state) or _STOPPED_WAITING.match(state),) if m}
         # the launcher's first line names the collective of the rank that failed first: the
-        # same every time only when every rank that raised stood at one place
+        # same every time only when every rank that raised or waited stood at one place
         head = [ln for ln in self.report[1:] if _OWN_ERROR.match(ln)
                 or (ln.startswith("A collective") and len(places) == 1)]
         for line in head:
             print(_steady(line))
         if not head and len(places) > 1:
-            print(f"The ranks that raised stood at {len(places)} different places:")
+            print(f"The ranks that raised or waited stood at {len(places)} different places:")
         for rank, state in sorted(self.error.states.items()):
             after = own[0] if own and rank != own[0] else None
             print(f"  rank {rank}: {steady_state(state, after)}")

@@ -169,7 +169,8 @@ def _state(f: Dict[str, object]) -> str:
     if how == "finished":
         return "had returned from main (finished)"
     if how == "stopped":
-        return f"was stopped at {f['where']}"
+        inside = f", waiting in {f['op']}" if f.get("op") else ""
+        return f"was stopped at {f['where']}{inside}"
     if how == "aborted":
         return f"aborted (SIGABRT, from C++ code such as gloo's checks) at {f['where']}"
     if how == "exited":
@@ -204,8 +205,9 @@ def _diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: 
             lines.append("The others: " + "; ".join(f"rank {r} {states[r]}" for r in others) + ".")
         lines.append("likely cause: " + _likely_cause(facts, root, op, root_message, root_tb))
         return "\n".join(lines), states
-    in_op = sorted(r for r, f in facts.items() if f["how"] == "raised" and f["op"] == op
-                   and f["where"] == _where(root_tb))
+    # in it: the ranks that raised in it and those torchrun stopped while they waited in it
+    in_op = sorted(r for r, f in facts.items() if f["how"] in ("raised", "stopped")
+                   and f["op"] == op and f["where"] == _where(root_tb))
     absent = [r for r in range(nproc) if r not in in_op]
     what = op or (f"a collective inside {_torch_call(root_tb)}" if _torch_call(root_tb)
                   else "a collective")
