@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mpu_lab import distributed, parallel_state
+from mpu_lab.optimizer import DistributedOptimizer
 from mpu_lab.checkpointing.files import (
     MARKER,
     TRACKER,
@@ -80,7 +81,7 @@ def save_checkpoint(save_dir, state) -> pathlib.Path:
         sd[f"model.{name}"] = _as_saved(p.detach().cpu(), p)
         names[p] = name
     has_optimizer = False
-    for p, st in state.optimizer.state.items():
+    for p, st in _optimizer_states(state.optimizer).items():
         if p in names and st:
             has_optimizer = True
             name = names[p]
@@ -117,6 +118,23 @@ def save_checkpoint(save_dir, state) -> pathlib.Path:
         tracker.with_suffix(".tmp").replace(tracker)
     dist.barrier()
     return d
+
+
+def _optimizer_states(optimizer) -> Dict[torch.nn.Parameter, Dict[str, Any]]:
+    """Each parameter's Adam state, whole: the plain optimizer's own, or the distributed
+    optimizer's shards assembled over the data-parallel group (collective), so a checkpoint
+    has one layout and loads at any data-parallel size."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer.full_state()
+    return dict(optimizer.state.items())
+
+
+def _optimized_params(optimizer, names) -> List[torch.nn.Parameter]:
+    """The model parameters an optimizer updates (the distributed optimizer's shards belong to
+    parameters of the model: all of them, since every rank keeps every whole state here)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return list(names)
+    return [q for g in optimizer.param_groups for q in g["params"]]
 
 
 def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool = True,
@@ -172,6 +190,9 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
         targets.append((key, buf, dest, rows))
 
     buffers: Dict[str, torch.Tensor] = {}
+    # the distributed optimizer's whole per-parameter states, read here, then sharded
+    sharded: Dict[torch.nn.Parameter, Dict[str, torch.Tensor]] = {}
+    is_sharded = isinstance(optimizer, DistributedOptimizer)
     names = {}
     for name, p, _ in checkpoint_names(model):
         names[p] = name
@@ -185,8 +206,8 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
         if not info.get("has_optimizer", False):
             problems.append("the checkpoint has no optimizer state (pass --no-load-optim)")
         else:
-            for p in [q for g in optimizer.param_groups for q in g["params"]]:
-                st = optimizer.state[p]
+            for p in _optimized_params(optimizer, names):
+                st = sharded.setdefault(p, {}) if is_sharded else optimizer.state[p]
                 if not st:   # AdamW creates its state lazily: make it now, then fill it
                     st["step"] = torch.zeros((), dtype=torch.float32)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -233,10 +254,12 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
             print("> " + vocab_padding.describe(info["vocab_size"], saved_rows, rows_now),
                   flush=True)
     if optimizer is not None:
-        for p in [q for g in optimizer.param_groups for q in g["params"]]:
+        for p in _optimized_params(optimizer, names):
             key = f"optimizer.{names[p]}.step"
             if key in sd:
-                optimizer.state[p]["step"].copy_(sd[key])
+                (sharded[p] if is_sharded else optimizer.state[p])["step"].copy_(sd[key])
+        if is_sharded:   # the distributed optimizer keeps its data-parallel shard of each state
+            optimizer.load_full_state(sharded)
     if scheduler is not None and sd.get("scheduler") is not None:
         scheduler.load_state_dict(json.loads(sd["scheduler"]))
     if rng_keys:

@@ -44,6 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers per model chunk for the interleaved schedule (Megatron's flag): "
                         "v = num_layers / PP / this")
     g.add_argument("--sequence-parallel", action="store_true")
+    g = p.add_argument_group("data parallelism (lab 10)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's distributed optimizer (ZeRO-1): gradients reduce-scattered, "
+                        "each data-parallel rank updates its shard, parameters all-gathered")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each gradient bucket's reduction during backward, as soon as "
+                        "the bucket is ready")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket (default, as Megatron: "
+                        "max(40000000, 1000000 x data-parallel size))")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
@@ -229,6 +239,16 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
     if args.clip_grad < 0 or args.weight_decay < 0:
         raise ValueError(f"--clip-grad ({args.clip_grad}) and --weight-decay "
                          f"({args.weight_decay}) must be >= 0")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        raise ValueError(f"--ddp-bucket-size must be a positive number of elements, got "
+                         f"{args.ddp_bucket_size} (leave it out for Megatron's default, "
+                         f"max(40000000, 1000000 x DP) = {max(40_000_000, 1_000_000 * dp)})")
+    if args.ddp_bucket_size is not None and not (args.use_distributed_optimizer
+                                                 or args.overlap_grad_reduce):
+        raise ValueError(f"--ddp-bucket-size {args.ddp_bucket_size} sizes the buckets of "
+                         f"Megatron's data parallelism, used with --use-distributed-optimizer "
+                         f"or --overlap-grad-reduce; add one of them (torch DDP, the default, "
+                         f"has its own bucket_cap_mb)")
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         raise ValueError(f"--save-interval {args.save_interval} needs --save DIR and a value >= 1")
 

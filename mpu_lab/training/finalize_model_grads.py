@@ -51,16 +51,27 @@ def allreduce_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
         offset += g.numel()
 
 
-def finalize_grads(model, data_parallel_params: Optional[Sequence[torch.nn.Parameter]] = None
-                   ) -> None:
+def finalize_grads(model, data_parallel_params: Optional[Sequence[torch.nn.Parameter]] = None,
+                   ddp_chunks: Sequence = ()) -> None:
     """Megatron-core's ``finalize_model_grads`` (a different name here: the name
     :func:`mpu_lab.models.finalize_model_grads` holds its sequence-parallel part). ``model``:
     the model, or this rank's list of pipeline chunks. ``data_parallel_params`` given (PP > 1,
     no DDP): their gradients are first averaged over the data-parallel group; at PP=1 DDP has
     done that during backward. Then the sequence-parallel sums, then the tied embedding over
-    the embedding group (a no-op with one pipeline stage)."""
+    the embedding group (a no-op with one pipeline stage).
+
+    ``ddp_chunks`` (Megatron's data parallelism, :mod:`mpu_lab.distributed`): their buckets are
+    finished first (those started during backward waited for, the others run), then the
+    model-parallel sums, then the late buckets: the gradients the model-parallel sums touch
+    are reduced over the data-parallel group only after them. A sum is linear, so the order
+    does not change an all-reduced gradient; it matters for the distributed optimizer, whose
+    reduce-scatter leaves each rank the average of its own shard only."""
+    for ddp in ddp_chunks:
+        ddp.finish_grad_sync()
     if data_parallel_params is not None:
         allreduce_data_parallel_grads(data_parallel_params)
     allreduce_sequence_parallel_grads(model)
     with comm.comm_tag("grads.embedding"):
         allreduce_embedding_grads(model)
+    for ddp in ddp_chunks:
+        ddp.finish_grad_sync(late=True)

@@ -17,9 +17,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mpu_lab import checkpointing, comm, datasets, distributed, parallel_state
+from mpu_lab.distributed.distributed_data_parallel import DistributedDataParallel
 from mpu_lab.models.gpt import build_model_chunks
-from mpu_lab.optimizer import DynamicLossScaler, build_optimizer
-from mpu_lab.pipeline_parallel import model_chunks_of, sync_embedding_weights
+from mpu_lab.models.transformer import sequence_parallel_params
+from mpu_lab.optimizer import DistributedOptimizer, DynamicLossScaler, build_optimizer
+from mpu_lab.pipeline_parallel import (
+    model_chunks_of,
+    shared_embedding_or_output_weight,
+    sync_embedding_weights,
+)
 from mpu_lab.tensor_parallel import broadcast_data, model_parallel_manual_seed
 from mpu_lab.training.arguments import model_config, vocab_padding_message
 from mpu_lab.training.finalize_model_grads import _ddp_counted_allreduce_hook
@@ -39,6 +45,9 @@ class TrainState:
     scaler: Optional[DynamicLossScaler] = None
     skipped_iterations: int = 0
     model_chunks: List[torch.nn.Module] = dataclasses.field(default_factory=list)
+    # Megatron's data parallelism (mpu_lab.distributed.DistributedDataParallel), one per chunk,
+    # with --use-distributed-optimizer or --overlap-grad-reduce; empty on the torch-DDP path
+    ddp_chunks: List[DistributedDataParallel] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if not self.model_chunks:
@@ -75,18 +84,25 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
     # gradients are all-reduced explicitly over the data-parallel group once per step, after
     # the schedule (allreduce_data_parallel_grads), as Megatron's own DDP does in
     # finish_grad_sync.
-    if dp > 1 and args.pipeline_model_parallel_size == 1:
+    ddp_chunks: List[DistributedDataParallel] = []
+    if getattr(args, "use_distributed_optimizer", False) or getattr(args, "overlap_grad_reduce", False):
+        ddp_chunks = wrap_megatron_ddp(model_chunks_of(model), args)
+    elif dp > 1 and args.pipeline_model_parallel_size == 1:
         group = parallel_state.get_data_parallel_group()
         ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
                         process_group=group)   # GPTModel has no buffers to sync
         ddp_model.register_comm_hook((group, dp), _ddp_counted_allreduce_hook)
-    optimizer = build_optimizer(model, args)
+    if ddp_chunks and args.use_distributed_optimizer:
+        optimizer = DistributedOptimizer(ddp_chunks, args)
+    else:
+        optimizer = build_optimizer(model, args)
     scheduler = build_scheduler(optimizer, args)
     num_samples = args.global_batch_size * max(args.train_iters, 1)
     dataset = datasets.build_dataset(args.data_path, num_samples, args.seq_length,
                                      args.vocab_size, args.seed)
     state = TrainState(args, model, ddp_model, optimizer, scheduler, dataset,
-                       scaler=DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None)
+                       scaler=DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None,
+                       ddp_chunks=ddp_chunks)
     if dist.get_rank() == 0 and args.padded_vocab_size != args.vocab_size:
         log(vocab_padding_message(args))
     if args.load:
@@ -100,6 +116,37 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
                 f"{info['tensor_model_parallel_size']} PP={info.get('pipeline_model_parallel_size', 1)}"
                 f", now TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size})")
     return state
+
+
+def late_params(chunk: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """The parameters of ``chunk`` whose gradients get a model-parallel sum before the
+    data-parallel one (Megatron's ``finalize_model_grads`` order): the sequence-parallel
+    LayerNorms and biases (summed over the tensor-parallel group) and, with pipeline stages,
+    the tied embedding's copy on the first or last stage (summed over the embedding group)."""
+    late = list(sequence_parallel_params(chunk)) \
+        if parallel_state.get_tensor_model_parallel_world_size() > 1 else []
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1 and \
+            (getattr(chunk, "pre_process", False) or getattr(chunk, "post_process", False)):
+        weight = shared_embedding_or_output_weight(chunk)
+        if weight is not None and all(weight is not p for p in late):
+            late.append(weight)
+    return late
+
+
+def wrap_megatron_ddp(chunks: List[torch.nn.Module], args: argparse.Namespace
+                      ) -> List[DistributedDataParallel]:
+    """One :class:`~mpu_lab.distributed.distributed_data_parallel.DistributedDataParallel`
+    per model chunk over the data-parallel group (buckets of ``--ddp-bucket-size`` elements,
+    Megatron's default ``max(40M, 1M x DP)``). The chunks keep running their own forward: the
+    wrapper's hooks sit on the parameters."""
+    dp = parallel_state.get_data_parallel_world_size()
+    size = args.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)
+    return [DistributedDataParallel(
+        chunk, parallel_state.get_data_parallel_group(),
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=size,
+        num_micro_batches=args.num_micro_batches, late_params=late_params(chunk))
+        for chunk in chunks]
 
 
 def get_batch(state: TrainState, iteration: int, micro_batch: int) -> Dict[str, torch.Tensor]:

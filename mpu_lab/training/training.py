@@ -19,9 +19,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mpu_lab import checkpointing, comm, distributed, parallel_state
-from mpu_lab.optimizer import clip_grad_norm
+from mpu_lab.optimizer import DistributedOptimizer, clip_grad_norm
 from mpu_lab.pipeline_parallel import (
     average_losses_across_microbatches,
     get_forward_backward_func,
@@ -87,12 +88,16 @@ def _autocast(args, device):
 
 
 def _optimizer_step(args, state, params, fault: Optional[faults.Fault] = None):
-    """Unscale (fp16), clip over the model-parallel group, step, advance the schedule.
+    """Unscale (fp16), clip over the model-parallel group, step, advance the schedule. With
+    the distributed optimizer the gradients are this rank's shards, so the overflow check and
+    the norm go over every rank (data x model parallel), as Megatron's grad-stats group.
 
     Returns ``(lr, grad_norm, skipped)``; ``grad_norm`` is NaN when fp16 overflow skipped
     the step.
     """
     mp_group = parallel_state.get_model_parallel_group()
+    if isinstance(state.optimizer, DistributedOptimizer):
+        params, mp_group = state.optimizer.shard_params, dist.group.WORLD
     if fault is not None and fault.kind == "wrong-group":
         mp_group = parallel_state.get_data_parallel_group()   # injected: the wrong group
     skipped = False
@@ -111,6 +116,14 @@ def _optimizer_step(args, state, params, fault: Optional[faults.Fault] = None):
     return lr, grad_norm, skipped
 
 
+def _zero_grads(state: TrainState) -> None:
+    """Before a step: the optimizer's gradients, and Megatron-DDP's gradient buffers (which
+    point each ``.grad`` back at its slice of the buffer)."""
+    state.optimizer.zero_grad(set_to_none=True)
+    for ddp in state.ddp_chunks:
+        ddp.zero_grad_buffer()
+
+
 def train_step(state: TrainState) -> Dict[str, float]:
     """One iteration (``state.iteration`` is 0-based on entry, incremented on exit)."""
     if state.args.pipeline_model_parallel_size > 1:
@@ -120,14 +133,14 @@ def train_step(state: TrainState) -> Dict[str, float]:
     fault = faults.active(state)
     faults.at_step_start(state)
     model.train()
-    state.optimizer.zero_grad(set_to_none=True)
+    _zero_grads(state)
     M = args.num_micro_batches
     scale = _loss_scale(state, fault)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for m in range(M):
         batch = get_batch(state, state.iteration, m)
         sync = contextlib.nullcontext()
-        if ddp_model is not model and m < M - 1:
+        if isinstance(ddp_model, DDP) and m < M - 1:
             sync = ddp_model.no_sync()   # accumulate locally; all-reduce on the last micro-batch
         with sync:
             with _autocast(args, device):
@@ -136,7 +149,7 @@ def train_step(state: TrainState) -> Dict[str, float]:
             (loss * (scale / M)).backward()
         comm.clear_backward_tag()
         loss_sum += loss.detach()
-    finalize_grads(model)
+    finalize_grads(model, ddp_chunks=state.ddp_chunks)
     faults.after_backward(state)
     params = [p for p in model.parameters() if p.requires_grad]
     lr, grad_norm, skipped = _optimizer_step(args, state, params, fault)
@@ -189,7 +202,7 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
     faults.at_step_start(state)
     for chunk in chunks:
         chunk.train()
-    state.optimizer.zero_grad(set_to_none=True)
+    _zero_grads(state)
     scale = _loss_scale(state, fault)
     iterators = [_microbatches(state, state.iteration, chunk) for chunk in chunks]
     forward_backward = get_forward_backward_func(args.pipeline_schedule)
@@ -202,7 +215,8 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
         grad_scale_func=(lambda loss: loss * scale) if state.scaler else None)
     comm.clear_backward_tag()
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
-    finalize_grads(chunks, data_parallel_params=params)
+    finalize_grads(chunks, data_parallel_params=None if state.ddp_chunks else params,
+                   ddp_chunks=state.ddp_chunks)
     faults.after_backward(state)
     lr, grad_norm, skipped = _optimizer_step(args, state, params, fault)
     # The loss of the global batch: on the last stage the mean over micro-batches, averaged

@@ -9,18 +9,22 @@ In the same world, one after the other, model parallel re-initialised by each pa
   collective counts, the shape table, checkpoints resharded across TP sizes);
 * ``pipeline``: tests/mp/pipeline_checks.py (p2p and every schedule against the toy model);
 * ``perf``: tests/mp/perf_checks.py (the step-time breakdown at three layouts, the bandwidth
-  benchmark's functions).
+  benchmark's functions);
+* ``dp``: tests/mp/dp_checks.py (Megatron's data parallelism and distributed optimizer against
+  the plain path at DP = 4 and at DP = 2 with TP or PP, checkpoints across DP sizes).
 
-Every rank reports ``{"rank", "gpt", "pipeline", "perf", "seconds"}``; the session fixture
-``four_rank_job`` (tests/conftest.py) starts the job once for tests/test_gpt_mp.py,
-tests/test_pipeline_mp.py and tests/test_perf_measure.py. Each script still runs on its own too.
+Every rank reports ``{"rank", "gpt", "pipeline", "perf", "dp", "seconds"}``; the session
+fixture ``four_rank_job`` (tests/conftest.py) starts the job once for tests/test_gpt_mp.py,
+tests/test_pipeline_mp.py, tests/test_perf_measure.py and tests/test_distrib_optimizer.py. Each script still runs on its own too.
 """
+import pathlib
 import sys
 import time
 
 import torch.distributed as dist
 
-import gpt_checks   # this script's folder is first on sys.path
+import dp_checks    # this script's folder is first on sys.path
+import gpt_checks
 import perf_checks
 import pipeline_checks
 from mpu_lab import distributed, launcher
@@ -33,7 +37,9 @@ def main():
     out = {"rank": dist.get_rank(), "seconds": {"init": round(time.perf_counter() - t0, 2)}}
     for name, part in [("gpt", lambda: gpt_checks.checks(sys.argv[1])),
                        ("pipeline", pipeline_checks.checks),
-                       ("perf", lambda: perf_checks.checks(sys.argv[2], info))]:
+                       ("perf", lambda: perf_checks.checks(sys.argv[2], info)),
+                       ("dp", lambda: dp_checks.checks(
+                           str(pathlib.Path(sys.argv[1]).parent / "dp_ckpt")))]:
         t0 = time.perf_counter()
         out[name] = part()
         out["seconds"][name] = round(time.perf_counter() - t0, 2)

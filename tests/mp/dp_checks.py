@@ -1,0 +1,105 @@
+"""torchrun worker: Megatron's data parallelism (mpu_lab.distributed.DistributedDataParallel)
+and distributed optimizer against the plain path (torch DDP / the explicit all-reduce, and
+AdamW), at DP = 4 and at DP = 2 with TP = 2 (and sequence parallelism) or PP = 2; the
+optimizer-state bytes per rank; a checkpoint saved with the distributed optimizer at DP = 4,
+loaded at DP = 2 x TP = 2 and by the plain optimizer.
+
+    torchrun --standalone --nproc-per-node 4 tests/mp/dp_checks.py CHECKPOINT_DIR
+
+Part of tests/mp/four_rank_checks.py (one 4-rank job for all 4-rank checks); every rank
+reports a dict, tests/test_distrib_optimizer.py asserts on it.
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+
+from mpu_lab import distributed, launcher, parallel_state, training
+
+BASE = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
+        "--micro-batch-size", 2, "--global-batch-size", 8, "--vocab-size", 128,
+        "--make-vocab-size-divisible-by", 32, "--lr", 3e-3, "--min-lr", 3e-4,
+        "--lr-warmup-iters", 1, "--train-iters", 4, "--log-interval", 1, "--quiet"]
+# name -> extra flags; at 4 ranks the data-parallel size is 4 / (TP x PP)
+LAYOUTS = {"dp4": [],
+           "tp2_sp_dp2": ["--tensor-model-parallel-size", 2, "--sequence-parallel"],
+           "pp2_dp2": ["--pipeline-model-parallel-size", 2]}
+MODES = {"plain": [],
+         "overlap": ["--overlap-grad-reduce", "--ddp-bucket-size", 2000],
+         "distributed": ["--use-distributed-optimizer", "--ddp-bucket-size", 3000],
+         "distributed_overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                 "--ddp-bucket-size", 2000]}
+
+
+def _args(*extra):
+    args = training.parse_args([str(a) for a in BASE + list(extra)])
+    return training.validate_args(args, dist.get_world_size())
+
+
+def _state_bytes(optimizer) -> int:
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values()
+               for t in st.values() if torch.is_tensor(t))
+
+
+def _params_on_rank(state) -> int:
+    return sum(p.numel() for chunk in state.model_chunks for p in chunk.parameters())
+
+
+def _run(*extra, iters=None):
+    state = training.setup(_args(*extra), log=lambda s: None)
+    metrics = training.train(state, train_iters=iters, log=lambda s: None)
+    return state, metrics
+
+
+def equality(out):
+    for layout, flags in LAYOUTS.items():
+        for mode, more in MODES.items():
+            state, metrics = _run(*flags, *more)
+            row = dict(losses=[m["lm_loss"] for m in metrics],
+                       grad_norms=[m["grad_norm"] for m in metrics],
+                       optimizer_state_bytes=_state_bytes(state.optimizer),
+                       optimizer_state_entries=len(state.optimizer.state),
+                       params=_params_on_rank(state),
+                       data_parallel_size=parallel_state.get_data_parallel_world_size())
+            if state.ddp_chunks:
+                row["buckets"] = [b for ddp in state.ddp_chunks for b in ddp.buffer.table()]
+                row["sync_log"] = [dict(e, start_s=None, end_s=None)
+                                   for ddp in state.ddp_chunks for e in ddp.sync_log]
+            out.setdefault(layout, {})[mode] = row
+
+
+def checkpoints(out, root):
+    """Save at DP=4 with the distributed optimizer after 2 steps; the run goes on to 4.
+    Loaded at DP=2 x TP=2 (distributed) and at DP=4 (plain), the next 2 steps must match."""
+    save = f"{root}/dp4_distributed"
+    dist_flags = ["--use-distributed-optimizer", "--ddp-bucket-size", 3000]
+    state, first = _run(*dist_flags, iters=2)
+    from_start = training.train(state, log=lambda s: None)   # steps 3-4 of the same run
+    out["uninterrupted"] = [m["lm_loss"] for m in from_start]
+    # the same two steps, saved and resumed
+    _run(*dist_flags, "--save", save, iters=2)     # train() saves at its last iteration
+    for name, flags in (("tp2_dp2_distributed", ["--tensor-model-parallel-size", 2, *dist_flags]),
+                        ("dp4_plain", []),
+                        ("dp4_distributed", dist_flags)):
+        state = training.setup(_args(*flags, "--load", save), log=lambda s: None)
+        resumed = training.train(state, log=lambda s: None)
+        out[f"resumed_{name}"] = dict(iteration=resumed[0]["iteration"],
+                                      losses=[m["lm_loss"] for m in resumed])
+
+
+def checks(root):
+    out = {}
+    equality(out)
+    checkpoints(out, root)
+    return out
+
+
+@launcher.entrypoint
+def main():
+    distributed.init()
+    launcher.report(checks(sys.argv[1]))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
