@@ -55,6 +55,11 @@ from mpu_lab.labkit.exercises.lab08 import (
     check_min_microbatches,
 )
 from mpu_lab.labkit.exercises.lab09 import EXCHANGE, check_cause, check_culprit, print_suspects
+from mpu_lab.labkit.exercises.lab10 import (
+    DISTRIBUTED_STEP,
+    check_optimizer_state_gb,
+    check_ring_all_reduce_mb,
+)
 from mpu_lab.labkit.exercises.playground import (
     check_copy_to_grad,
     check_reduce_from,
@@ -82,4 +87,5 @@ __all__ = [
     "check_best_config", "check_min_microbatches", "check_dominant_communication",
     "copy_to_grad_expected", "reduce_from_expected", "reduce_scatter_sequence_expected",
     "check_copy_to_grad", "check_reduce_from", "check_reduce_scatter_to_sequence",
+    "DISTRIBUTED_STEP", "check_optimizer_state_gb", "check_ring_all_reduce_mb",
 ]

@@ -1,0 +1,154 @@
+"""Lab 10's checks and its write-the-code exercise, on the shared 4-rank grading world
+(tp = 2, so the data-parallel groups are [0, 2] and [1, 3]: d = 2, not the world's 4).
+
+* ``DISTRIBUTED_STEP`` (the distributed optimizer's step on one flat buffer): the lab's
+  solution passes (reduce-scatter, shard update, all-gather, padding for sizes d does not
+  divide); the plain all-reduce step has the right values but the wrong collectives and fails
+  naming them; a step that sums instead of averaging, one that divides by the world's size
+  instead of the group's, and one that does not pad fail naming the rank and the input; the
+  stub has no answer yet.
+* The predictions: the optimizer-state bytes per rank and the ring all-reduce's bytes against
+  values worked by hand (12 bytes per parameter over d ranks; 2 (d - 1) / d of the array).
+"""
+import pytest
+
+from mpu_lab.labkit.exercises import grade, lab10
+
+STUB = '''
+def my_distributed_step(param, grad, lr, group):
+    raise NotImplementedError("reduce-scatter the gradient, update your shard, all-gather")
+'''
+
+SOLUTION = '''
+def my_distributed_step(param, grad, lr, group):
+    d, me = dist.get_world_size(group), dist.get_rank(group)
+    n = param.numel()
+    size = -(-n // d)                                  # shard length, after padding
+    pad = torch.zeros(size * d - n, dtype=grad.dtype, device=grad.device)
+    shard_grad = torch.empty(size, dtype=grad.dtype, device=grad.device)
+    dist.reduce_scatter_tensor(shard_grad, torch.cat([grad, pad]), group=group)
+    shard = torch.cat([param, pad])[me * size:(me + 1) * size] - lr * shard_grad / d
+    full = torch.empty(size * d, dtype=param.dtype, device=param.device)
+    dist.all_gather_into_tensor(full, shard, group=group)
+    return full[:n]
+'''
+
+# the same with mpu_lab.comm's collectives, which return new tensors
+COMM_SOLUTION = '''
+def my_distributed_step(param, grad, lr, group):
+    d, me = dist.get_world_size(group), dist.get_rank(group)
+    n = param.numel()
+    size = -(-n // d)
+    pad = torch.zeros(size * d - n, dtype=grad.dtype, device=grad.device)
+    shard_grad = comm.reduce_scatter(torch.cat([grad, pad]), group) / d
+    shard = torch.cat([param, pad])[me * size:(me + 1) * size] - lr * shard_grad
+    return comm.all_gather(shard, group)[:n]
+'''
+
+ALL_REDUCE = '''
+def my_distributed_step(param, grad, lr, group):
+    g = grad.clone()
+    dist.all_reduce(g, group=group)
+    return param - lr * g / dist.get_world_size(group)
+'''
+
+NO_AVERAGE = SOLUTION.replace("- lr * shard_grad / d", "- lr * shard_grad")
+WORLD_SIZE = SOLUTION.replace("- lr * shard_grad / d", "- lr * shard_grad / dist.get_world_size()")
+NO_PADDING = '''
+def my_distributed_step(param, grad, lr, group):
+    d, me = dist.get_world_size(group), dist.get_rank(group)
+    size = param.numel() // d
+    shard_grad = torch.empty(size, dtype=grad.dtype, device=grad.device)
+    dist.reduce_scatter_tensor(shard_grad, grad, group=group)
+    shard = param[me * size:(me + 1) * size] - lr * shard_grad / d
+    full = torch.empty(size * d, dtype=param.dtype, device=param.device)
+    dist.all_gather_into_tensor(full, shard, group=group)
+    return full
+'''
+
+
+def _grade(source, world, as_notebook):
+    return grade(as_notebook(source)["my_distributed_step"], lab10.DISTRIBUTED_STEP, world)
+
+
+def test_the_solution_passes_on_every_rank(grading_world, as_notebook, capsys):
+    assert _grade(SOLUTION, grading_world, as_notebook)
+    out = capsys.readouterr().out
+    assert out.startswith("Right: my_distributed_step agrees with the reference on all 4 ranks "
+                          "for 4 inputs: 8 parameters, lr 0.1; 10 parameters (pad"), out
+
+
+def test_the_solution_with_mpu_lab_comm_passes(grading_world, as_notebook, capsys):
+    assert _grade(COMM_SOLUTION, grading_world, as_notebook)
+    assert capsys.readouterr().out.startswith("Right:")
+
+
+def test_the_plain_all_reduce_has_the_right_values_but_the_wrong_collectives(
+        grading_world, as_notebook, capsys):
+    assert not _grade(ALL_REDUCE, grading_world, as_notebook)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: rank 0, input '8 parameters, lr 0.1': data-parallel rank 0 "
+                          "of 2: the collectives called (the values were right) expected a "
+                          "reduce-scatter of the gradient and an all-gather of the parameters, "
+                          "no all-reduce, got all-reduce."), out
+    assert "Hint: pad the gradient" in out
+
+
+@pytest.mark.parametrize("source", [NO_AVERAGE, WORLD_SIZE], ids=["sum", "world size"])
+def test_a_wrong_average_names_the_rank_and_the_input(source, grading_world, as_notebook,
+                                                      capsys):
+    assert not _grade(source, grading_world, as_notebook)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: rank 0, input '8 parameters, lr 0.1': data-parallel rank 0 "
+                          "of 2: the updated parameters expected shape (8,) ["), out
+    assert ", got shape (8,) [" in out
+
+
+def test_without_padding_a_size_d_does_not_divide_fails(grading_world, as_notebook, capsys):
+    assert not _grade(NO_PADDING, grading_world, as_notebook)
+    out = capsys.readouterr().out
+    # 8 splits over d = 2; 10 does too, but 1 does not: every rank's shard is empty
+    assert "input '1 parameter (every other rank's shard is padding)'" in out, out
+    assert out.startswith("Not yet:")
+    assert grading_world.run("x = torch.ones(1); dist.all_reduce(x); x.item()") == [4.0] * 4
+
+
+def test_the_stub_has_no_answer_yet(grading_world, as_notebook, capsys):
+    assert not _grade(STUB, grading_world, as_notebook)
+    assert capsys.readouterr().out.startswith(
+        "No answer yet: my_distributed_step still raises NotImplementedError")
+
+
+def test_step_inputs_share_the_parameters_and_not_the_gradients():
+    p0, g0 = lab10.step_inputs(5, seed=3, rank=0)
+    p1, g1 = lab10.step_inputs(5, seed=3, rank=1)
+    assert p0.tolist() == p1.tolist()
+    assert g0.tolist() != g1.tolist()
+
+
+def test_optimizer_state_per_rank_worked_by_hand(capsys):
+    # 1.2e9 parameters x 12 bytes (fp32 weight, m, v) = 14.4 GB; over d = 4: 3.6 GB
+    assert lab10.check_optimizer_state_gb(3.6, 1.2e9, 4)
+    assert capsys.readouterr().out.startswith("Right: 3.6 GB per rank")
+    assert lab10.check_optimizer_state_gb(14.4, 1.2e9, 4, distributed_optimizer=False)
+    capsys.readouterr()
+    assert not lab10.check_optimizer_state_gb(14.4, 1.2e9, 4)
+    assert "Hint:" in capsys.readouterr().out
+    assert not lab10.check_optimizer_state_gb(4.8, 1.2e9, 4)    # 16 bytes / 4: not the state
+    capsys.readouterr()
+    assert not lab10.check_optimizer_state_gb(None, 1.2e9, 4)
+    assert capsys.readouterr().out.startswith("No answer yet")
+    # mpu_lab's fp32 weights: 16 - 2 x 4 = 8 bytes of Adam moments per parameter
+    assert lab10.optimizer_state_bytes(1000, 2, True, weight_bytes=4) == 4000
+    with pytest.raises(ValueError, match="d must be a whole number >= 1, got 0"):
+        lab10.optimizer_state_bytes(10, 0, True)
+
+
+def test_ring_all_reduce_bytes_worked_by_hand(capsys):
+    # d = 4: each rank sends 3 chunks of a quarter in the reduce-scatter, 3 more in the gather
+    assert lab10.check_ring_all_reduce_mb(150, grad_mb=100, d=4)
+    assert capsys.readouterr().out.startswith("Right: 150 MB")
+    assert not lab10.check_ring_all_reduce_mb(200, grad_mb=100, d=4)
+    assert "Hint:" in capsys.readouterr().out
+    assert lab10.ring_all_reduce_bytes(64, 2) == 64
+    assert not lab10.check_ring_all_reduce_mb("a lot", grad_mb=100, d=4)
