@@ -1,0 +1,91 @@
+"""Lab 10: data parallelism on a timeline, from a real run (:mod:`mpu_lab.perf.dp_overlap`).
+
+:func:`plot_dp_timeline` draws one step per mode, lab 08's way (time across, one block of rows
+per rank, compute green, data-parallel communication orange; the colours of
+:data:`~mpu_lab.labkit.viz.performance.BREAKDOWN_COLORS`): per rank a **backward** row (the
+compute) and one row per **bucket** (its reduction, from issued to done; a thin line goes on to
+the moment ``finish_grad_sync`` waited for it). Without overlap every bucket starts after the
+backward's end (the dotted line); with ``--overlap-grad-reduce`` each starts as soon as
+backward has produced its last gradient, last layer first.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from matplotlib.figure import Figure
+
+from mpu_lab.labkit.viz.performance import BREAKDOWN_COLORS
+from mpu_lab.labkit.viz.style import _figure, _styled
+
+_COMPUTE, _COMM = BREAKDOWN_COLORS["compute"], BREAKDOWN_COLORS["dp all_reduce"]
+
+
+def timeline_rows(result, mode: str, step: int = -1):
+    """``(row label, [(start_ms, end_ms, text)])`` for one mode's ``step``, top to bottom:
+    per rank its backward row, then one row per bucket (reduction issued -> done). Times are
+    on one clock for all ranks (ms from the earliest backward start of that step: the ranks
+    of one host share ``time.perf_counter``'s monotonic clock)."""
+    records = [rec["steps"][step] for rec in result.mode(mode)]
+    origin = min(s["t0_s"] for s in records)
+    rows = []
+    for rank, s in enumerate(records):
+        shift = 1e3 * (s["t0_s"] - origin)
+        rows.append((f"rank {rank} backward",
+                     [(shift, shift + s["backward_ms"], f"{s['backward_ms']:.0f} ms")]))
+        for sync in sorted(s["syncs"], key=lambda x: (x["chunk"], x["bucket"])):
+            rows.append((f"rank {rank} bucket {sync['bucket']}",
+                         [(shift + sync["start_ms"], shift + sync["done_ms"],
+                           str(sync["bucket"]))]))
+    return rows
+
+
+@_styled
+def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = -1,
+                     title: str = "") -> Figure:
+    """One panel per mode (default: every mode of ``result``, top to bottom, one time axis):
+    the last timed step (``step``) of each rank: its backward, then its buckets' reductions.
+    Each panel's title gives the exposed communication per rank (ms after backward's end)."""
+    modes = list(modes or result.modes)
+    per_mode = {m: timeline_rows(result, m, step) for m in modes}
+    n_rows = max(len(rows) for rows in per_mode.values())
+    fig = _figure(9.5, 1.0 + len(modes) * (0.1 * n_rows + 0.45))
+    fig.set_layout_engine("constrained")
+    axes = fig.subplots(len(modes), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, mode in zip(axes, modes):
+        rows = per_mode[mode]
+        records = [rec["steps"][step] for rec in result.mode(mode)]
+        origin = min(s["t0_s"] for s in records)
+        for y, (label, spans) in enumerate(rows):
+            is_compute = label.endswith("backward")
+            for start, end, text in spans:
+                ax.barh(y, end - start, left=start, height=0.8 if is_compute else 0.7,
+                        color=_COMPUTE if is_compute else _COMM, edgecolor="white",
+                        linewidth=0.3)
+                if is_compute:
+                    ax.text(start + 2, y, text, va="center", fontsize=6, color="white")
+        for rank, s in enumerate(records):        # wait() returned; backward's end
+            shift = 1e3 * (s["t0_s"] - origin)
+            first = next(y for y, (label, _) in enumerate(rows)
+                         if label == f"rank {rank} backward")
+            for k, sync in enumerate(sorted(s["syncs"], key=lambda x: (x["chunk"], x["bucket"]))):
+                ax.hlines(first + 1 + k, shift + sync["done_ms"], shift + sync["end_ms"],
+                          color=_COMM, linewidth=0.8)
+            ax.vlines(shift + s["backward_ms"], first - 0.5, first + 0.5 + len(s["syncs"]),
+                      color="black", linewidth=0.8, linestyle=":")
+            if rank:
+                ax.axhline(first - 0.5, color="#cccccc", linewidth=0.5)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([label if label.endswith("backward") else label.split(" ", 2)[2]
+                            for label, _ in rows], fontsize=6)
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        exposed = ", ".join(f"{s['exposed_ms']:.0f}" for s in records)
+        ax.set_title(f"{mode}: exposed communication per rank {exposed} ms", loc="left",
+                     fontsize=9)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[-1].set_xlabel(f"ms from the first backward start of the step (d = {result.d}, "
+                        f"{result.device})\ngreen: backward; orange: a bucket's reduction, "
+                        f"issued to done (thin line: until waited for); dotted: backward's end")
+    if title:
+        fig.suptitle(title, x=0.01, ha="left")
+    return fig
