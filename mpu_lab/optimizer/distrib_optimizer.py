@@ -126,7 +126,9 @@ class DistributedOptimizer:
         Collective over the data-parallel group; zeros before the first step."""
         steps = [self.optimizer.state[shard]["step"] for _, shard, _, _ in self.shards
                  if self.optimizer.state.get(shard)]
-        step = torch.as_tensor(float(steps[0]) if steps else 0.0, dtype=torch.float32)
+        device = self.ddp_modules[0].buffer.param_data.device if self.ddp_modules else "cpu"
+        step = torch.tensor(float(steps[0]) if steps else 0.0, dtype=torch.float32,
+                            device=device)    # on the rank's device: NCCL takes no CPU tensor
         out: Dict[torch.nn.Parameter, Dict[str, torch.Tensor]] = {}
         for ddp in self.ddp_modules:
             buf = ddp.buffer
@@ -150,7 +152,7 @@ class DistributedOptimizer:
             if ddp.data_parallel_size > 1:
                 step = comm.all_reduce(step, ddp.data_parallel_group, op=dist.ReduceOp.MAX)
         for p in out:
-            out[p]["step"] = step.clone().reshape(())
+            out[p]["step"] = step.cpu().reshape(())
         return out
 
     def load_full_state(self, states: Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]) -> None:
