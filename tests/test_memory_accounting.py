@@ -155,3 +155,19 @@ def test_bad_configurations_fail_before_any_process_starts():
         memory.run_memory_breakdown([(1, 1, 4)], 4, tensor_model_parallel_size=2)
     with pytest.raises(ValueError, match="once each"):
         memory.run_memory_breakdown([(1, 1, 4)], 4, (True, True))
+
+
+def test_the_stacked_bar_and_the_saving_table_show_the_measured_bytes(rows, capsys):
+    from mpu_lab.labkit.viz.memory import plot_memory_breakdown, print_optimizer_saving
+    fig = plot_memory_breakdown(rows, rank=0, unit="B")
+    bars = fig.axes[0].patches            # per pair: 4 measured terms, then 4 predicted
+    assert len(bars) == len(CONFIGS) * 2 * 2 * 4
+    first = by(rows, config="t=1 p=1 d=4", optimizer="AdamW", rank=0)
+    top = bars[3].get_y() + bars[3].get_height()
+    assert top == pytest.approx(sum(r["measured"] for r in first))
+    print_optimizer_saving(rows)
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[:3] for line in lines] == [
+        [f"t={t}", f"p={p}", f"d={d}"] for t, p, d in CONFIGS]
+    for line, (t, p, d) in zip(lines, CONFIGS):
+        assert float(line.split()[-2]) == pytest.approx(d, abs=0.01)   # 8 bytes / (8 / d)

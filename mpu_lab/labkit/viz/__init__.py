@@ -31,6 +31,7 @@ from mpu_lab.labkit.viz.collectives import (
 from mpu_lab.labkit.viz.figures import figure_catalog, save_figure, save_figures
 from mpu_lab.labkit.viz.layer import plot_activation_memory, plot_transformer_layer
 from mpu_lab.labkit.viz.losses import LiveLossPlot, plot_loss_curves
+from mpu_lab.labkit.viz.memory import plot_memory_breakdown, print_optimizer_saving  # noqa: F401
 from mpu_lab.labkit.viz.overlap import plot_backward_timeline
 from mpu_lab.labkit.viz.performance import (
     BREAKDOWN_COLORS,
