@@ -184,6 +184,7 @@ def measure(train_argv: Sequence[str], mode: str, steps: int, warmup: int = 1) -
     one record per step (times in ms from that step's backward start), the counted
     data-parallel payload per step, and the StepTimer's breakdown."""
     flags, overlap = MODES[mode]
+    began = time.perf_counter()
     args = training.validate_args(training.parse_args(list(train_argv) + flags),
                                   dist.get_world_size())
     state = training.setup(args, log=lambda s: None)
@@ -211,7 +212,8 @@ def measure(train_argv: Sequence[str], mode: str, steps: int, warmup: int = 1) -
     return dict(mode=mode, flags=flags, overlap=overlap, buckets=buckets,
                 grad_numel=sum(d.buffer.numel_unpadded for d in state.ddp_chunks),
                 grad_numel_padded=sum(d.buffer.numel for d in state.ddp_chunks),
-                steps=records, volume=volume, breakdown=timer.report())
+                steps=records, volume=volume, breakdown=timer.report(),
+                wall_s=round(time.perf_counter() - began, 3))
 
 
 # ------------------------------------------------------------------ the driver's side

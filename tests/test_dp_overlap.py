@@ -1,0 +1,111 @@
+"""Megatron's DDP from a real run (mpu_lab.perf.dp_overlap, launch/dp_overlap.py), against
+references worked by hand: the gradient buffer's buckets from the GPT's parameter sizes, the
+data-parallel bytes of a ring over d ranks, which bucket reductions start during backward, and
+the rows the timeline draws. One 4-rank torchrun job for the whole file."""
+import pytest
+
+from mpu_lab.labkit.viz.dp_overlap import plot_dp_timeline
+from mpu_lab.perf import dp_overlap
+
+D = 4
+BUCKET_SIZE = 5000
+# L = 2 layers, h = 32, V = 128, S = 16. Per layer: LayerNorms 4 x 32, QKV 3h*h + 3h = 3168,
+# proj h*h + h = 1056, fc1 4h*h + 4h = 4224, fc2 4h*h + h = 4128: 12704; final LayerNorm 64;
+# embeddings V*h + S*h = 4096 + 512. Total 2 x 12704 + 64 + 4608 = 30080 fp32 elements.
+MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+             micro_batch_size=2, vocab_size=128)
+GRAD_ELEMENTS = 30080
+# Reverse order (the last layer's gradients first), a new bucket once one holds >= 5000:
+#  0: final LN b, w (64), layer 1 fc2 b, w (4128), fc1 b, w (4224)               = 8416, 6 params
+#  1: layer 1 pre-MLP LN (64), proj (1056), QKV (3168), input LN (64), layer 0 fc2 = 8480, 10
+#  2: layer 0 fc1 (4224), pre-MLP LN (64), proj (1056)                           = 5344, 6
+#  3: layer 0 QKV (3168), input LN (64), position (512), word embedding (4096)   = 7840, 6
+BUCKETS = [(8416, 6), (8480, 10), (5344, 6), (7840, 6)]
+PLAIN, OVERLAP = "all-reduce", "distributed optimizer + overlap"
+
+
+@pytest.fixture(scope="module")
+def result():
+    return dp_overlap.run_dp_overlap(nproc=D, steps=2, warmup=0, bucket_size=BUCKET_SIZE,
+                                     modes=(PLAIN, OVERLAP), timeout_s=120, **MODEL)
+
+
+def test_buckets_are_the_layout_worked_by_hand(result):
+    for mode in result.modes:
+        for rec in result.mode(mode):
+            assert [(b["numel"], b["params"]) for b in rec["buckets"]] == BUCKETS
+            assert [b["padded"] % D for b in rec["buckets"]] == [0] * len(BUCKETS)
+            assert rec["grad_numel"] == GRAD_ELEMENTS
+            assert rec["buckets"][0]["names"][0] == "decoder.final_layernorm.bias"
+            assert rec["buckets"][-1]["names"][-1] == "embedding.word_embeddings.weight"
+            assert all(len(s["syncs"]) == len(BUCKETS) for s in rec["steps"])
+
+
+def test_ring_formula_by_hand():
+    # G = 30080 x 4 B = 120320 B over d = 4: all-reduce 2 x 3/4 x G = 180480 B sent per rank;
+    # reduce-scatter 3/4 x G = 90240; all-gather: input is one shard, G/4 = 30080, sent 3 x it.
+    assert dp_overlap.ring_bytes_sent("all_reduce", 120320, 4) == 180480
+    assert dp_overlap.ring_bytes_sent("reduce_scatter", 120320, 4) == 90240
+    assert dp_overlap.ring_bytes_sent("all_gather", 30080, 4) == 90240
+    assert dp_overlap.ring_bytes_sent("all_reduce", 1000, 1) == 0
+    with pytest.raises(ValueError, match="broadcast"):
+        dp_overlap.ring_bytes_sent("broadcast", 1, 4)
+
+
+def test_counted_volume_matches_the_gradient_bytes(result):
+    g = 4 * GRAD_ELEMENTS
+    rows = {(r["mode"], r["kind"]): r for r in dp_overlap.volume_rows(result)}
+    assert set(rows) == {(PLAIN, "all_reduce"), (OVERLAP, "reduce_scatter"),
+                         (OVERLAP, "all_gather")}
+    for key, counted, tag in (((PLAIN, "all_reduce"), g, "grads.data_parallel"),
+                              ((OVERLAP, "reduce_scatter"), g, "grads.data_parallel"),
+                              ((OVERLAP, "all_gather"), g // D, "params.data_parallel")):
+        assert rows[key]["tag"] == tag
+        assert rows[key]["calls"] == len(BUCKETS)          # one collective per bucket and step
+        assert rows[key]["counted_bytes"] == counted
+    for mode in result.modes:                               # every rank counted the same
+        assert len({str(rec["volume"]) for rec in result.mode(mode)}) == 1
+    sent = {m: sum(r["sent_bytes"] for r in rows.values() if r["mode"] == m) for m in result.modes}
+    assert sent == {PLAIN: 180480, OVERLAP: 180480}
+    table = dp_overlap.format_volume_table(result)
+    assert "30080 fp32 elements = 0.120 MB; d = 4; 2(d-1)/d x buffer = 0.180 MB" in table
+    assert table.count("total sent per rank") == 2
+
+
+def test_overlap_starts_buckets_during_backward_and_plain_does_not(result):
+    for rec in result.mode(OVERLAP):
+        for step in rec["steps"]:
+            for s in step["syncs"]:
+                assert s["started_in_backward"] and s["start_ms"] < step["backward_ms"], s
+                assert s["start_ms"] <= s["done_ms"] <= s["end_ms"]
+            # the first bucket (the last layer's) is issued first
+            assert [s["bucket"] for s in step["syncs"]] == list(range(len(BUCKETS)))
+    for rec in result.mode(PLAIN):
+        for step in rec["steps"]:
+            for s in step["syncs"]:
+                assert not s["started_in_backward"] and s["start_ms"] >= step["backward_ms"], s
+            assert step["exposed_ms"] > 0
+    table = dp_overlap.format_overlap_table(result)
+    assert table.count("0 of 4") == D and table.count("4 of 4") == D
+
+
+def test_timeline_has_a_backward_and_a_row_per_bucket_per_rank(result):
+    fig = plot_dp_timeline(result)
+    axes = fig.axes
+    assert [ax.get_title(loc="left").split(":")[0] for ax in axes] == [PLAIN, OVERLAP]
+    for ax in axes:
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        expected = []
+        for rank in range(D):
+            expected += [f"rank {rank} backward"] + [f"bucket {b}" for b in range(len(BUCKETS))]
+        assert labels == expected
+        assert len(ax.patches) == D * (1 + len(BUCKETS))    # one bar per row
+
+
+def test_bad_flags_are_refused_before_launch():
+    with pytest.raises(ValueError, match="--steps 0 must be >= 1.*unknown mode 'x'"):
+        dp_overlap.check_args(["--steps", 0, "--modes", "x"], 4)
+    with pytest.raises(ValueError, match="at least 2"):
+        dp_overlap.check_args([], 1)
+    with pytest.raises(ValueError, match="hidden_size 30 is not divisible"):
+        dp_overlap.run_dp_overlap(nproc=2, hidden_size=30)
