@@ -20,6 +20,7 @@ compares). Every public name is importable from here (``viz.plot_rank_grid``).
 * :mod:`~mpu_lab.labkit.viz.figures` — the catalogue of ``figures/`` and byte-stable PNGs.
 """
 from mpu_lab.labkit.collective_layouts import COLLECTIVE_LAYOUTS
+from mpu_lab.labkit.viz.dp_overlap import plot_dp_timeline  # noqa: F401
 from mpu_lab.labkit.viz.collectives import (
     collective_views,
     plot_collective,
