@@ -20,7 +20,6 @@ compares). Every public name is importable from here (``viz.plot_rank_grid``).
 * :mod:`~mpu_lab.labkit.viz.figures` — the catalogue of ``figures/`` and byte-stable PNGs.
 """
 from mpu_lab.labkit.collective_layouts import COLLECTIVE_LAYOUTS
-from mpu_lab.labkit.viz.dp_overlap import plot_dp_timeline  # noqa: F401
 from mpu_lab.labkit.viz.collectives import (
     collective_views,
     plot_collective,
@@ -29,6 +28,7 @@ from mpu_lab.labkit.viz.collectives import (
     print_test_log,
     show_collective,
 )
+from mpu_lab.labkit.viz.dp_overlap import plot_dp_timeline  # noqa: F401
 from mpu_lab.labkit.viz.figures import figure_catalog, save_figure, save_figures
 from mpu_lab.labkit.viz.layer import plot_activation_memory, plot_transformer_layer
 from mpu_lab.labkit.viz.losses import LiveLossPlot, plot_loss_curves
