@@ -109,3 +109,36 @@ def test_bad_flags_are_refused_before_launch():
         dp_overlap.check_args([], 1)
     with pytest.raises(ValueError, match="hidden_size 30 is not divisible"):
         dp_overlap.run_dp_overlap(nproc=2, hidden_size=30)
+
+
+def _record(steps_ms, exposed):
+    return dict(steps=[dict(step_ms=s, exposed_ms=e) for s, e in zip(steps_ms, exposed)])
+
+
+def test_overlap_saving_worked_by_hand():
+    # rank medians: off 110 and 130 ms (mean 120), on 90 and 90 (mean 90): 25 % saved;
+    # exposed: off 40 and 60 (mean 50), on 10 and 20 (mean 15)
+    off = [_record([100, 110, 120], [40, 40, 50]), _record([130, 125, 140], [60, 70, 50])]
+    on = [_record([90, 95, 80], [10, 5, 20]), _record([90, 90, 90], [20, 20, 20])]
+    result = dp_overlap.DPOverlapResult(
+        d=2, modes=["all-reduce", "all-reduce + overlap"], bucket_size=1, train_argv=[],
+        reports=[{"device": "cpu", "modes": {"all-reduce": a, "all-reduce + overlap": b}}
+                 for a, b in zip(off, on)], wall_s=0.0)
+    assert dp_overlap.overlap_saving(result) == [dict(
+        mode="all-reduce", step_ms=120, step_overlap_ms=90, exposed_ms=50,
+        exposed_overlap_ms=15, saved_pct=25)]
+    assert dp_overlap.format_saving(result) == (
+        "all-reduce: step 120 ms -> 90 ms with overlap (+25 % saved); exposed communication "
+        "50 ms -> 15 ms (mean of 2 ranks, cpu)")
+    with pytest.raises(KeyError, match="'distributed optimizer' was not run"):
+        result.mode("distributed optimizer")
+
+
+def test_bucket_table_and_lab08_views(result):
+    table = dp_overlap.format_buckets(result)
+    assert "decoder.final_layernorm.bias .. decoder.layers.1.mlp.linear_fc1.weight" in table
+    assert f"4 buckets of about {BUCKET_SIZE} elements; {GRAD_ELEMENTS} gradient elements" in table
+    for mode in result.modes:                    # lab 08's StepTimer booked the DP collectives
+        assert any(k.startswith("dp ") for k in result.mode(mode)[0]["breakdown"]["parts"])
+    with pytest.raises(ValueError, match="profile=True"):
+        dp_overlap.kernel_timelines(result)      # traces only when asked for

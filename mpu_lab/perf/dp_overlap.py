@@ -7,7 +7,10 @@ What lab 10 calls (one torchrun job of ``launch/dp_overlap.py``)::
     print(format_buckets(result))          # the buffer's buckets, last layer first
     print(format_overlap_table(result))    # backward and exposed communication, per rank
     print(format_volume_table(result))     # bytes per step: counted by mpu_lab.comm vs formula
+    print(format_saving(result))           # step and exposed communication, overlap off / on
     viz.plot_dp_timeline(result)           # mpu_lab.labkit.viz.dp_overlap
+    # run_dp_overlap(..., profile=True): lab 08's traces of the same steps
+    viz.plot_kernel_timeline(kernel_timelines(result))
 
 The job trains the small GPT of ``train_gpt.py`` at DP = ``nproc`` with the mirror's
 :class:`~mpu_lab.distributed.DistributedDataParallel` (buckets of ``bucket_size`` elements) in
@@ -17,6 +20,14 @@ the model's output and on every parameter's gradient) and, from ``ddp.sync_log``
 bucket's reduction was issued, when it was done, and when ``finish_grad_sync`` had waited for
 it. **Exposed communication** is the time from the end of backward until the last bucket was
 waited for: what the step pays for data parallelism on top of its compute.
+
+**CPU and GPU.** Here (gloo, ranks sharing a few cores) a bucket's reduction runs on gloo's own
+thread, which competes with backward for the same cores, and it cannot finish before the
+slowest rank has issued it too: overlap hides what the cores would otherwise spend waiting, not
+the transfer itself. With NCCL on GPUs the reduction runs on its own CUDA stream over
+NVLink / InfiniBand while backward's kernels keep the compute units busy, so the exposed part
+shrinks towards the last bucket's reduction (Li et al. 2020 §3.2,
+https://arxiv.org/abs/2006.15704) — the reason Megatron makes the buckets small enough.
 
 **The volume formula.** A ring collective over ``d`` ranks of a ``G``-byte buffer makes each
 rank send (nccl-tests' PERFORMANCE.md, the "bus bandwidth" factors,
@@ -36,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -43,18 +55,17 @@ import torch
 import torch.distributed as dist
 
 from mpu_lab import comm, distributed, launcher, training
+from mpu_lab.perf import kernel_timeline
 from mpu_lab.timers import StepTimer
 
-# name -> (train_gpt.py flags, overlap on). "all-reduce" has no flag of its own: without either
-# flag train_gpt.py uses torch DDP, so it is built with --overlap-grad-reduce and the wrapper's
-# ``overlap_grad_reduce`` (what the flag sets) is switched off: the same buckets, no overlap.
+# name -> (train_gpt.py flags, overlap on). Without either flag train_gpt.py uses torch DDP, so
+# "all-reduce" is built with --overlap-grad-reduce and the wrapper's overlap_grad_reduce off.
 MODES = {"all-reduce": (["--overlap-grad-reduce"], False),
          "all-reduce + overlap": (["--overlap-grad-reduce"], True),
          "distributed optimizer": (["--use-distributed-optimizer"], False),
          "distributed optimizer + overlap": (["--use-distributed-optimizer",
                                              "--overlap-grad-reduce"], True)}
 GRAD_TAG, PARAM_TAG = "grads.data_parallel", "params.data_parallel"
-# The model run_dp_overlap trains unless told otherwise (train_gpt.py's flags).
 DEFAULT_MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128,
                      micro_batch_size=4, vocab_size=512)
 DEFAULT_BUCKET_SIZE = 100_000
@@ -83,13 +94,15 @@ def parser() -> argparse.ArgumentParser:
                    help="elements per gradient bucket (--ddp-bucket-size)")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated, of: {', '.join(MODES)}")
+    p.add_argument("--profile-dir", default=None,
+                   help="also run the timed steps under torch.profiler (lab 08's traces): "
+                        "DIR/<mode number>/rank<r>.trace.json")
     return p
 
 
 def check_args(argv: Sequence[str], world_size: int, cwd=None):
-    """The script's ``PRECHECK``: ``(own flags, train_gpt.py argv of the first mode)``; a
-    ``ValueError`` naming the values for bad ones, before any process starts. The model's
-    flags are checked by train_gpt.py's own :func:`~mpu_lab.training.check_launch_args`."""
+    """The script's ``PRECHECK``: ``(own flags, train_gpt.py argv)``, or a ``ValueError``
+    naming bad values; the model's flags go through train_gpt.py's ``check_launch_args``."""
     a, rest = parser().parse_known_args([str(v) for v in argv])
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = [f"--{n} {v} must be >= {lo}" for n, v, lo in
@@ -177,12 +190,14 @@ def _step_record(probe: _Probe, chunks, step_s: float) -> dict:
                 exposed_ms=round(max(0.0, last - backward_ms), 3))
 
 
-def measure(train_argv: Sequence[str], mode: str, steps: int, warmup: int = 1) -> dict:
+def measure(train_argv: Sequence[str], mode: str, steps: int, warmup: int = 1,
+            profile_dir: Optional[str] = None) -> dict:
     """Run inside every rank: set up ``train_gpt.py``'s GPT with ``train_argv`` plus the mode's
     flags, ``warmup`` untimed steps, then ``steps`` steps timed by lab 08's
     :class:`~mpu_lab.timers.StepTimer` with their collectives counted. Returns the buckets,
     one record per step (times in ms from that step's backward start), the counted
-    data-parallel payload per step, and the StepTimer's breakdown."""
+    data-parallel payload per step, and the StepTimer's breakdown (with ``profile_dir``: its
+    profiler trace too, what :func:`kernel_timelines` reads)."""
     flags, overlap = MODES[mode]
     began = time.perf_counter()
     args = training.validate_args(training.parse_args(list(train_argv) + flags),
@@ -193,7 +208,7 @@ def measure(train_argv: Sequence[str], mode: str, steps: int, warmup: int = 1) -
     for _ in range(warmup):
         training.train_step(state)
     probe = _Probe(state.ddp_chunks)
-    timer = StepTimer(distributed.get_device(), skip=0)
+    timer = StepTimer(distributed.get_device(), skip=0, profile_dir=profile_dir)
     records = []
     with comm.CommCounter() as counter:
         for _ in range(steps):
@@ -202,8 +217,7 @@ def measure(train_argv: Sequence[str], mode: str, steps: int, warmup: int = 1) -
             records.append(_step_record(probe, state.ddp_chunks, timer.step_seconds[-1]))
     probe.remove()
     names = {id(p): n for ddp in state.ddp_chunks for n, p in ddp.module.named_parameters()}
-    buckets = [dict(row, chunk=c, names=[names[id(p)] for p in b.params],
-                    param_numels=[p.numel() for p in b.params])
+    buckets = [dict(row, chunk=c, names=[names[id(p)] for p in b.params])
                for c, ddp in enumerate(state.ddp_chunks)
                for row, b in zip(ddp.buffer.table(), ddp.buffer.buckets)]
     volume = [dict(tag=tag, kind=kind, calls=n / steps, bytes=b / steps)
@@ -251,16 +265,19 @@ def _flag_list(model: Dict[str, object]) -> List[str]:
 
 
 def run_dp_overlap(nproc: int = 4, steps: int = 3, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                   modes: Sequence[str] = tuple(MODES), warmup: int = 1, show: str = "none",
-                   timeout_s: float = 300.0, env: Optional[Dict[str, str]] = None,
-                   **model_kwargs) -> DPOverlapResult:
+                   modes: Sequence[str] = tuple(MODES), warmup: int = 1, profile: bool = False,
+                   show: str = "none", timeout_s: float = 300.0,
+                   env: Optional[Dict[str, str]] = None, **model_kwargs) -> DPOverlapResult:
     """Run ``launch/dp_overlap.py`` at DP = ``nproc`` (ONE torchrun job, every mode in it).
     ``model_kwargs``: train_gpt.py's flags as keywords (``num_layers=4``, ``hidden_size=128``,
-    ...) over :data:`DEFAULT_MODEL`. Bad values raise ``ValueError`` before anything starts."""
+    ...) over :data:`DEFAULT_MODEL`. ``profile``: also record lab 08's profiler traces (for
+    :func:`kernel_timelines`; slower). Bad values raise ``ValueError`` before anything starts."""
     model = {**DEFAULT_MODEL, **model_kwargs}
     model.setdefault("global_batch_size", model["micro_batch_size"] * nproc)
     argv = _flag_list(model) + ["--steps", steps, "--warmup", warmup,
                                 "--bucket-size", bucket_size, "--modes", ",".join(modes)]
+    if profile:
+        argv += ["--profile-dir", tempfile.mkdtemp(prefix="dp_overlap_traces_")]
     start = time.perf_counter()
     job = launcher.run("dp_overlap.py", [str(a) for a in argv], nproc=nproc, show=show,
                        timeout_s=timeout_s, env=env)
@@ -270,9 +287,51 @@ def run_dp_overlap(nproc: int = 4, steps: int = 3, bucket_size: int = DEFAULT_BU
 
 
 # ------------------------------------------------------------------ tables
+def kernel_timelines(result: DPOverlapResult, bin_ms: float = 5.0) -> Dict[str, list]:
+    """Lab 08's view of the same steps (``run_dp_overlap(..., profile=True)``): per mode, each
+    rank's compute / communication / idle from its trace, for ``viz.plot_kernel_timeline``."""
+    if "profile" not in result.mode(result.modes[0])[0]["breakdown"]:
+        raise ValueError("no profiler traces in this result: run run_dp_overlap(..., "
+                         "profile=True)")
+    return {m: kernel_timeline.kernel_timelines([r["breakdown"] for r in result.mode(m)], bin_ms)
+            for m in result.modes}
+
+
+def _median(rec: dict, key: str) -> float:
+    return statistics.median(s[key] for s in rec["steps"])
+
+
 def exposed_ms(result: DPOverlapResult, mode: str) -> List[float]:
     """Per rank, the median over the timed steps of the exposed communication (ms)."""
-    return [statistics.median(s["exposed_ms"] for s in r["steps"]) for r in result.mode(mode)]
+    return [_median(r, "exposed_ms") for r in result.mode(mode)]
+
+
+def _dp_wait_ms(rec: dict) -> float:
+    """ms per step lab 08's StepTimer booked to data-parallel calls and waits."""
+    return 1e3 * sum(v for k, v in rec["breakdown"]["parts"].items() if k.startswith("dp "))
+
+
+def overlap_saving(result: DPOverlapResult) -> List[dict]:
+    """For each mode run with and without overlap: the step (median over steps, mean over
+    ranks) and the exposed communication (likewise), both ways, and the share saved."""
+    mean = lambda m, k: statistics.fmean(_median(r, k) for r in result.mode(m))  # noqa: E731
+    rows = [dict(mode=m, step_ms=mean(m, "step_ms"),
+                 step_overlap_ms=mean(f"{m} + overlap", "step_ms"),
+                 exposed_ms=mean(m, "exposed_ms"),
+                 exposed_overlap_ms=mean(f"{m} + overlap", "exposed_ms"))
+            for m in result.modes if f"{m} + overlap" in result.modes]
+    for r in rows:
+        r["saved_pct"] = 100 * (1 - r["step_overlap_ms"] / r["step_ms"])
+    return rows
+
+
+def format_saving(result: DPOverlapResult) -> str:
+    """One line per mode pair: step and exposed communication without and with overlap."""
+    return "\n".join(
+        f"{r['mode']}: step {r['step_ms']:.0f} ms -> {r['step_overlap_ms']:.0f} ms with overlap "
+        f"({r['saved_pct']:+.0f} % saved); exposed communication {r['exposed_ms']:.0f} ms -> "
+        f"{r['exposed_overlap_ms']:.0f} ms (mean of {result.d} ranks, {result.device})"
+        for r in overlap_saving(result))
 
 
 def format_buckets(result: DPOverlapResult, mode: Optional[str] = None) -> str:
@@ -289,17 +348,18 @@ def format_buckets(result: DPOverlapResult, mode: Optional[str] = None) -> str:
 
 
 def format_overlap_table(result: DPOverlapResult) -> str:
-    """Per mode and rank: median step, backward, exposed communication (ms), and how many
-    bucket reductions started during backward."""
+    """Per mode and rank: median step, backward, exposed communication (ms), ``dp wait``
+    (lab 08's StepTimer: data-parallel calls and waits per step, the distributed optimizer's
+    all-gather included), and how many bucket reductions started during backward."""
     lines = [f"{'mode':<31} {'rank':>4} {'step ms':>8} {'backward ms':>11} "
-             f"{'exposed comm ms':>15} {'started in backward':>19}"]
+             f"{'exposed comm ms':>15} {'dp wait ms':>10} {'started in backward':>19}"]
     for mode in result.modes:
         for rank, (rec, exp) in enumerate(zip(result.mode(mode), exposed_ms(result, mode))):
-            med = lambda k: statistics.median(s[k] for s in rec["steps"])  # noqa: E731
             last = rec["steps"][-1]["syncs"]
             started = sum(s["started_in_backward"] for s in last)
-            lines.append(f"{mode:<31} {rank:>4} {med('step_ms'):8.1f} {med('backward_ms'):11.1f} "
-                         f"{exp:15.1f} {f'{started} of {len(last)}':>19}")
+            lines.append(f"{mode:<31} {rank:>4} {_median(rec, 'step_ms'):8.1f} "
+                         f"{_median(rec, 'backward_ms'):11.1f} {exp:15.1f} "
+                         f"{_dp_wait_ms(rec):10.1f} {f'{started} of {len(last)}':>19}")
     lines.append(f"(median of {len(result.mode(result.modes[0])[0]['steps'])} steps, "
                  f"d = {result.d}, {result.device})")
     return "\n".join(lines)
@@ -315,8 +375,7 @@ def volume_rows(result: DPOverlapResult) -> List[dict]:
         for v in rec["volume"]:
             rows.append(dict(mode=mode, tag=v["tag"], kind=v["kind"], calls=v["calls"],
                              counted_bytes=v["bytes"],
-                             sent_bytes=ring_bytes_sent(v["kind"], v["bytes"], result.d),
-                             grad_bytes=4 * rec["grad_numel"]))
+                             sent_bytes=ring_bytes_sent(v["kind"], v["bytes"], result.d)))
     return rows
 
 
@@ -335,7 +394,6 @@ def format_volume_table(result: DPOverlapResult) -> str:
         lines.append(f"{row['mode']:<31} {what:<34} {row['calls']:5.0f} "
                      f"{row['counted_bytes'] / 1e6:10.3f} {row['sent_bytes'] / 1e6:8.3f}")
         totals[row["mode"]] = totals.get(row["mode"], 0.0) + row["sent_bytes"]
-    for mode, sent in totals.items():
-        lines.append(f"{mode:<31} {'total sent per rank':<34} {'':>5} {'':>10} "
-                     f"{sent / 1e6:8.3f}")
+    lines += [f"{mode:<31} {'total sent per rank':<34} {'':>16} {sent / 1e6:8.3f}"
+              for mode, sent in totals.items()]
     return "\n".join(lines)

@@ -79,8 +79,8 @@ def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = 
                             for label, _ in rows], fontsize=6)
         ax.set_ylim(len(rows) - 0.5, -0.5)
         exposed = ", ".join(f"{s['exposed_ms']:.0f}" for s in records)
-        ax.set_title(f"{mode}: exposed communication per rank {exposed} ms", loc="left",
-                     fontsize=9)
+        ax.set_title(f"{mode}: this step's exposed communication per rank {exposed} ms",
+                     loc="left", fontsize=9)
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
     axes[-1].set_xlabel(f"ms from the first backward start of the step (d = {result.d}, "
