@@ -1,0 +1,159 @@
+"""Lab 10's drivers and printed lessons: data parallelism as Megatron does it.
+
+* :func:`print_dp_groups`, :func:`live_dp_groups` — the data-parallel groups, from the pure
+  rank-group arithmetic of :mod:`mpu_lab.parallel_state` and from a live playground world;
+* :func:`same_batch_flags`, :func:`print_same_batch` — ``train_gpt.py`` at DP = 1 and DP = d
+  on one global batch: the same losses, step by step; :func:`print_critical_batch` — the
+  steps and samples a larger batch costs (McCandlish et al. 2018);
+* :func:`print_toy_layout` — the mirror's :class:`~mpu_lab.distributed.param_and_grad_buffer.ParamAndGradBuffer`
+  for a toy model: reverse order, buckets, padding to a multiple of d, each rank's shard;
+  :func:`print_started_in_backward` — from :mod:`mpu_lab.perf.dp_overlap`'s run, which bucket
+  reductions started during backward (``--overlap-grad-reduce``);
+* :func:`print_bytes_per_parameter` — from :mod:`mpu_lab.perf.memory`'s rows, the measured
+  bytes per parameter of weights, gradients and optimizer states;
+* :func:`fit_counts`, :func:`print_fit_counts` — lab 08's explorer with and without the
+  distributed optimizer.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mpu_lab import parallel_state
+from mpu_lab.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from mpu_lab.labkit import gpt_runs
+from mpu_lab.labkit.viz.rank_groups import format_groups
+from mpu_lab.perf import explore
+
+
+# --------------------------------------------------------------------------- 1. groups
+def print_dp_groups(world_size: int, tp: int, pp: int = 1) -> None:
+    """The data- and tensor-parallel groups of a job, from ``generate_rank_groups``, and which
+    ranks hold the same weights (the members of one data-parallel group)."""
+    groups = parallel_state.generate_rank_groups(world_size, tp, pp)
+    d = world_size // (tp * pp)
+    print(f"n = {world_size} = t x p x d = {tp} x {pp} x {d}")
+    print(format_groups(groups, ["dp", "tp"]))
+    for g in groups["dp"][:2]:
+        print(f" ranks {g} hold the same shard of the weights; each trains on its own 1/{d} of "
+              f"the batch and they average their gradients")
+
+
+def rank_dp_group() -> List[int]:
+    """Runs on a rank: the global ranks of its data-parallel process group."""
+    return dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+
+
+def live_dp_groups(world) -> List[List[int]]:
+    """Each rank's data-parallel group (global ranks), as the world's processes built it."""
+    return world.run(rank_dp_group)
+
+
+# --------------------------------------------------------------------------- 2. one big batch
+def same_batch_flags(steps: int, layers: int, hidden: int, heads: int, seq_length: int,
+                     vocab_size: int, global_batch: int, micro_batch: int) -> List[str]:
+    """``train_gpt.py`` flags of section 2: one global batch whatever the data-parallel size
+    (the micro-batches per replica follow: B / (b d))."""
+    return gpt_runs.gpt_flags(steps, layers, hidden, heads, seq_length, micro_batch=micro_batch,
+                              global_batch_size=global_batch, vocab_size=vocab_size)
+
+
+def print_same_batch(runs: Sequence["gpt_runs.TrainRun"], reference: "gpt_runs.TrainRun") -> None:
+    """Each run's loss per step beside the reference's, and the largest relative difference."""
+    print("iteration " + "".join(f"{r.label:>12}" for r in [reference, *runs]) + "   rel. diff.")
+    ref = dict(zip(reference.iterations, reference.losses))
+    for i, it in enumerate(reference.iterations):
+        losses = [ref[it]] + [r.losses[i] for r in runs]
+        diff = max(abs(v - ref[it]) / abs(ref[it]) for v in losses[1:])
+        print(f"{it:>9} " + "".join(f"{v:>12.6f}" for v in losses) + f"   {diff:.0e}")
+    for r in runs:
+        worst = gpt_runs.max_relative_difference(r, reference)
+        print(f"{r.label} vs {reference.label}: largest relative difference {worst:.0e} "
+              f"({'below' if worst < 1e-5 else 'above'} 1e-5, fp32 rounding)")
+
+
+def critical_batch_rows(ratios: Sequence[float]) -> List[Dict[str, float]]:
+    """McCandlish et al. 2018 §2.3: to reach a given loss, a batch B takes
+    S = S_min (1 + B_crit / B) steps and E = E_min (1 + B / B_crit) samples; ``ratios`` are
+    B / B_crit."""
+    return [dict(ratio=r, steps=1 + 1 / r, samples=1 + r) for r in ratios]
+
+
+def print_critical_batch(ratios: Sequence[float] = (0.125, 0.25, 0.5, 1, 2, 4, 8)) -> None:
+    """The trade-off as a table: each doubling of the batch, what it does to steps and data."""
+    print("B / B_crit   steps / S_min   samples / E_min   steps saved by doubling B")
+    rows = critical_batch_rows(ratios)
+    for row, nxt in zip(rows, rows[1:] + [None]):
+        saved = "" if nxt is None or nxt["ratio"] != 2 * row["ratio"] else \
+            f"{1 - nxt['steps'] / row['steps']:.0%}"
+        print(f"{row['ratio']:>10g}   {row['steps']:>13.3f}   {row['samples']:>15.3f}   {saved:>25}")
+
+
+# --------------------------------------------------------------------------- 3. buckets
+def print_toy_layout(sizes: Sequence[int], d: int, bucket_size: Optional[int]) -> None:
+    """The buffer layout of a toy model whose parameters have ``sizes`` elements, in the order
+    ``module.parameters()`` gives them (p0 first): :class:`ParamAndGradBuffer` over ``d``
+    data-parallel ranks with ``bucket_size``; each bucket, its parameters in buffer order,
+    its padding and each rank's shard. Pure: no process group needed."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    names = {id(p): f"p{i}" for i, p in enumerate(params)}
+    buf = ParamAndGradBuffer(params, d, bucket_size)
+    print(f"{len(sizes)} parameters p0..p{len(sizes) - 1} of {list(sizes)} elements, d = {d}, "
+          f"bucket_size = {bucket_size}: {len(buf.buckets)} buckets, {buf.numel_unpadded} "
+          f"elements + {buf.numel - buf.numel_unpadded} of padding = {buf.numel}")
+    for b in buf.buckets:
+        where = ", ".join(f"{names[id(p)]} [{buf.param_range(p)[1]}, {buf.param_range(p)[2]})"
+                          for p in b.params)
+        shards = " ".join("r{}:[{}, {})".format(r, *b.shard_range(r)) for r in range(d))
+        print(f"bucket {b.index}: {where}, padding {b.numel - b.numel_unpadded} -> "
+              f"{b.numel} elements; shards (in the bucket) {shards}")
+
+
+def print_started_in_backward(result) -> None:
+    """Per mode of a :func:`mpu_lab.perf.dp_overlap.run_dp_overlap` result: how many bucket
+    reductions of the last timed step started during backward, on every rank."""
+    for mode in result.modes:
+        counts = [(sum(s["started_in_backward"] for s in rec["steps"][-1]["syncs"]),
+                   len(rec["steps"][-1]["syncs"])) for rec in result.mode(mode)]
+        same = len(set(counts)) == 1
+        text = (f"{counts[0][0]} of {counts[0][1]} on every rank" if same
+                else ", ".join(f"rank {r}: {k} of {n}" for r, (k, n) in enumerate(counts)))
+        print(f"{mode:<32} buckets started during backward: {text}")
+
+
+# --------------------------------------------------------------------------- 4. memory
+def print_bytes_per_parameter(rows: Sequence[dict]) -> None:
+    """From :func:`mpu_lab.perf.memory.run_memory_breakdown` rows: per configuration and
+    optimizer, rank 0's measured bytes of parameters, gradients and optimizer states, per
+    parameter (the parameter count is the fp32 parameter bytes / 4)."""
+    cells: Dict[tuple, Dict[str, int]] = {}
+    for r in rows:
+        if r["rank"] == 0 and r["term"] in ("parameters", "gradients", "optimizer"):
+            cells.setdefault((r["config"], r["optimizer"], r["dp"]), {})[r["term"]] = r["measured"]
+    for (config, optimizer, d), got in cells.items():
+        n = got["parameters"] / 4
+        per = {k: got[k] / n for k in ("parameters", "gradients", "optimizer")}
+        print(f"{config:<13} {optimizer:<12} rank 0: {per['parameters']:.2f} + "
+              f"{per['gradients']:.2f} + {per['optimizer']:.2f} = {sum(per.values()):.2f} "
+              f"bytes per parameter (d = {d})")
+
+
+# --------------------------------------------------------------------------- 6. explorer
+def fit_counts(model, cluster, num_gpus: int, global_batch_size: int) -> Dict[bool, tuple]:
+    """``{distributed_optimizer: (fitting, total, best)}`` from lab 08's explorer."""
+    out = {}
+    for flag in (False, True):
+        result = explore(model, cluster, num_gpus, global_batch_size,
+                         distributed_optimizer=flag)
+        out[flag] = (sum(c.fits for c in result.candidates), len(result.candidates), result.best)
+    return out
+
+
+def print_fit_counts(counts: Dict[bool, tuple]) -> None:
+    for flag, (fits, total, best) in counts.items():
+        c, p = best.config, best.prediction
+        print(f"distributed optimizer {'on ' if flag else 'off'}: {fits:>3} of {total} "
+              f"configurations fit; the fastest t={c.tp} p={c.pp} d={c.dp} b={c.b}: "
+              f"{p.total_s:.1f} s per iteration, {p.memory_gb:.1f} GB per GPU")
