@@ -1,7 +1,7 @@
 """Megatron's data parallelism, timed: the small GPT of ``train_gpt.py`` at DP = the number of
 ranks, its gradients in buckets of the mirror's ``DistributedDataParallel``, reduced after
 backward or during it (``--overlap-grad-reduce``), by an all-reduce or by the distributed
-optimizer's reduce-scatter (:mod:`mpu_lab.perf.dp_overlap`).
+optimizer's reduce-scatter (:mod:`mpu_lab.perf.dp_overlap` runs it and reads the reports).
 
     torchrun --standalone --nproc-per-node 4 launch/dp_overlap.py --steps 3 \
         --bucket-size 100000 --num-layers 4 --hidden-size 128 --seq-length 128 \
@@ -9,20 +9,154 @@ optimizer's reduce-scatter (:mod:`mpu_lab.perf.dp_overlap`).
 
 Flags other than ``--steps``, ``--warmup``, ``--bucket-size``, ``--modes`` and
 ``--profile-dir`` (lab 08's profiler traces, ``DIR/<mode number>/rank<r>.trace.json``) go to
-``train_gpt.py``'s parser (the model and the batch). For each mode (``--modes``, default all
-of ``dp_overlap.MODES``) every rank sets the model up afresh, runs the warm-up steps, then
-times ``--steps`` steps. Rank 0 prints one line per mode; every rank reports
-``{"rank", "d", "device", "modes": {mode: dp_overlap.measure(...)}}``.
+``train_gpt.py``'s parser (the model and the batch). For each set of flags among the modes
+(``dp_overlap.MODES``: all-reduce, distributed optimizer) every rank sets the model up once,
+runs the warm-up steps, then the timed steps of its modes, overlap off and on alternating step
+by step (one after the other under the profiler). Per step it records when backward started
+and ended (hooks on the model's output and on every parameter's gradient) and, from
+``ddp.sync_log``, when each bucket's reduction was issued, done (its future completed) and
+waited for. Rank 0 prints one line per mode; every rank reports ``{"rank", "d", "device",
+"modes": {mode: record}}``.
 """
-import os
 import sys
+import time
+from typing import Dict, List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
-from mpu_lab import distributed, launcher
+from mpu_lab import comm, distributed, launcher, training
 from mpu_lab.perf import dp_overlap
+from mpu_lab.timers import StepTimer
 
 PRECHECK = "mpu_lab.perf.dp_overlap:check_args"
+
+
+class Probe:
+    """Hooks timing one step's backward on this rank: its start (the gradient reaches the
+    model's output), its end (the last parameter's gradient is accumulated), and when each
+    bucket reduction started during backward was done (its future's completion)."""
+
+    def __init__(self, ddp_chunks):
+        self.chunks = ddp_chunks
+        self.handles = []
+        for ddp in ddp_chunks:
+            self.handles.append(ddp.module.register_forward_hook(self._on_forward))
+            # registered after DDP's own hooks, so they run after it (a bucket it started
+            # is already in ddp._pending)
+            self.handles += [p.register_post_accumulate_grad_hook(self._on_grad)
+                             for p in ddp.buffer.params]
+        self.reset()
+
+    def reset(self):
+        self.start: Optional[float] = None
+        self.end: Optional[float] = None
+        self.done: Dict[tuple, float] = {}
+        self._watched = set()
+
+    def _on_forward(self, module, inputs, output):
+        if torch.is_tensor(output) and output.requires_grad:
+            output.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad):
+        if self.start is None:
+            self.start = time.perf_counter()
+
+    def _on_grad(self, param):
+        self.end = time.perf_counter()
+        # The mirror's Pending keeps torch's Work as ``_work``: its future says when the
+        # transfer itself finished (wait() only says when someone asked).
+        for c, ddp in enumerate(self.chunks):
+            for index, pending in list(getattr(ddp, "_pending", {}).items()):
+                key = (c, index)
+                work = getattr(pending, "_work", None)
+                if key in self._watched or work is None or not hasattr(work, "get_future"):
+                    continue
+                self._watched.add(key)
+                work.get_future().add_done_callback(
+                    lambda _f, key=key: self.done.setdefault(key, time.perf_counter()))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def step_record(probe: Probe, chunks, step_s: float) -> dict:
+    """One timed step: ``t0_s`` (backward's start, perf_counter: one clock for the ranks of a
+    host), then ms from it: backward's end, each bucket's issue / done / waited-for, and the
+    exposed communication (last bucket waited for minus backward's end)."""
+    t0 = probe.start
+    ms = lambda t: round(1e3 * (t - t0), 3)  # noqa: E731
+    syncs = []
+    for c, ddp in enumerate(chunks):
+        for e in ddp.sync_log:
+            done = probe.done.get((c, e["bucket"]), e["end_s"])
+            syncs.append(dict(chunk=c, bucket=e["bucket"], kind=e["kind"], nbytes=e["nbytes"],
+                              started_in_backward=e["started_in_backward"],
+                              start_ms=ms(e["start_s"]), done_ms=ms(min(done, e["end_s"])),
+                              end_ms=ms(e["end_s"])))
+    backward_ms = ms(probe.end)
+    last = max((s["end_ms"] for s in syncs), default=backward_ms)
+    return dict(t0_s=t0, step_ms=round(1e3 * step_s, 3), backward_ms=backward_ms,
+                syncs=sorted(syncs, key=lambda s: s["start_ms"]),
+                exposed_ms=round(max(0.0, last - backward_ms), 3))
+
+
+def schedule(group: List[str], steps: int, interleave: bool) -> List[str]:
+    """The order of the timed steps of one set-up model: its modes alternate step by step (a
+    paired comparison: a change of load on the machine hits both alike), or run one after the
+    other (under the profiler, which one StepTimer at a time can run)."""
+    if interleave:
+        return [m for _ in range(steps) for m in group]
+    return [m for m in group for _ in range(steps)]
+
+
+def measure(train_argv: Sequence[str], modes: Sequence[str], steps: int, warmup: int = 1,
+            profile_dir: Optional[str] = None) -> Dict[str, dict]:
+    """Per mode: the buckets, one :func:`step_record` per timed step, the data-parallel
+    payload per step as ``mpu_lab.comm`` counted it, and lab 08's StepTimer breakdown."""
+    groups: Dict[tuple, List[str]] = {}
+    for m in modes:
+        groups.setdefault(tuple(dp_overlap.MODES[m][0]), []).append(m)
+    out = {}
+    for flags, group in groups.items():
+        began = time.perf_counter()
+        args = training.validate_args(training.parse_args(list(train_argv) + list(flags)),
+                                      dist.get_world_size())
+        state = training.setup(args, log=lambda s: None)
+        for _ in range(warmup):
+            training.train_step(state)
+        probe = Probe(state.ddp_chunks)
+        timers = {m: StepTimer(distributed.get_device(), skip=0, profile_dir=profile_dir and
+                               f"{profile_dir}/{list(modes).index(m)}") for m in group}
+        counters = {m: comm.CommCounter() for m in group}
+        records: Dict[str, list] = {m: [] for m in group}
+        breakdowns = {}
+        order = schedule(group, steps, interleave=profile_dir is None)
+        for k, m in enumerate(order):
+            for ddp in state.ddp_chunks:
+                ddp.overlap_grad_reduce = dp_overlap.MODES[m][1]
+            probe.reset()
+            with counters[m]:
+                timers[m].time_step(training.train_step, state)
+            records[m].append(step_record(probe, state.ddp_chunks, timers[m].step_seconds[-1]))
+            if m not in order[k + 1:]:        # its last step: stop its profiler, if any
+                breakdowns[m] = timers[m].report()
+        probe.remove()
+        names = {id(p): n for ddp in state.ddp_chunks for n, p in ddp.module.named_parameters()}
+        buckets = [dict(row, chunk=c, names=[names[id(p)] for p in b.params])
+                   for c, ddp in enumerate(state.ddp_chunks)
+                   for row, b in zip(ddp.buffer.table(), ddp.buffer.buckets)]
+        for m in group:
+            volume = [dict(tag=tag, kind=kind, calls=n / steps, bytes=b / steps)
+                      for (tag, kind), (n, b) in sorted(counters[m].summary().items(), key=str)
+                      if tag in (dp_overlap.GRAD_TAG, dp_overlap.PARAM_TAG)]
+            out[m] = dict(mode=m, flags=list(flags), overlap=dp_overlap.MODES[m][1],
+                          buckets=buckets, volume=volume, breakdown=breakdowns[m],
+                          grad_numel=sum(d.buffer.numel_unpadded for d in state.ddp_chunks),
+                          grad_numel_padded=sum(d.buffer.numel for d in state.ddp_chunks),
+                          steps=records[m], wall_s=round(time.perf_counter() - began, 3))
+    return {m: out[m] for m in modes}
 
 
 @launcher.entrypoint
@@ -30,16 +164,13 @@ def main(argv=None):
     info = distributed.init()
     a, train_argv = dp_overlap.check_args(sys.argv[1:] if argv is None else argv,
                                           info.world_size)
-    modes = {}
-    for i, mode in enumerate(a.modes):
-        profile = os.path.join(a.profile_dir, str(i)) if a.profile_dir else None
-        modes[mode] = rec = dp_overlap.measure(train_argv, mode, a.steps, a.warmup, profile)
+    modes = measure(train_argv, a.modes, a.steps, a.warmup, a.profile_dir)
+    for mode, rec in modes.items():
         exposed = sorted(s["exposed_ms"] for s in rec["steps"])[len(rec["steps"]) // 2]
         lines = launcher.gather_lines(f"{exposed:.1f}")
         if lines is not None:
             print(f"{mode}: {len(rec['buckets'])} buckets; exposed communication per rank "
                   f"(ms, median of {a.steps}): {', '.join(lines)}")
-        dist.barrier()
     launcher.report({"rank": info.rank, "d": info.world_size,
                      "device": str(distributed.get_device()), "modes": modes})
     distributed.shutdown()

@@ -15,7 +15,8 @@ What lab 10 calls (one torchrun job of ``launch/dp_overlap.py``)::
 The job trains the small GPT of ``train_gpt.py`` at DP = ``nproc`` with the mirror's
 :class:`~mpu_lab.distributed.DistributedDataParallel` (buckets of ``bucket_size`` elements) in
 each of :data:`MODES`: the all-reduce, the distributed optimizer's reduce-scatter, each with and
-without overlap. Per rank and timed step it records when backward started and ended (hooks on
+without overlap (overlap off and on alternate step by step on one set-up model, so a change of
+load on the machine hits both alike). Per rank and timed step it records when backward started and ended (hooks on
 the model's output and on every parameter's gradient) and, from ``ddp.sync_log``, when each
 bucket's reduction was issued, when it was done, and when ``finish_grad_sync`` had waited for
 it. **Exposed communication** is the time from the end of backward until the last bucket was
@@ -26,8 +27,8 @@ thread, which competes with backward for the same cores, and it cannot finish be
 slowest rank has issued it too: overlap hides what the cores would otherwise spend waiting, not
 the transfer itself. With NCCL on GPUs the reduction runs on its own CUDA stream over
 NVLink / InfiniBand while backward's kernels keep the compute units busy, so the exposed part
-shrinks towards the last bucket's reduction (Li et al. 2020 §3.2,
-https://arxiv.org/abs/2006.15704) — the reason Megatron makes the buckets small enough.
+shrinks towards the reduction of the last bucket (the first layers' gradients): why gradients
+are bucketed at all (Li et al. 2020 §3.2, https://arxiv.org/abs/2006.15704).
 
 **The volume formula.** A ring collective over ``d`` ranks of a ``G``-byte buffer makes each
 rank send (nccl-tests' PERFORMANCE.md, the "bus bandwidth" factors,
@@ -51,12 +52,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
-import torch
-import torch.distributed as dist
-
-from mpu_lab import comm, distributed, launcher, training
+from mpu_lab import launcher, training
 from mpu_lab.perf import kernel_timeline
-from mpu_lab.timers import StepTimer
 
 # name -> (train_gpt.py flags, overlap on). Without either flag train_gpt.py uses torch DDP, so
 # "all-reduce" is built with --overlap-grad-reduce and the wrapper's overlap_grad_reduce off.
@@ -122,119 +119,13 @@ def check_args(argv: Sequence[str], world_size: int, cwd=None):
     return a, train_argv
 
 
-# ------------------------------------------------------------------ inside a rank
-class _Probe:
-    """Hooks timing one step's backward on this rank: its start (the gradient reaches the
-    model's output), its end (the last parameter's gradient is accumulated), and when each
-    bucket reduction started during backward was done (its future's completion)."""
-
-    def __init__(self, ddp_chunks):
-        self.chunks = ddp_chunks
-        self.handles = []
-        for ddp in ddp_chunks:
-            self.handles.append(ddp.module.register_forward_hook(self._on_forward))
-            # registered after DDP's own hooks, so they run after it (a bucket it started
-            # is already in ddp._pending)
-            self.handles += [p.register_post_accumulate_grad_hook(self._on_grad)
-                             for p in ddp.buffer.params]
-        self.reset()
-
-    def reset(self):
-        self.start: Optional[float] = None
-        self.end: Optional[float] = None
-        self.done: Dict[tuple, float] = {}
-        self._watched = set()
-
-    def _on_forward(self, module, inputs, output):
-        if torch.is_tensor(output) and output.requires_grad:
-            output.register_hook(self._on_output_grad)
-
-    def _on_output_grad(self, grad):
-        if self.start is None:
-            self.start = time.perf_counter()
-
-    def _on_grad(self, param):
-        self.end = time.perf_counter()
-        # The mirror's Pending keeps torch's Work as ``_work``: its future says when the
-        # transfer itself finished (wait() only says when someone asked).
-        for c, ddp in enumerate(self.chunks):
-            for index, pending in list(getattr(ddp, "_pending", {}).items()):
-                key = (c, index)
-                work = getattr(pending, "_work", None)
-                if key in self._watched or work is None or not hasattr(work, "get_future"):
-                    continue
-                self._watched.add(key)
-                work.get_future().add_done_callback(
-                    lambda _f, key=key: self.done.setdefault(key, time.perf_counter()))
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
-def _step_record(probe: _Probe, chunks, step_s: float) -> dict:
-    t0 = probe.start
-    ms = lambda t: round(1e3 * (t - t0), 3)  # noqa: E731
-    syncs = []
-    for c, ddp in enumerate(chunks):
-        for e in ddp.sync_log:
-            done = probe.done.get((c, e["bucket"]), e["end_s"])
-            syncs.append(dict(chunk=c, bucket=e["bucket"], kind=e["kind"], nbytes=e["nbytes"],
-                              started_in_backward=e["started_in_backward"],
-                              start_ms=ms(e["start_s"]), done_ms=ms(min(done, e["end_s"])),
-                              end_ms=ms(e["end_s"])))
-    backward_ms = ms(probe.end)
-    last = max((s["end_ms"] for s in syncs), default=backward_ms)
-    return dict(t0_s=t0, step_ms=round(1e3 * step_s, 3), backward_ms=backward_ms,
-                syncs=sorted(syncs, key=lambda s: s["start_ms"]),
-                exposed_ms=round(max(0.0, last - backward_ms), 3))
-
-
-def measure(train_argv: Sequence[str], mode: str, steps: int, warmup: int = 1,
-            profile_dir: Optional[str] = None) -> dict:
-    """Run inside every rank: set up ``train_gpt.py``'s GPT with ``train_argv`` plus the mode's
-    flags, ``warmup`` untimed steps, then ``steps`` steps timed by lab 08's
-    :class:`~mpu_lab.timers.StepTimer` with their collectives counted. Returns the buckets,
-    one record per step (times in ms from that step's backward start), the counted
-    data-parallel payload per step, and the StepTimer's breakdown (with ``profile_dir``: its
-    profiler trace too, what :func:`kernel_timelines` reads)."""
-    flags, overlap = MODES[mode]
-    began = time.perf_counter()
-    args = training.validate_args(training.parse_args(list(train_argv) + flags),
-                                  dist.get_world_size())
-    state = training.setup(args, log=lambda s: None)
-    for ddp in state.ddp_chunks:
-        ddp.overlap_grad_reduce = overlap
-    for _ in range(warmup):
-        training.train_step(state)
-    probe = _Probe(state.ddp_chunks)
-    timer = StepTimer(distributed.get_device(), skip=0, profile_dir=profile_dir)
-    records = []
-    with comm.CommCounter() as counter:
-        for _ in range(steps):
-            probe.reset()
-            timer.time_step(training.train_step, state)
-            records.append(_step_record(probe, state.ddp_chunks, timer.step_seconds[-1]))
-    probe.remove()
-    names = {id(p): n for ddp in state.ddp_chunks for n, p in ddp.module.named_parameters()}
-    buckets = [dict(row, chunk=c, names=[names[id(p)] for p in b.params])
-               for c, ddp in enumerate(state.ddp_chunks)
-               for row, b in zip(ddp.buffer.table(), ddp.buffer.buckets)]
-    volume = [dict(tag=tag, kind=kind, calls=n / steps, bytes=b / steps)
-              for (tag, kind), (n, b) in sorted(counter.summary().items(), key=str)
-              if tag in (GRAD_TAG, PARAM_TAG)]
-    return dict(mode=mode, flags=flags, overlap=overlap, buckets=buckets,
-                grad_numel=sum(d.buffer.numel_unpadded for d in state.ddp_chunks),
-                grad_numel_padded=sum(d.buffer.numel for d in state.ddp_chunks),
-                steps=records, volume=volume, breakdown=timer.report(),
-                wall_s=round(time.perf_counter() - began, 3))
-
-
 # ------------------------------------------------------------------ the driver's side
 @dataclasses.dataclass
 class DPOverlapResult:
     """What :func:`run_dp_overlap` returns: ``reports`` per rank (rank order), each
-    ``{"rank", "d", "device", "modes": {mode: measure(...)}}``."""
+    ``{"rank", "d", "device", "modes": {mode: record}}`` (``launch/dp_overlap.py``'s
+    ``measure``: ``buckets``, ``steps`` (one record per timed step, ms from its backward's
+    start), ``volume``, lab 08's StepTimer ``breakdown``)."""
     d: int
     modes: List[str]
     bucket_size: int
