@@ -142,3 +142,12 @@ def test_bucket_table_and_lab08_views(result):
         assert any(k.startswith("dp ") for k in result.mode(mode)[0]["breakdown"]["parts"])
     with pytest.raises(ValueError, match="profile=True"):
         dp_overlap.kernel_timelines(result)      # traces only when asked for
+
+
+def test_timeline_draws_the_ranks_asked_for(result):
+    ax = plot_dp_timeline(result, modes=[OVERLAP], ranks=[2]).axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == \
+        ["rank 2 backward"] + [f"bucket {b}" for b in range(len(BUCKETS))]
+    assert "ranks 2 shown" in ax.get_xlabel()
+    with pytest.raises(ValueError, match="subset of 0..3"):
+        plot_dp_timeline(result, ranks=[4])

@@ -20,15 +20,17 @@ from mpu_lab.labkit.viz.style import _figure, _styled
 _COMPUTE, _COMM = BREAKDOWN_COLORS["compute"], BREAKDOWN_COLORS["dp all_reduce"]
 
 
-def timeline_rows(result, mode: str, step: int = -1):
+def timeline_rows(result, mode: str, step: int = -1, ranks: Optional[Sequence[int]] = None):
     """``(row label, [(start_ms, end_ms, text)])`` for one mode's ``step``, top to bottom:
-    per rank its backward row, then one row per bucket (reduction issued -> done). Times are
-    on one clock for all ranks (ms from the earliest backward start of that step: the ranks
-    of one host share ``time.perf_counter``'s monotonic clock)."""
+    per rank (default all) its backward row, then one row per bucket (reduction issued ->
+    done). Times are on one clock for all ranks (ms from the earliest backward start of that
+    step: the ranks of one host share ``time.perf_counter``'s monotonic clock)."""
     records = [rec["steps"][step] for rec in result.mode(mode)]
     origin = min(s["t0_s"] for s in records)
     rows = []
     for rank, s in enumerate(records):
+        if ranks is not None and rank not in ranks:
+            continue
         shift = 1e3 * (s["t0_s"] - origin)
         rows.append((f"rank {rank} backward",
                      [(shift, shift + s["backward_ms"], f"{s['backward_ms']:.0f} ms")]))
@@ -41,12 +43,19 @@ def timeline_rows(result, mode: str, step: int = -1):
 
 @_styled
 def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = -1,
-                     title: str = "") -> Figure:
+                     ranks: Optional[Sequence[int]] = None, title: str = "") -> Figure:
     """One panel per mode (default: every mode of ``result``, top to bottom, one time axis):
     the last timed step (``step``) of each rank: its backward, then its buckets' reductions.
-    Each panel's title gives the exposed communication per rank (ms after backward's end)."""
+    ``ranks``: the ranks drawn (default all, up to 4: ranks 0, 1, d-2, d-1 beyond; the axis
+    label says which). Each panel's title gives that step's exposed communication per rank
+    drawn (ms after backward's end)."""
     modes = list(modes or result.modes)
-    per_mode = {m: timeline_rows(result, m, step) for m in modes}
+    if ranks is None:
+        ranks = range(result.d) if result.d <= 4 else (0, 1, result.d - 2, result.d - 1)
+    ranks = sorted(set(ranks))
+    if not ranks or not all(0 <= r < result.d for r in ranks):
+        raise ValueError(f"ranks {ranks} must be a non-empty subset of 0..{result.d - 1}")
+    per_mode = {m: timeline_rows(result, m, step, ranks) for m in modes}
     n_rows = max(len(rows) for rows in per_mode.values())
     fig = _figure(9.5, 1.0 + len(modes) * (0.1 * n_rows + 0.45))
     fig.set_layout_engine("constrained")
@@ -64,6 +73,8 @@ def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = 
                 if is_compute:
                     ax.text(start + 2, y, text, va="center", fontsize=6, color="white")
         for rank, s in enumerate(records):        # wait() returned; backward's end
+            if rank not in ranks:
+                continue
             shift = 1e3 * (s["t0_s"] - origin)
             first = next(y for y, (label, _) in enumerate(rows)
                          if label == f"rank {rank} backward")
@@ -72,19 +83,20 @@ def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = 
                           color=_COMM, linewidth=0.8)
             ax.vlines(shift + s["backward_ms"], first - 0.5, first + 0.5 + len(s["syncs"]),
                       color="black", linewidth=0.8, linestyle=":")
-            if rank:
+            if first:
                 ax.axhline(first - 0.5, color="#cccccc", linewidth=0.5)
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([label if label.endswith("backward") else label.split(" ", 2)[2]
                             for label, _ in rows], fontsize=6)
         ax.set_ylim(len(rows) - 0.5, -0.5)
-        exposed = ", ".join(f"{s['exposed_ms']:.0f}" for s in records)
+        exposed = ", ".join(f"{records[r]['exposed_ms']:.0f}" for r in ranks)
         ax.set_title(f"{mode}: this step's exposed communication per rank {exposed} ms",
                      loc="left", fontsize=9)
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
+    shown = "" if len(ranks) == result.d else f"; ranks {', '.join(map(str, ranks))} shown"
     axes[-1].set_xlabel(f"ms from the first backward start of the step (d = {result.d}, "
-                        f"{result.device})\ngreen: backward; orange: a bucket's reduction, "
+                        f"{result.device}{shown})\ngreen: backward; orange: a bucket's reduction, "
                         f"issued to done (thin line: until waited for); dotted: backward's end")
     if title:
         fig.suptitle(title, x=0.01, ha="left")
