@@ -278,13 +278,13 @@ def format_volume_table(result: DPOverlapResult) -> str:
     g = 4 * rec["grad_numel_padded"]
     lines = [f"gradient buffer: {rec['grad_numel_padded']} fp32 elements = {g / 1e6:.3f} MB; "
              f"d = {d}; 2(d-1)/d x buffer = {2 * (d - 1) / d * g / 1e6:.3f} MB",
-             f"{'mode':<31} {'collective':<34} {'calls':>5} {'counted MB':>10} {'sent MB':>8}"]
+             f"{'mode':<31} {'collective':<36} {'calls':>5} {'counted MB':>10} {'sent MB':>8}"]
     totals: Dict[str, float] = {}
     for row in volume_rows(result):
         what = f"{row['kind']} ({row['tag']})"
-        lines.append(f"{row['mode']:<31} {what:<34} {row['calls']:5.0f} "
+        lines.append(f"{row['mode']:<31} {what:<36} {row['calls']:5.0f} "
                      f"{row['counted_bytes'] / 1e6:10.3f} {row['sent_bytes'] / 1e6:8.3f}")
         totals[row["mode"]] = totals.get(row["mode"], 0.0) + row["sent_bytes"]
-    lines += [f"{mode:<31} {'total sent per rank':<34} {'':>16} {sent / 1e6:8.3f}"
+    lines += [f"{mode:<31} {'total sent per rank':<36} {'':>16} {sent / 1e6:8.3f}"
               for mode, sent in totals.items()]
     return "\n".join(lines)
