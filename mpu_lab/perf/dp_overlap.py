@@ -84,7 +84,8 @@ def ring_bytes_sent(kind: str, counted_bytes: float, d: int) -> float:
 # ------------------------------------------------------------------ the script's flags
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Megatron's DDP buckets and overlap, timed; any "
-                                "other flag goes to train_gpt.py's parser (the model)")
+                                "other flag goes to train_gpt.py's parser (the model)",
+                                allow_abbrev=False)
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first, per mode")
     p.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE,
@@ -106,8 +107,8 @@ def check_args(argv: Sequence[str], world_size: int, cwd=None):
            (("steps", a.steps, 1), ("warmup", a.warmup, 0), ("bucket-size", a.bucket_size, 1))
            if v < lo]
     bad += [f"unknown mode {m!r} (known: {', '.join(MODES)})" for m in modes if m not in MODES]
-    if not modes:
-        bad.append("--modes names no mode")
+    if not modes or len(set(modes)) < len(modes):
+        bad.append(f"--modes must name each mode once, got {modes}")
     if world_size < 2:
         bad.append(f"{world_size} rank: data parallelism needs at least 2")
     if bad:
