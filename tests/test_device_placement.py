@@ -249,7 +249,8 @@ def test_every_rank_side_tensor_names_its_device():
     assert not found, ("tensors made without the rank's device (add device=..., or, if the CPU "
                        "is meant, a '# cpu: <reason>' comment):\n  "
                        + "\n  ".join(map(str, found)))
-    assert elapsed < 2.0, f"the scan took {elapsed:.2f} s"
+    # a figure, not a timed assertion (it took 3.4 s on a loaded 2-core machine, 0.5 s idle)
+    print(f"\n[device placement] scanned the repository in {elapsed:.2f} s")
 
 
 def test_allow_list_entries_still_exist():

@@ -190,8 +190,17 @@ def _diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: 
     facts = _rank_facts(result_dir, nproc, exit_codes or {})
     states = {r: _state(f) for r, f in facts.items()}
     op = _collective_in(root_tb)
+    place = _where(root_tb)
     timed_out = bool(_COLLECTIVE_TIMEOUT.search(root_message))
     secondary = bool(_SECONDARY.search(root_message))
+    waiting = [r for r, f in sorted(facts.items()) if f["how"] == "stopped" and f["op"]]
+    if not root_tb and op is None and waiting and any(
+            f["how"] in ("aborted", "exited", "killed") for f in facts.values()):
+        # No rank raised: one ended without a Python exception (an abort in gloo's checks, an
+        # exit code, a signal) and torchrun stopped the others while they waited in a
+        # collective before they noticed. Under less load the waiting ranks raise "connection
+        # closed by peer" first; either way the collective failed because a peer went away.
+        op, place, secondary = facts[waiting[0]]["op"], str(facts[waiting[0]]["where"]), True
     # the root cause's rank: the earliest record with its traceback (ranks may fail alike)
     same = [r for r, f in facts.items() if f["how"] == "raised" and root_tb
             and f["traceback"].strip() == root_tb.strip()]
@@ -203,25 +212,25 @@ def _diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: 
         lines = [f"Rank {root} raised in its own code at {_where(root_tb)}, not in a collective."]
         if others:
             lines.append("The others: " + "; ".join(f"rank {r} {states[r]}" for r in others) + ".")
-        lines.append("likely cause: " + _likely_cause(facts, root, op, root_message, root_tb))
+        lines.append("likely cause: " + _likely_cause(facts, root, op, root_message, place))
         return "\n".join(lines), states
     # in it: the ranks that raised in it and those torchrun stopped while they waited in it
     in_op = sorted(r for r, f in facts.items() if f["how"] in ("raised", "stopped")
-                   and f["op"] == op and f["where"] == _where(root_tb))
+                   and f["op"] == op and f["where"] == place)
     absent = [r for r in range(nproc) if r not in in_op]
     what = op or (f"a collective inside {_torch_call(root_tb)}" if _torch_call(root_tb)
                   else "a collective")
     if timed_out:
         limit = f"{timeout_s} s" if timeout_s else "default 60 s"
-        head = f"A collective timed out (MPU_LAB_TIMEOUT_S: {limit}): {what} at {_where(root_tb)}"
+        head = f"A collective timed out (MPU_LAB_TIMEOUT_S: {limit}): {what} at {place}"
     elif secondary:
-        head = f"A collective failed because a peer went away: {what} at {_where(root_tb)}"
+        head = f"A collective failed because a peer went away: {what} at {place}"
     else:
-        head = f"A collective failed: {what} at {_where(root_tb)}"
+        head = f"A collective failed: {what} at {place}"
     lines = [f"{head}, reached by rank(s) {in_op}; every rank must call it, in the same order."]
     if absent:
         lines.append("Not in it: " + "; ".join(f"rank {r} {states[r]}" for r in absent) + ".")
-    lines.append("likely cause: " + _likely_cause(facts, root, op, root_message, root_tb))
+    lines.append("likely cause: " + _likely_cause(facts, root, op, root_message, place))
     return "\n".join(lines), states
 
 
@@ -230,11 +239,11 @@ def _names(ranks: List[int]) -> str:
 
 
 def _likely_cause(facts: Dict[int, Dict[str, object]], root: Optional[int], op: Optional[str],
-                  root_message: str, root_tb: str) -> str:
+                  root_message: str, place: str) -> str:
     """One sentence from what the ranks' records show (never from knowing what went wrong):
     a rank that raised on its own, one that aborted, exited or returned early, one stuck
-    outside the collective, ranks waiting in different collectives, or all in the same one."""
-    place = _where(root_tb)
+    outside the collective, ranks waiting in different collectives, or all in the same one.
+    ``place``: where the failed collective was called (``file:line in function``)."""
     by = {how: sorted(r for r, f in facts.items() if f["how"] == how)
           for how in ("raised", "finished", "stopped", "aborted", "exited", "killed")}
     if _DETAIL_MISMATCH.search(root_message):

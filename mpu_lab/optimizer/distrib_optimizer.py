@@ -161,7 +161,8 @@ class DistributedOptimizer:
         for p, shard, a, b in self.shards:
             st = self.optimizer.state[shard]
             full = states[p]
-            st["step"] = torch.as_tensor(full["step"], dtype=torch.float32).clone().reshape(())
+            step = torch.as_tensor(full["step"], dtype=torch.float32)  # cpu: AdamW's step
+            st["step"] = step.clone().reshape(())
             st["exp_avg"] = full["exp_avg"].reshape(-1)[a:b].to(shard.device).clone()
             st["exp_avg_sq"] = full["exp_avg_sq"].reshape(-1)[a:b].to(shard.device).clone()
 
