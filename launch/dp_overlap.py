@@ -34,16 +34,15 @@ PRECHECK = "mpu_lab.perf.dp_overlap:check_args"
 
 class Probe:
     """Hooks timing one step's backward on this rank: its start (the gradient reaches the
-    model's output), its end (the last parameter's gradient is accumulated), and when each
-    bucket reduction started during backward was done (its future's completion)."""
+    model's output) and its end (the last parameter's gradient is accumulated). When each
+    bucket's reduction was done is in ``ddp.sync_log`` (``completed_s``)."""
 
     def __init__(self, ddp_chunks):
         self.chunks = ddp_chunks
         self.handles = []
         for ddp in ddp_chunks:
             self.handles.append(ddp.module.register_forward_hook(self._on_forward))
-            # registered after DDP's own hooks, so they run after it (a bucket it started
-            # is already in ddp._pending)
+            # registered after DDP's own hooks, so they run after them
             self.handles += [p.register_post_accumulate_grad_hook(self._on_grad)
                              for p in ddp.buffer.params]
         self.reset()
@@ -51,8 +50,6 @@ class Probe:
     def reset(self):
         self.start: Optional[float] = None
         self.end: Optional[float] = None
-        self.done: Dict[tuple, float] = {}
-        self._watched = set()
 
     def _on_forward(self, module, inputs, output):
         if torch.is_tensor(output) and output.requires_grad:
@@ -64,17 +61,6 @@ class Probe:
 
     def _on_grad(self, param):
         self.end = time.perf_counter()
-        # The mirror's Pending keeps torch's Work as ``_work``: its future says when the
-        # transfer itself finished (wait() only says when someone asked).
-        for c, ddp in enumerate(self.chunks):
-            for index, pending in list(getattr(ddp, "_pending", {}).items()):
-                key = (c, index)
-                work = getattr(pending, "_work", None)
-                if key in self._watched or work is None or not hasattr(work, "get_future"):
-                    continue
-                self._watched.add(key)
-                work.get_future().add_done_callback(
-                    lambda _f, key=key: self.done.setdefault(key, time.perf_counter()))
 
     def remove(self):
         for h in self.handles:
@@ -90,7 +76,7 @@ def step_record(probe: Probe, chunks, step_s: float) -> dict:
     syncs = []
     for c, ddp in enumerate(chunks):
         for e in ddp.sync_log:
-            done = probe.done.get((c, e["bucket"]), e["end_s"])
+            done = e["completed_s"]   # when the backend finished it (comm.Pending)
             syncs.append(dict(chunk=c, bucket=e["bucket"], kind=e["kind"], nbytes=e["nbytes"],
                               started_in_backward=e["started_in_backward"],
                               start_ms=ms(e["start_s"]), done_ms=ms(min(done, e["end_s"])),

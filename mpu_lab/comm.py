@@ -329,9 +329,18 @@ class Pending:
         self._result: Optional[torch.Tensor] = None
         self.issued_at = time.perf_counter()
         self.done_at: Optional[float] = None   # when it was known to be finished
+        # when the backend finished it (its future's callback), even if nobody waited yet
+        self.completed_at: Optional[float] = None
+        future = work.get_future() if hasattr(work, "get_future") else None
+        if future is not None:
+            future.add_done_callback(self._completed)
         if _SERIAL:                 # no_overlap(): done before the caller computes anything
             self._work.wait()
             self.done_at = time.perf_counter()
+
+    def _completed(self, _future) -> None:
+        if self.completed_at is None:
+            self.completed_at = time.perf_counter()
 
     def wait(self) -> torch.Tensor:
         if self._result is None:

@@ -69,7 +69,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._pending: Dict[int, comm.Pending] = {}
         self._in_backward: Dict[int, bool] = {}
         self._bucket_of = {id(p): self.buffer.param_range(p)[0] for p in self.buffer.params}
-        self.sync_log: List[Dict[str, object]] = []   # one entry per bucket reduction, last step
+        # one entry per bucket reduction of the last step: bucket, kind, numel, nbytes,
+        # started_in_backward, and time.perf_counter() stamps: start_s (issued), completed_s
+        # (the backend finished it), end_s (finish_grad_sync had waited for it)
+        self.sync_log: List[Dict[str, object]] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook())
                        for p in self.buffer.params]
         self.zero_grad_buffer()
@@ -128,7 +131,9 @@ class DistributedDataParallel(torch.nn.Module):
             bucket=bucket.index, kind=pending.kind, numel=bucket.numel,
             nbytes=bucket.numel * bucket.grad_data.element_size(),
             started_in_backward=self._in_backward[bucket.index],
-            start_s=pending.issued_at, end_s=pending.done_at or time.perf_counter()))
+            start_s=pending.issued_at, end_s=pending.done_at or time.perf_counter(),
+            completed_s=min(pending.completed_at or pending.done_at or time.perf_counter(),
+                            pending.done_at or time.perf_counter())))
 
     def finish_grad_sync(self, late: bool = False) -> None:
         """Start the reductions of the buckets (``late``: the late ones) not started yet, then
