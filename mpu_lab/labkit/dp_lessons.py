@@ -2,8 +2,9 @@
 
 * :func:`print_dp_groups`, :func:`live_dp_groups` — the data-parallel groups, from the pure
   rank-group arithmetic of :mod:`mpu_lab.parallel_state` and from a live playground world;
-* :func:`same_batch_flags`, :func:`print_same_batch` — ``train_gpt.py`` at DP = 1 and DP = d
-  on one global batch: the same losses, step by step; :func:`print_critical_batch` — the
+* :func:`same_batch_flags`, :func:`train_together`, :func:`print_same_batch` — ``train_gpt.py``
+  at DP = 1 and DP = d (and with the distributed optimizer) on one global batch, the jobs side
+  by side: the same losses, step by step; :func:`print_critical_batch` — the
   steps and samples a larger batch costs (McCandlish et al. 2018);
 * :func:`print_toy_layout` — the mirror's :class:`~mpu_lab.distributed.param_and_grad_buffer.ParamAndGradBuffer`
   for a toy model: reverse order, buckets, padding to a multiple of d, each rank's shard;
@@ -16,7 +17,8 @@
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import concurrent.futures
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +60,18 @@ def same_batch_flags(steps: int, layers: int, hidden: int, heads: int, seq_lengt
     (the micro-batches per replica follow: B / (b d))."""
     return gpt_runs.gpt_flags(steps, layers, hidden, heads, seq_length, micro_batch=micro_batch,
                               global_batch_size=global_batch, vocab_size=vocab_size)
+
+
+def train_together(jobs: Dict[object, Tuple[Sequence, int, str]],
+                   env: Optional[Dict[str, str]] = None) -> Dict[object, "gpt_runs.TrainRun"]:
+    """Several :func:`mpu_lab.labkit.gpt_runs.train` jobs at once, one thread each:
+    ``{key: (flags, nproc, label)}`` -> ``{key: TrainRun}``. Small jobs spend much of their
+    time starting processes and waiting in collectives, so running them side by side shortens
+    the wait; each job's losses are its own (the runs are deterministic)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {key: pool.submit(gpt_runs.train, flags, nproc, label, env=env)
+                   for key, (flags, nproc, label) in jobs.items()}
+        return {key: f.result() for key, f in futures.items()}
 
 
 def print_same_batch(runs: Sequence["gpt_runs.TrainRun"], reference: "gpt_runs.TrainRun") -> None:
