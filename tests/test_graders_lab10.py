@@ -152,3 +152,43 @@ def test_ring_all_reduce_bytes_worked_by_hand(capsys):
     assert "Hint:" in capsys.readouterr().out
     assert lab10.ring_all_reduce_bytes(64, 2) == 64
     assert not lab10.check_ring_all_reduce_mb("a lot", grad_mb=100, d=4)
+
+
+# --------------------------------------------------------------------------- the lab's lessons
+def test_the_toy_buffer_layout_worked_by_hand(capsys):
+    """p0..p4 of 6, 3, 10, 5, 7 elements, reversed: p4 p3 | p2 p1 | p0; a bucket closes once
+    it holds 12 elements or more; each is padded to a multiple of d = 4."""
+    from mpu_lab.labkit import dp_lessons
+    dp_lessons.print_toy_layout([6, 3, 10, 5, 7], d=4, bucket_size=12)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("3 buckets, 31 elements + 5 of padding = 36")
+    assert lines[1].startswith("bucket 0: p4 [0, 7), p3 [7, 12), padding 0 -> 12 elements; "
+                               "shards (in the bucket) r0:[0, 3) r1:[3, 6)")
+    assert lines[2].startswith("bucket 1: p2 [12, 22), p1 [22, 25), padding 3 -> 16 elements")
+    assert lines[3].startswith("bucket 2: p0 [28, 34), padding 2 -> 8 elements; shards (in "
+                               "the bucket) r0:[0, 2) r1:[2, 4) r2:[4, 6) r3:[6, 8)")
+
+
+def test_the_critical_batch_trade_off_worked_by_hand():
+    """McCandlish et al. 2018: S = S_min (1 + B_crit / B), E = E_min (1 + B / B_crit): at
+    B = B_crit twice the minimum of each; at 4 B_crit 1.25 S_min and 5 E_min."""
+    from mpu_lab.labkit import dp_lessons
+    at_crit, four = dp_lessons.critical_batch_rows([1, 4])
+    assert (at_crit["steps"], at_crit["samples"]) == (2, 2)
+    assert (four["steps"], four["samples"]) == (1.25, 5)
+
+
+def test_every_configuration_that_fits_still_fits_with_the_distributed_optimizer():
+    from mpu_lab import perf
+    from mpu_lab.labkit import dp_lessons
+    model = perf.ModelShape(num_layers=48, hidden_size=8192, num_attention_heads=64,
+                            seq_length=2048, vocab_size=51200)
+    cluster = perf.DGX_A100_80GB.replace(num_nodes=8)
+    counts = dp_lessons.fit_counts(model, cluster, 64, 512)
+    plain = {(c.config.tp, c.config.pp, c.config.b): c.fits
+             for c in perf.explore(model, cluster, 64, 512).candidates}
+    sharded = {(c.config.tp, c.config.pp, c.config.b): c.fits
+               for c in perf.explore(model, cluster, 64, 512,
+                                     distributed_optimizer=True).candidates}
+    assert all(sharded[k] for k, fits in plain.items() if fits)
+    assert counts[False][0] == sum(plain.values()) < counts[True][0] == sum(sharded.values())
