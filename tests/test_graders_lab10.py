@@ -12,6 +12,8 @@
 """
 import pytest
 
+from mpu_lab import perf
+from mpu_lab.labkit import dp_lessons
 from mpu_lab.labkit.exercises import grade, lab10
 
 STUB = '''
@@ -158,7 +160,6 @@ def test_ring_all_reduce_bytes_worked_by_hand(capsys):
 def test_the_toy_buffer_layout_worked_by_hand(capsys):
     """p0..p4 of 6, 3, 10, 5, 7 elements, reversed: p4 p3 | p2 p1 | p0; a bucket closes once
     it holds 12 elements or more; each is padded to a multiple of d = 4."""
-    from mpu_lab.labkit import dp_lessons
     dp_lessons.print_toy_layout([6, 3, 10, 5, 7], d=4, bucket_size=12)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("3 buckets, 31 elements + 5 of padding = 36")
@@ -172,15 +173,12 @@ def test_the_toy_buffer_layout_worked_by_hand(capsys):
 def test_the_critical_batch_trade_off_worked_by_hand():
     """McCandlish et al. 2018: S = S_min (1 + B_crit / B), E = E_min (1 + B / B_crit): at
     B = B_crit twice the minimum of each; at 4 B_crit 1.25 S_min and 5 E_min."""
-    from mpu_lab.labkit import dp_lessons
     at_crit, four = dp_lessons.critical_batch_rows([1, 4])
     assert (at_crit["steps"], at_crit["samples"]) == (2, 2)
     assert (four["steps"], four["samples"]) == (1.25, 5)
 
 
 def test_every_configuration_that_fits_still_fits_with_the_distributed_optimizer():
-    from mpu_lab import perf
-    from mpu_lab.labkit import dp_lessons
     model = perf.ModelShape(num_layers=48, hidden_size=8192, num_attention_heads=64,
                             seq_length=2048, vocab_size=51200)
     cluster = perf.DGX_A100_80GB.replace(num_nodes=8)

@@ -6,8 +6,8 @@
   at DP = 1 and DP = d (and with the distributed optimizer) on one global batch, the jobs side
   by side: the same losses, step by step; :func:`print_critical_batch` — the
   steps and samples a larger batch costs (McCandlish et al. 2018);
-* :func:`print_toy_layout` — the mirror's :class:`~mpu_lab.distributed.param_and_grad_buffer.ParamAndGradBuffer`
-  for a toy model: reverse order, buckets, padding to a multiple of d, each rank's shard;
+* :func:`print_toy_layout` — the mirror's
+  :class:`~mpu_lab.distributed.param_and_grad_buffer.ParamAndGradBuffer` for a toy model: reverse order, buckets, padding to a multiple of d, each rank's shard;
   :func:`print_started_in_backward` — from :mod:`mpu_lab.perf.dp_overlap`'s run, which bucket
   reductions started during backward (``--overlap-grad-reduce``);
 * :func:`print_bytes_per_parameter` — from :mod:`mpu_lab.perf.memory`'s rows, the measured
@@ -102,7 +102,8 @@ def print_critical_batch(ratios: Sequence[float] = (0.125, 0.25, 0.5, 1, 2, 4, 8
     for row, nxt in zip(rows, rows[1:] + [None]):
         saved = "" if nxt is None or nxt["ratio"] != 2 * row["ratio"] else \
             f"{1 - nxt['steps'] / row['steps']:.0%}"
-        print(f"{row['ratio']:>10g}   {row['steps']:>13.3f}   {row['samples']:>15.3f}   {saved:>25}")
+        print(f"{row['ratio']:>10g}   {row['steps']:>13.3f}   {row['samples']:>15.3f}   "
+              f"{saved:>25}")
 
 
 # --------------------------------------------------------------------------- 3. buckets

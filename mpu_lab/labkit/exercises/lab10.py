@@ -47,25 +47,27 @@ def optimizer_state_bytes(num_params: float, d: int, distributed_optimizer: bool
 def check_optimizer_state_gb(answer: Any, num_params: float, d: int,
                              distributed_optimizer: bool = True, weight_bytes: int = 2,
                              rtol: float = 0.01) -> Verdict:
-    """GB (1e9 bytes) of optimizer state on each data-parallel rank (:func:`optimizer_state_bytes`)."""
+    """GB (1e9 bytes) of optimizer state on each data-parallel rank
+    (:func:`optimizer_state_bytes`)."""
     if _unanswered(answer, "a number of GB"):
         return Verdict(False)
     expected = optimizer_state_bytes(num_params, d, distributed_optimizer, weight_bytes) / 1e9
     per_param = BYTES_PER_PARAM_ADAM - 2 * weight_bytes
     given = _as_number(answer)
+    who = "the distributed optimizer" if distributed_optimizer else "the plain optimizer"
     how = (f"{per_param} bytes per parameter (fp32 main weight, Adam's m and v) x "
            f"{num_params:,.0f} parameters" + (f" / d = {d}" if distributed_optimizer else ""))
     return _verdict(given is not None and abs(given - expected) <= rtol * expected,
                     f"{expected:g} GB per rank: {how}.",
                     f"{answer!r} is not it. Hint: which of the 16 bytes per parameter belong to "
-                    f"the optimizer, and does "
-                    f"{'the distributed optimizer split them' if distributed_optimizer else 'the plain optimizer split them'}"
-                    f" over the {d} data-parallel ranks?")
+                    f"the optimizer, and does {who} split them over the {d} data-parallel "
+                    f"ranks?")
 
 
 def ring_all_reduce_bytes(grad_bytes: float, d: int) -> float:
     """Bytes each rank sends in a ring all-reduce of ``grad_bytes`` over ``d`` ranks:
-    ``2 (d - 1) / d`` of the array (nccl-tests' bus factor, :func:`mpu_lab.perf.bandwidth.bus_factor`)."""
+    ``2 (d - 1) / d`` of the array (nccl-tests' bus factor,
+    :func:`mpu_lab.perf.bandwidth.bus_factor`)."""
     return bus_factor("all_reduce", d) * grad_bytes
 
 
