@@ -2,13 +2,14 @@
 
 Why one place:
 
-* **Portability.** Only calls that every torch from 2.3 to 2.15 has, with the same meaning:
+* **Portability.** Only calls that every torch from 2.11 (the floor in requirements.txt) to
+  2.15 has, with the same meaning:
   the list-based ``all_gather`` / ``reduce_scatter`` (and ``async_op=True`` for the
   ``*_async`` ones), on gloo and NCCL alike, rather than ``all_gather_into_tensor`` /
   ``reduce_scatter_tensor``, whose gloo support and deprecation notes changed between releases.
   gloo cannot run every collective on CUDA tensors, so when several ranks share one GPU
-  through gloo the tensor is staged through host memory here. The one version shim is
-  :func:`_compiling` (``torch.compiler.is_compiling``, absent before torch 2.3).
+  through gloo the tensor is staged through host memory here. No version shim is needed
+  from 2.11 on.
 * **Counting.** Every call is reported to the active :class:`CommCounter`s, which is how the
   labs measure "2 all-reduces forward and 2 backward per layer".
 * **Timing.** While a :class:`CommTimer` is active every call is timed (the step-time
@@ -118,9 +119,7 @@ class _LeaveBackwardRegion(torch.autograd.Function):
 
 def _compiling() -> bool:
     # Under torch.compile the tags are left out (a side effect in backward breaks the graph).
-    # Shim for torch < 2.3, which has no torch.compiler.is_compiling: never compiling there.
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+    return bool(torch.compiler.is_compiling())
 
 
 def tag_backward_output(tensor: torch.Tensor, tag: str) -> torch.Tensor:
