@@ -109,6 +109,8 @@ EXPECTED_SECONDS = {
     "tests/test_launch.py": 40, "tests/test_layer_and_training_views.py": 18,
     "tests/test_reshard_vocab_padding.py": 15, "tests/test_lab08_content.py": 13,
     "tests/test_perf_model.py": 9, "Start_Here.ipynb": 9,
+    "labs/10_data_parallel.ipynb": 70, "tests/test_memory_accounting.py": 45,
+    "tests/test_dp_overlap.py": 30,
 }
 
 

@@ -6,12 +6,14 @@ PID and times each case.
 """
 import pathlib
 import re
+import sys
+import threading
 import time
 import uuid
 
 import pytest
 
-from mpu_lab.launcher import LaunchTimeout, run
+from mpu_lab.launcher import LaunchTimeout, run, runner
 
 PROBE = pathlib.Path(__file__).parent / "mp" / "launch_probe.py"
 pytestmark = pytest.mark.slow
@@ -91,3 +93,25 @@ def test_half_written_lines_are_joined_to_their_rank_not_glued_to_another():
     assert split.feed("torchrun's own line\n") == [(None, "torchrun's own line")]
     assert split.feed("[rank2]:no end yet") == []
     assert split.flush() == [(2, "no end yet")]
+
+
+def test_prechecks_of_jobs_launched_side_by_side_leave_stdout_and_stderr_as_they_were(
+        monkeypatch):
+    # Each pre-check swallows what the check prints (argparse's usage) by redirecting the
+    # process's sys.stdout / sys.stderr. Lab 10 launches two jobs from two threads: without a
+    # lock the redirections interleave and the notebook's stdout stays a dead buffer (seen:
+    # every later cell printed nothing).
+    def slow_check(argv, nproc, cwd=None):
+        print("usage: ...")
+        time.sleep(0.02)
+
+    monkeypatch.setattr(runner, "precheck_spec", lambda path: "x:y")
+    monkeypatch.setattr(runner, "resolve_precheck", lambda spec: slow_check)
+    before = sys.stdout, sys.stderr
+    threads = [threading.Thread(target=runner.precheck, args=(pathlib.Path("x.py"), [], 2))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (sys.stdout, sys.stderr) == before

@@ -112,7 +112,7 @@ def print_toy_layout(sizes: Sequence[int], d: int, bucket_size: Optional[int]) -
     ``module.parameters()`` gives them (p0 first): :class:`ParamAndGradBuffer` over ``d``
     data-parallel ranks with ``bucket_size``; each bucket, its parameters in buffer order,
     its padding and each rank's shard. Pure: no process group needed."""
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]  # cpu: a layout, no rank
     names = {id(p): f"p{i}" for i, p in enumerate(params)}
     buf = ParamAndGradBuffer(params, d, bucket_size)
     print(f"{len(sizes)} parameters p0..p{len(sizes) - 1} of {list(sizes)} elements, d = {d}, "

@@ -42,6 +42,10 @@ _MARK = re.compile(r"\[rank(\d+)\]:")
 # Two launches at once (threads) both read their script's PRECHECK with ast.parse, which in
 # CPython 3.11 can fail with "AST constructor recursion depth mismatch" when run concurrently.
 _PARSE_LOCK = threading.Lock()
+# sys.stdout and sys.stderr are process-wide: two pre-checks redirecting them from two threads
+# at once (jobs launched side by side) could restore them in the wrong order and leave the
+# notebook's stdout pointing at a dead buffer, so one pre-check runs at a time
+_REDIRECT_LOCK = threading.Lock()
 
 
 class RankLines:
@@ -204,7 +208,8 @@ def precheck(path: pathlib.Path, args: Sequence[str], nproc: int, cwd=None) -> N
     check = resolve_precheck(spec)
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with _REDIRECT_LOCK, contextlib.redirect_stderr(err), \
+                contextlib.redirect_stdout(io.StringIO()):
             check([str(a) for a in args], nproc, cwd=cwd)
     except SystemExit as exc:
         if exc.code in (0, None):

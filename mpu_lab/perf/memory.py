@@ -363,19 +363,22 @@ def _table(rows: List[Dict[str, Any]], columns: Sequence[str], title: str,
         if name in columns:
             cells.setdefault((r["config"], r["optimizer"], r["rank"]), {})[name] = r
 
-    def cell(measured, predicted) -> str:
-        return f"{f'{measured / 1024:.1f} / {predicted / 1024:.1f}':>19}"
+    def text(measured, predicted) -> str:
+        return f"{measured / 1024:.1f} / {predicted / 1024:.1f}"
     heads = list(columns) + (["total"] if total else [])
-    lines = [title, f"{'config':<13}{'optimizer':<12}{'rank':>4}"
-             + "".join(f"{c:>19}" for c in heads)]
+    body = []
     for (config, optimizer, rank), got in cells.items():
-        line = f"{config:<13}{optimizer:<12}{rank:>4}" + "".join(
-            cell(got[c]["measured"], got[c]["predicted"]) if c in got else f"{'-':>19}"
-            for c in columns)
+        row = [text(got[c]["measured"], got[c]["predicted"]) if c in got else "-"
+               for c in columns]
         if total:
-            line += cell(sum(r["measured"] for r in got.values()),
-                         sum(r["predicted"] for r in got.values()))
-        lines.append(line)
+            row.append(text(sum(r["measured"] for r in got.values()),
+                            sum(r["predicted"] for r in got.values())))
+        body.append((f"{config:<13}{optimizer:<12}{rank:>4}", row))
+    # each column as wide as its widest cell, two spaces apart (sizes of a DGX run fit too)
+    width = [max([len(h)] + [len(row[i]) for _, row in body]) + 2 for i, h in enumerate(heads)]
+    lines = [title, f"{'config':<13}{'optimizer':<12}{'rank':>4}"
+             + "".join(f"{h:>{w}}" for h, w in zip(heads, width))]
+    lines += [lead + "".join(f"{c:>{w}}" for c, w in zip(row, width)) for lead, row in body]
     return "\n".join(lines)
 
 

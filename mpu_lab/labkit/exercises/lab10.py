@@ -146,8 +146,9 @@ def step_inputs(n: int, seed: int, rank: int, device=None):
     """``(param, grad)`` of a case: the same ``n`` parameters on every rank (from ``seed``),
     a gradient that differs per rank (from ``seed`` and the global ``rank``)."""
     gen = torch.Generator().manual_seed(seed)
-    param = torch.randn(n, generator=gen)
-    grad = torch.randn(n, generator=torch.Generator().manual_seed(seed * 1000 + 7 * rank + 1))
+    param = torch.randn(n, generator=gen)  # cpu: CPU generator, the same on every device
+    grad_gen = torch.Generator().manual_seed(seed * 1000 + 7 * rank + 1)
+    grad = torch.randn(n, generator=grad_gen)  # cpu: CPU generator, moved below
     grad = grad * (1.0 + rank)            # ranks differ in size too, so a missed average shows
     return param.to(device), grad.to(device)
 
