@@ -61,8 +61,13 @@ class ProcessWatch:
             return
         for c in children:
             try:
-                if c.pid not in self.seen or not self.seen[c.pid][2]:
-                    self.seen[c.pid] = (c.create_time(), c.ppid(), " ".join(c.cmdline()))
+                # re-read every time: a fresh child shows its parent's command line until it
+                # execs (seen under the CUDA build of torch 2.11: a job's agent recorded with
+                # pytest's command line, so none of its workers was found), and a zombie's
+                # command line is empty
+                cmd = " ".join(c.cmdline())
+                if cmd or c.pid not in self.seen:
+                    self.seen[c.pid] = (c.create_time(), c.ppid(), cmd)
             except psutil.Error:
                 continue
 
