@@ -10,16 +10,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import pytest
 
 from mpu_lab import launcher
 from mpu_lab.launcher import LaunchError, diagnosis, runner
 from mpu_lab.training import faults
+from process_watch import ProcessWatch
 
 TIMEOUT_S = 5.0
 JOBS_AT_ONCE = int(os.environ.get("MPU_LAB_FAULT_JOBS_AT_ONCE", "3"))
@@ -45,66 +44,6 @@ JOBS = {   # id: (ranks, flags)
 }
 
 
-class ProcessWatch:
-    """Every descendant of this process while the ``with`` block runs (the idea of
-    tests/test_reliability.py's watcher): ``seen[pid] = (create_time, parent, command line)``;
-    which are alive is judged by PID and start time (a reused PID is not the same process)."""
-
-    def __init__(self, interval_s: float = 0.05):
-        self.interval_s, self.seen = interval_s, {}
-        self._stop, self._me = threading.Event(), psutil.Process()
-
-    def _poll(self):
-        try:
-            children = self._me.children(recursive=True)
-        except psutil.Error:
-            return
-        for c in children:
-            try:
-                # re-read every time: a fresh child shows its parent's command line until it
-                # execs (seen under the CUDA build of torch 2.11: a job's agent recorded with
-                # pytest's command line, so none of its workers was found), and a zombie's
-                # command line is empty
-                cmd = " ".join(c.cmdline())
-                if cmd or c.pid not in self.seen:
-                    self.seen[c.pid] = (c.create_time(), c.ppid(), cmd)
-            except psutil.Error:
-                continue
-
-    def _loop(self):
-        while not self._stop.is_set():
-            self._poll()
-            time.sleep(self.interval_s)
-
-    def __enter__(self):
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def job(self, marker: str):
-        """PIDs of the torchrun agent whose command line holds ``marker`` and of its
-        children, the ranks: ``(agents, workers)``."""
-        self._poll()
-        agents = {pid for pid, (_, parent, cmd) in self.seen.items()
-                  if parent == self._me.pid and marker in cmd}
-        return agents, [pid for pid, (_, parent, _) in self.seen.items() if parent in agents]
-
-    def alive(self, pids):
-        out = []
-        for pid in pids:
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == self.seen[pid][0] and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(pid)
-            except psutil.Error:
-                continue
-        return out
-
-
 def _fault_time(lines):
     """The wall clock the faulty rank printed when its fault fired (faults._announce)."""
     for _, text in lines:
@@ -127,7 +66,7 @@ def _run_job(name, watch, folder):
         entry["error"], lines = exc, exc.output
     entry["raised_at"] = time.time()
     agents, entry["workers"] = watch.job(marker)
-    entry["left"] = watch.alive(list(agents) + entry["workers"])
+    entry["left"] = watch.still_alive(watch.tree(agents))    # agents, workers, their children
     fired = _fault_time(lines)
     entry["seconds"] = None if fired is None else entry["raised_at"] - fired
     return entry

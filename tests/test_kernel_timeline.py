@@ -11,7 +11,7 @@ import pytest
 
 from mpu_lab import launcher
 from mpu_lab.labkit import viz
-from mpu_lab.perf import kernel_timeline as kt
+from mpu_lab.perf import kernel_timeline as kt, op_classes
 
 
 def _x(name, ts, dur, cat="cpu_op", pid=100, tid=1):
@@ -135,14 +135,52 @@ def test_ranks_in_order_on_one_window_from_the_step_windows(tmp_path):
 
 # --------------------------------------------------------------------------- one real job
 @pytest.fixture(scope="module")
-def pp2_timelines(tmp_path_factory):
+def pp2_results(tmp_path_factory):
     prof = tmp_path_factory.mktemp("pp2_profile")
     flags = ["--pipeline-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "64",
              "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "128",
              "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "3",
              "--log-interval", "1", "--quiet", "--breakdown-profile", str(prof)]
-    job = launcher.run("train_gpt.py", flags, nproc=2, show="none", timeout_s=180)
-    return kt.kernel_timelines(job.results, bin_ms=5.0)
+    return launcher.run("train_gpt.py", flags, nproc=2, show="none", timeout_s=180).results
+
+
+@pytest.fixture(scope="module")
+def pp2_timelines(pp2_results):
+    return kt.kernel_timelines(pp2_results, bin_ms=5.0)
+
+
+def test_op_classes_of_a_real_job_agree_with_the_profilers_own_tables(pp2_results):
+    """mpu_lab.perf.op_classes on the same traces, checked against a second method: the
+    profiler's own per-op self times (``key_averages``, the report's ``top_ops``). The matmul
+    class holds exactly the GEMMs' and SDPA's self time (each its own innermost span), the
+    classes fill the profiled window, and every class the step has shows up."""
+    profiles = op_classes.op_class_profiles(pp2_results)
+    assert [p.rank for p in profiles] == [0, 1]
+    for p, result in zip(profiles, pp2_results):
+        b = result["breakdown"]
+        assert p.steps == b["steps"] and p.ops > 50
+        assert sum(p.seconds.values()) == pytest.approx(p.step_s)
+        for c in ("matmul", "non-matmul", "communication", "optimizer", "framework"):
+            assert p.seconds[c] > 0, c
+        top = {o["name"]: o["self_ms"] / 1e3 for o in b["profile"]["top_ops"]}
+        gemm_self = sum(v for k, v in top.items() if op_classes.op_class(k) == "matmul")
+        # top_ops lists the 12 costliest ops by self time: the matmul class holds at least the
+        # GEMMs listed there, and at most that plus, for each of the 7 matmul kinds
+        # (MATMUL_OPS and SDPA's two fused kernels), the self time of the 12th op
+        missing = len(op_classes.MATMUL_OPS) + 2
+        assert gemm_self * 0.98 <= p.seconds["matmul"] <= gemm_self + missing * min(top.values())
+        # a third count, from the raw events: the GEMMs of MATMUL_OPS are leaves (their whole
+        # duration is their own), SDPA's kernels may open allocations inside; so the class lies
+        # between the GEMMs' durations and the GEMMs' plus SDPA's durations
+        events = kt.load_trace(b["profile"]["trace"])["traceEvents"]
+        durations = {kind: sum(e["dur"] for e in events if e.get("cat") == "cpu_op" and
+                               op_classes.op_class(e["name"]) == "matmul" and
+                               (e["name"] in op_classes.MATMUL_OPS) == kind) / 1e6 / p.steps
+                     for kind in (True, False)}
+        assert durations[True] * 0.98 <= p.seconds["matmul"] <= \
+            (durations[True] + durations[False]) * 1.02
+        # the step's window contains the timed steps the StepTimer measured without overhead
+        assert p.step_s == pytest.approx(b["step_s"], rel=0.35)
 
 
 def test_pp2_with_one_micro_batch_leaves_each_stage_idle_and_communicating(pp2_timelines):

@@ -115,3 +115,17 @@ def test_prechecks_of_jobs_launched_side_by_side_leave_stdout_and_stderr_as_they
     for t in threads:
         t.join()
     assert (sys.stdout, sys.stderr) == before
+
+
+def test_an_environment_inside_the_repository_is_not_the_repositorys_code():
+    """The README puts the virtual environment in the repository (``.venv``): torch's frames
+    there are torch's (lab 09's stacks and the launcher's diagnosis name them as torch's,
+    without line numbers), not files of this repository."""
+    from mpu_lab.labkit import debugging
+    from mpu_lab.launcher import REPO_ROOT, diagnosis
+    torch_file = str(REPO_ROOT / ".venv" / "lib" / "python3.11" / "site-packages" / "torch"
+                     / "distributed" / "distributed_c10d.py")
+    assert debugging._short(torch_file) == "torch/distributed/distributed_c10d.py"
+    assert diagnosis._short(torch_file) == "distributed_c10d.py"
+    own = str(REPO_ROOT / "mpu_lab" / "comm.py")
+    assert debugging._short(own) == diagnosis._short(own) == "mpu_lab/comm.py"

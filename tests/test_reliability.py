@@ -18,7 +18,6 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
 
 from mpu_lab import checkpointing, launcher
@@ -26,6 +25,7 @@ from mpu_lab import training  # noqa: F401  (imported here: no timed call pays f
 from mpu_lab.checkpointing import CheckpointError
 from mpu_lab.launcher import LaunchError, run
 from mpu_lab.launcher import diagnosis, runner
+from process_watch import ProcessWatch
 
 MP = pathlib.Path(__file__).parent / "mp"
 PROBE = MP / "launch_probe.py"
@@ -33,90 +33,6 @@ TINY = MP / "tiny_job.py"
 
 
 # --------------------------------------------------------------------------- process watch
-class ProcessWatch:
-    """Every descendant of this process while the ``with`` block runs: ``seen[pid] =
-    (create_time, cmdline)``, ``parent[pid]`` (its parent's PID when first seen), ``gone[pid] =
-    time.time()`` when it ended (or became a zombie).
-
-    torchrun agents and workers are told apart by their place in the process tree, not by their
-    command line: an agent is a child of this process, a worker a child of an agent. What torch
-    or CUDA starts below a worker (a fork that keeps the worker's command line until it execs,
-    ``/sbin/ldconfig -p`` probing libraries at import on CUDA builds) is not a worker, but must
-    still be gone at the end (``still_alive`` covers every descendant)."""
-
-    def __init__(self, interval_s: float = 0.02):
-        self.interval_s = interval_s
-        self.seen, self.gone, self.parent = {}, {}, {}
-        self._stop = threading.Event()
-        self._me = psutil.Process()
-        # Processes this test process already had (a playground world a session fixture keeps
-        # up for other tests of this pytest worker) and anything they start are not the job's.
-        self._before = {c.pid for c in self._me.children(recursive=True)}
-
-    def _poll(self):
-        try:
-            children = self._me.children(recursive=True)
-        except psutil.Error:
-            children = []
-        for c in children:
-            if c.pid in self._before:
-                continue
-            try:
-                if c.pid not in self.parent and c.ppid() in self._before:
-                    self._before.add(c.pid)      # started by a process that was there already
-                    continue
-            except psutil.Error:
-                continue
-            try:   # re-read: a fresh child shows its parent's command line until it execs
-                cmd = " ".join(c.cmdline())
-                if cmd or c.pid not in self.seen:   # a zombie's command line is empty
-                    self.seen[c.pid] = (c.create_time(), cmd)
-                self.parent.setdefault(c.pid, c.ppid())
-            except psutil.Error:
-                continue
-        now = time.time()
-        for pid in self.seen:
-            if pid not in self.gone and not self.alive(pid):
-                self.gone[pid] = now
-
-    def alive(self, pid: int) -> bool:
-        try:
-            p = psutil.Process(pid)
-            return p.create_time() == self.seen[pid][0] and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    def _loop(self):
-        while not self._stop.is_set():
-            self._poll()
-            time.sleep(self.interval_s)
-
-    def __enter__(self):
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._poll()
-
-    def torchruns(self):
-        """PIDs of the torchrun agents: this process's children that run torch.distributed.run
-        (the launcher starts torchrun directly)."""
-        return [pid for pid, (_, cmd) in self.seen.items()
-                if self.parent.get(pid) == self._me.pid and "torch.distributed.run" in cmd]
-
-    def workers(self, script: pathlib.Path):
-        """PIDs of the workers running ``script``: the torchrun agents' direct children."""
-        agents = set(self.torchruns())
-        return [pid for pid, (_, cmd) in self.seen.items()
-                if self.parent.get(pid) in agents and str(script) in cmd]
-
-    def still_alive(self):
-        return [pid for pid in self.seen if self.alive(pid)]
-
-
 # --------------------------------------------------------------------------- 1. bad configurations
 T, P = "--tensor-model-parallel-size", "--pipeline-model-parallel-size"
 NLV = "--num-layers-per-virtual-pipeline-stage"

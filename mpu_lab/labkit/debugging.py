@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from mpu_lab import comm, distributed, parallel_state
 from mpu_lab.launcher import REPO_ROOT
+from mpu_lab.launcher.diagnosis import INSTALLED_DIRS
 from mpu_lab.optimizer import DynamicLossScaler
 
 STACK_SIGNAL = signal.SIGUSR1
@@ -174,12 +175,14 @@ def _frames(text: str) -> List[Tuple[str, int, str]]:
 
 def _short(path: str) -> str:
     """A frame's file as a reader finds it: in this repository, or inside torch (no line
-    numbers there: they change with the torch version)."""
+    numbers there: they change with the torch version). An installed package is never the
+    repository's, even where the virtual environment sits inside it (the README's ``.venv``)."""
     p = pathlib.Path(path)
-    try:
-        return str(p.resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        pass
+    if not INSTALLED_DIRS.intersection(p.parts):
+        try:
+            return str(p.resolve().relative_to(REPO_ROOT))
+        except ValueError:
+            pass
     if "torch" in p.parts:
         return "/".join(p.parts[p.parts.index("torch"):])
     return p.name

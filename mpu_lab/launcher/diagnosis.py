@@ -86,11 +86,20 @@ def _own_frames(text: str) -> List[Tuple[str, int, str]]:
     return out
 
 
+# Where installed packages live: a file there is never the repository's, even where the
+# virtual environment sits inside the repository (the README's ``.venv``).
+INSTALLED_DIRS = frozenset({"site-packages", "dist-packages"})
+
+
 def _short(path: str) -> str:
-    try:
-        return str(pathlib.Path(path).resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        return pathlib.Path(path).name
+    """A frame's file: relative to the repository for its own files, else the file name."""
+    p = pathlib.Path(path)
+    if not INSTALLED_DIRS.intersection(p.parts):
+        try:
+            return str(p.resolve().relative_to(REPO_ROOT))
+        except ValueError:
+            pass
+    return p.name
 
 
 def _collective_in(traceback_text: str) -> Optional[str]:

@@ -21,7 +21,6 @@ all-reduce is NCCL's (:mod:`mpu_lab.perf.calibrate_gpu`, :func:`gpu_cluster`)::
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tempfile
@@ -31,12 +30,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from mpu_lab import launcher, training
-from mpu_lab.models.gpt import pad_vocab_size
+from mpu_lab import launcher
 from mpu_lab.perf.bandwidth import allreduce_fit
 from mpu_lab.perf.calibrate_gpu import (calibrate_gemm, cuda_available, device_calibration,
                                         gpu_cluster_from)
 from mpu_lab.perf.cost_model import Cluster, ModelShape, ParallelConfig, predict_iteration
+from mpu_lab.perf.op_classes import compare_terms, op_class_profiles
+from mpu_lab.perf.step_time import TrainConfig, cpu_pressure_us, measure_step_time  # noqa: F401 (re-exported)
 
 # --------------------------------------------------------------------------- this machine
 def _best_time(fn, repeats: int) -> float:
@@ -196,93 +196,24 @@ def device_cluster(nproc: int = 2, shapes=None) -> Cluster:
     return gpu_cluster(nproc, shapes=shapes) if cuda_available() else cpu_cluster(nproc)
 
 
-@dataclasses.dataclass
-class TrainConfig:
-    """One small ``launch/train_gpt.py`` run to measure: model shape and parallel sizes."""
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    num_layers: int = 2
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    seq_length: int = 128
-    vocab_size: int = 512
-    micro_batch_size: int = 8
-    global_batch_size: int = 8
-    train_iters: int = 12
-    sequence_parallel: bool = False
-    bf16: bool = False          # --bf16 (autocast); what a GPU run is calibrated in
-
-    @property
-    def nproc(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def label(self) -> str:
-        return f"t={self.tp} p={self.pp} d={self.dp} h={self.hidden_size} L={self.num_layers}"
-
-    def shapes(self) -> Tuple[ModelShape, ParallelConfig]:
-        # the vocabulary train_gpt.py builds from these flags: padded to a multiple of
-        # make_vocab_size_divisible_by x t (Megatron's rule; the training arguments' default)
-        args = training.parse_args(self.argv())
-        vocab = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
-                               args.tensor_model_parallel_size)
-        model = ModelShape(self.num_layers, self.hidden_size, self.num_attention_heads,
-                           self.seq_length, vocab)
-        cfg = ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp,
-                             micro_batch_size=self.micro_batch_size,
-                             global_batch_size=self.global_batch_size,
-                             sequence_parallel=self.sequence_parallel)
-        return model, cfg
-
-    def argv(self, metrics_file: Optional[str] = None) -> List[str]:
-        """``train_gpt.py`` flags of this run; ``--metrics-file`` only when one is given."""
-        args = ["--tensor-model-parallel-size", self.tp, "--pipeline-model-parallel-size",
-                self.pp, "--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
-                "--num-attention-heads", self.num_attention_heads, "--seq-length",
-                self.seq_length, "--vocab-size", self.vocab_size, "--micro-batch-size",
-                self.micro_batch_size, "--global-batch-size", self.global_batch_size,
-                "--train-iters", self.train_iters, "--log-interval", 1, "--quiet"]
-        if metrics_file is not None:
-            args += ["--metrics-file", metrics_file]
-        if self.sequence_parallel:
-            args.append("--sequence-parallel")
-        if self.bf16:
-            args.append("--bf16")
-        return [str(a) for a in args]
-
-
-def cpu_pressure_us() -> Optional[float]:
-    """Linux pressure-stall information: total µs during which some task waited for a CPU
-    (``/proc/pressure/cpu``, "some" line); None where the kernel does not provide it. The
-    difference over a run divided by its length is the share of time the CPU was contended."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            for line in f:
-                if line.startswith("some"):
-                    return float(line.split("total=")[1])
-    except (OSError, IndexError, ValueError):
-        return None
-    return None
-
-
-def measure_step_time(tc: TrainConfig, skip: int = 4, timeout_s: float = 180
-                      ) -> Dict[str, float]:
-    """Step time of a real ``train_gpt.py`` run from its ``iteration_time_s`` lines (the first
-    ``skip`` logged iterations are warm-up): ``best`` (the fastest iteration — what the machine
-    does when nothing else runs), ``median``, and ``cpu_pressure`` — the share of the run during
-    which some task waited for a CPU (:func:`cpu_pressure_us`; None if unknown). Our own ranks
-    fit the cores here, so pressure means other processes were competing."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "metrics.jsonl")
-        p0, t0 = cpu_pressure_us(), time.perf_counter()
-        launcher.run("train_gpt.py", tc.argv(path), nproc=tc.nproc, show="none",
-                   timeout_s=timeout_s)
-        p1, t1 = cpu_pressure_us(), time.perf_counter()
-        with open(path) as f:
-            times = [json.loads(line)["iteration_time_s"] for line in f if line.strip()]
-    times = sorted(times[skip:] or times)
-    pressure = None if p0 is None or p1 is None else (p1 - p0) / 1e6 / (t1 - t0)
-    return dict(best=times[0], median=times[len(times) // 2], cpu_pressure=pressure)
+def host_overhead(tc: TrainConfig, cluster: Cluster, dtype_bytes: int = 4,
+                  attempts: int = 1) -> Dict[str, float]:
+    """The seconds per iteration the host spends on work that does not scale with the model's
+    width — Python, the autograd engine, op dispatch, small collectives the model has no term
+    for (the gradient norm's, the loss log's, the TP group's data broadcast) — measured on
+    this machine: the fastest step of ``tc.tiny()`` (the same run at a width where arithmetic
+    vanishes) minus what the cost model predicts for that tiny run on ``cluster`` (its
+    latencies; the rest is ~0). Returns ``tiny_measured_s``, ``tiny_predicted_s`` and
+    ``host_overhead_s`` (their difference, at least 0), the cost model's ``host_overhead_s``.
+    On a CPU it adds to the step; on a GPU the host runs ahead of the device and it is hidden
+    unless the GPU waits for it, so :func:`measure_vs_predict` measures it on a CPU only."""
+    tiny = tc.tiny()
+    measured = _least_contended(tiny, attempts)["best"]
+    model, cfg = tiny.shapes()
+    predicted = predict_iteration(model, cfg, cluster, dtype_bytes=dtype_bytes,
+                                  grad_bytes=4).total_s
+    return dict(tiny_measured_s=measured, tiny_predicted_s=predicted,
+                host_overhead_s=max(0.0, measured - predicted))
 
 
 def _least_contended(tc: TrainConfig, attempts: int) -> Dict[str, float]:
@@ -306,7 +237,21 @@ def _mean_calibration(a: Dict[str, float], b: Dict[str, float]) -> Dict[str, flo
     return out
 
 
-def measure_vs_predict(configs: Sequence[TrainConfig], attempts: int = 1) -> List[dict]:
+def profile_terms(tc: TrainConfig, prediction, measured_step_s: float,
+                  timeout_s: float = 300) -> List[dict]:
+    """Run ``tc`` once more under ``torch.profiler`` (``--breakdown-profile``) and set its op
+    classes against ``prediction``'s terms (:func:`mpu_lab.perf.op_classes.compare_terms`;
+    ``scaled_s``: each class's share of the profiled step times ``measured_step_s``, the
+    unprofiled run's)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = launcher.run("train_gpt.py", tc.argv() + ["--breakdown-profile", tmp],
+                           nproc=tc.nproc, show="none", timeout_s=timeout_s)
+        profiles = op_class_profiles(job.results)
+    return compare_terms(profiles, prediction, measured_step_s)
+
+
+def measure_vs_predict(configs: Sequence[TrainConfig], attempts: int = 1,
+                       terms: bool = False) -> List[dict]:
     """For each config: predict its step time on this machine and measure it (a real
     ``train_gpt.py`` job). The machine is calibrated (:func:`calibrate_ranks`, timing each
     config's own layer GEMMs on as many ranks) right before and right after the training jobs
@@ -318,7 +263,11 @@ def measure_vs_predict(configs: Sequence[TrainConfig], attempts: int = 1) -> Lis
     ``measured_s`` is the fastest iteration (as the
     calibration takes the fastest call), ``measured_median_s`` the median, ``cpu_pressure`` the
     share of the run other processes kept a task waiting for a CPU; with ``attempts`` > 1 a
-    contended run (pressure over 10 %) is repeated and the least contended attempt kept."""
+    contended run (pressure over 10 %) is repeated and the least contended attempt kept.
+    On a CPU each config's host overhead is measured too (:func:`host_overhead`: the same run
+    at a tiny width) and enters the prediction as its ``framework`` term. With ``terms`` each
+    row also holds ``terms``: the run profiled and set against the prediction term by term
+    (:func:`profile_terms`)."""
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     shapes = [tc.shapes() for tc in configs]
@@ -337,8 +286,11 @@ def measure_vs_predict(configs: Sequence[TrainConfig], attempts: int = 1) -> Lis
             model, cfg = shapes[i]
             cluster = (gpu_cluster if on_gpu else cpu_cluster)(
                 n, dict(cal, matmul_flops=cal["matmul_flops_sets"][j]))
-            pred = predict_iteration(model, cfg, cluster, dtype_bytes=2 if configs[i].bf16 else 4,
-                                     grad_bytes=4)
+            dtype_bytes = 2 if configs[i].bf16 else 4
+            host = (dict(host_overhead_s=0.0) if on_gpu else
+                    host_overhead(configs[i], cluster, dtype_bytes, attempts))
+            pred = predict_iteration(model, cfg, cluster, dtype_bytes=dtype_bytes, grad_bytes=4,
+                                     host_overhead_s=host["host_overhead_s"])
             rows[i] = dict(
                 config=configs[i].label(), nproc=n, measured_s=round(measured[i]["best"], 4),
                 measured_median_s=round(measured[i]["median"], 4),
@@ -350,6 +302,8 @@ def measure_vs_predict(configs: Sequence[TrainConfig], attempts: int = 1) -> Lis
                 allreduce_latency_ms=round(cluster.latency_s * 1e3, 3),
                 allreduce_busbw_gbs=round(cluster.intra_node_bandwidth / 1e9, 3),
                 calibration_drift=round(cal["drift"], 2),
+                host_overhead_s=round(host["host_overhead_s"], 4),
+                terms=profile_terms(configs[i], pred, measured[i]["best"]) if terms else None,
                 cpu_pressure=None if measured[i]["cpu_pressure"] is None
                 else round(measured[i]["cpu_pressure"], 2))
     return [rows[i] for i in range(len(configs))]

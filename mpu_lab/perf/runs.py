@@ -142,7 +142,8 @@ def compare_with_model(configs: Dict[str, Any], runs: Dict[str, ProfiledRun],
                        bandwidth_rows: Sequence[Dict[str, Any]],
                        dtype: str = "bfloat16") -> List[Dict[str, Any]]:
     """Predict each measured run with the cost model calibrated on this machine and put the
-    two side by side (:func:`measured_vs_predicted`).
+    two side by side (:func:`measured_vs_predicted`); each row also holds the ``prediction``
+    (for :func:`mpu_lab.perf.op_classes.compare_terms`).
 
     ``configs``: label -> :class:`mpu_lab.perf.calibrate.TrainConfig` (the shapes of the runs
     in ``runs``, same labels). The all-reduce latency and bandwidth are fitted
@@ -183,5 +184,6 @@ def compare_with_model(configs: Dict[str, Any], runs: Dict[str, ProfiledRun],
                 latency_s=fit["latency_s"], busbw=fit["busbw"]))
             act_bytes = 4
         pred = predict_iteration(model, cfg, cluster, dtype_bytes=act_bytes, grad_bytes=4)
-        rows.append(dict(measured_vs_predicted(run, pred), matmul_gflops=flops / 1e9))
+        rows.append(dict(measured_vs_predicted(run, pred), matmul_gflops=flops / 1e9,
+                         prediction=pred))
     return rows

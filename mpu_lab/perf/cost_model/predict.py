@@ -24,9 +24,14 @@ Modelling assumptions (plain):
 * Pipeline: all stages hold L/p layers; the last stage also computes the logits, and the
   slowest stage sets the pace. 1F1B's bubble is (p-1) micro-batch times of that stage, the
   interleaved schedule's (p-1)/v (Narayanan et al. 2021 §2.2).
-* Not modelled: kernel launch and Python overhead, data loading, imbalance other than the
-  logits, network contention between groups, stragglers, the gradient-norm and logging
-  reductions, the data broadcast inside the TP group.
+* Host work that does not scale with the model's width (Python, the autograd engine, op
+  dispatch, the small collectives of the gradient norm, the loss log and the TP data
+  broadcast) is one measured figure, ``host_overhead_s`` (:attr:`IterationPrediction.framework_s`;
+  0 unless given). On a GPU the host runs ahead of the device and hides it; on a CPU it adds
+  to the step: :func:`mpu_lab.perf.calibrate.host_overhead` measures it as what a real step
+  takes at a tiny width, where the other terms vanish.
+* Not modelled: host overhead unless given as host_overhead_s, data loading, imbalance
+  other than the logits, network contention between groups, stragglers.
 """
 from __future__ import annotations
 
@@ -54,7 +59,8 @@ class IterationPrediction:
     ``compute_s`` (matmuls + memory-bound ops, all m micro-batches of the slowest stage),
     ``tp_comm_s``, ``pp_p2p_s`` and ``bubble_s`` are on the critical path as described in the
     module docstring; ``dp_comm_s`` is the exposed part of the gradient all-reduce;
-    ``optimizer_s`` the Adam step. ``total_s`` is their sum.
+    ``optimizer_s`` the Adam step; ``framework_s`` the host overhead the prediction was given
+    (``host_overhead_s``, 0 by default). ``total_s`` is their sum.
     """
     model: ModelShape
     config: ParallelConfig
@@ -71,6 +77,7 @@ class IterationPrediction:
     model_flops: float
     hardware_flops: float
     memory: Dict[str, float]
+    framework_s: float = 0.0
 
     @property
     def model_tflops_per_gpu(self) -> float:
@@ -103,10 +110,14 @@ class IterationPrediction:
         return self.config.global_batch_size * self.model.s / self.total_s
 
     def breakdown(self) -> Dict[str, float]:
-        """Seconds per iteration by cause, in a fixed order (for tables and stacked bars)."""
-        return {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "pp_p2p": self.pp_p2p_s,
-                "bubble": self.bubble_s, "dp_comm": self.dp_comm_s,
-                "optimizer": self.optimizer_s}
+        """Seconds per iteration by cause, in a fixed order (for tables and stacked bars);
+        ``framework`` only where the prediction was given a host overhead."""
+        out = {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "pp_p2p": self.pp_p2p_s,
+               "bubble": self.bubble_s, "dp_comm": self.dp_comm_s,
+               "optimizer": self.optimizer_s}
+        if self.framework_s:
+            out["framework"] = self.framework_s
+        return out
 
     def shares(self) -> Dict[str, float]:
         return {k: v / self.total_s for k, v in self.breakdown().items()}
@@ -195,7 +206,8 @@ EFFECTS = ("elementwise", "tp_comm", "pp_p2p", "bubble", "dp_comm", "optimizer")
 
 def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
                       dtype_bytes: int = 2, grad_bytes: int = 2,
-                      ignore: Sequence[str] = ()) -> IterationPrediction:
+                      ignore: Sequence[str] = (), host_overhead_s: float = 0.0
+                      ) -> IterationPrediction:
     """Predict one training iteration of ``model`` split by ``cfg`` on ``cluster``.
 
     Per micro-batch on the slowest stage (the last, which also computes the logits):
@@ -207,9 +219,13 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     (m + (p-1)/v) such micro-batch times (Narayanan et al. 2021 §2.2), i.e. the bubble is
     ``bubble_fraction(p, m, v)`` of the busy time. Then the DP gradient all-reduce (exposed
     part) and the Adam step. ``ignore``: effects of :data:`EFFECTS` to leave out (what-if
-    studies: which effect matters). Raises ValueError for an invalid configuration.
+    studies: which effect matters). ``host_overhead_s``: seconds per iteration of host work
+    that does not scale with the width (see the module docstring), added as ``framework_s``.
+    Raises ValueError for an invalid configuration.
     """
     cfg.check(model)
+    if not host_overhead_s >= 0:
+        raise ValueError(f"host_overhead_s must be >= 0 seconds, got {host_overhead_s!r}")
     unknown = set(ignore) - set(EFFECTS)
     if unknown:
         raise ValueError(f"ignore: unknown effects {sorted(unknown)}; valid: {EFFECTS}")
@@ -256,7 +272,7 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     if cfg.distributed_optimizer:
         n_gpu /= cfg.dp
     optimizer = keep["optimizer"] * n_gpu * ADAM_STEP_BYTES_PER_PARAM / cluster.hbm_bandwidth
-    total = m * per_mb + bubble + dp_time + optimizer
+    total = m * per_mb + bubble + dp_time + optimizer + host_overhead_s
     return IterationPrediction(
         model=model, config=cfg, cluster=cluster,
         compute_s=m * (matmul_mb + elementwise_mb), matmul_s=m * matmul_mb,
@@ -264,4 +280,4 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
         bubble_s=bubble, dp_comm_s=dp_time, optimizer_s=optimizer, total_s=total,
         model_flops=model_flops_per_iteration(model, cfg.global_batch_size),
         hardware_flops=hardware_flops_per_iteration(model, cfg.global_batch_size, cfg.recompute),
-        memory=memory_per_gpu(model, cfg, dtype_bytes))
+        memory=memory_per_gpu(model, cfg, dtype_bytes), framework_s=host_overhead_s)
