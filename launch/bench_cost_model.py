@@ -96,6 +96,10 @@ def parse_args(argv):
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--iters", type=int, default=10, help="train iterations per run (4 warm-up)")
+    p.add_argument("--tries", type=int, default=2,
+                   help="run each configuration (and its tiny-width twin) this many times and "
+                        "keep the fastest: a run a passing disturbance slowed as a whole, which "
+                        "happens on a shared machine, does not count")
     p.add_argument("--attempts", type=int, default=1,
                    help="re-run a configuration whose run was CPU-contended (pressure > 10 %%), "
                         "up to this many times, and keep the least contended run")
@@ -122,6 +126,8 @@ def parse_args(argv):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.attempts < 1:
         p.error(f"--attempts must be >= 1, got {args.attempts}")
+    if args.tries < 1:
+        p.error(f"--tries must be >= 1, got {args.tries}")
     if args.iters < 6:
         p.error(f"--iters must be >= 6 (4 are warm-up), got {args.iters}")
     if args.hidden_size % args.num_attention_heads:
@@ -237,7 +243,7 @@ def main(argv=None):
     print(f"machine: {os.cpu_count()} CPU cores, load average {load} (1, 5, 15 min) before; "
           f"timings are noisy when it exceeds the core count")
     rows = calibrate.measure_vs_predict(build_configs(args), attempts=args.attempts,
-                                        terms=args.terms)
+                                        terms=args.terms, tries=args.tries)
     print(calibrate.format_measure_vs_predict(rows))
     for r in rows:
         parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["breakdown"].items() if v > 0)

@@ -117,11 +117,8 @@ class StepTimer:
         prof.export_chrome_trace(path)
         on_gpu = getattr(self.device, "type", "cpu") == "cuda"
 
-        def self_us(event):   # microseconds; the CUDA field was renamed to "device" in torch 2.4+
-            if on_gpu:
-                return getattr(event, "self_device_time_total", None) or \
-                    getattr(event, "self_cuda_time_total", 0.0)
-            return event.self_cpu_time_total
+        def self_us(event):   # microseconds (self_device_time_total: torch >= 2.4, our floor 2.11)
+            return event.self_device_time_total if on_gpu else event.self_cpu_time_total
         events = sorted(prof.key_averages(), key=self_us, reverse=True)[:top]
         return dict(trace=path, clock="device" if on_gpu else "cpu",
                     top_ops=[dict(name=e.key, self_ms=self_us(e) / 1e3 / max(steps, 1),

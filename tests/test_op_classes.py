@@ -181,3 +181,33 @@ def test_the_readme_holds_the_benchmarks_own_table():
     block = text.split(begin, 1)[1].split(end, 1)[0]
     assert re.match(r"\n`python launch/bench_cost_model\.py[^`]*`, 20\d\d-\d\d-\d\d, ", block)
     assert block.count("\n| t=") == 3 and "Worst |measured/predicted − 1|" in block
+
+
+def test_each_run_made_twice_keeps_the_faster_and_the_host_overhead_enters_the_prediction(
+        monkeypatch):
+    """measure_vs_predict(tries=2) on a CPU, with the jobs replaced by fixed figures: the run
+    measured 0.50 s then 0.40 s counts as 0.40 s; its tiny twin 0.05 s then 0.03 s gives the
+    host overhead 0.03 s minus the tiny run's prediction, and the prediction is the plain
+    one plus that overhead (worked with predict_iteration itself on the same cluster)."""
+    times = {16: iter([0.05, 0.03]), 512: iter([0.50, 0.40])}
+
+    def fake_least_contended(tc, attempts):
+        return dict(best=next(times[tc.hidden_size]), median=0.6, cpu_pressure=0.0)
+    cal = dict(nproc=2, matmul_flops=5e10, matmul_flops_sets=[5e10], memory_bandwidth=1e10,
+               latency_s=1e-3, busbw=1e9)
+    monkeypatch.setattr(calibrate, "cuda_available", lambda: False)
+    monkeypatch.setattr(calibrate, "calibrate_ranks", lambda n, sets: dict(cal))
+    monkeypatch.setattr(calibrate, "_least_contended", fake_least_contended)
+    tc = calibrate.TrainConfig(tp=2, hidden_size=512, num_attention_heads=8)
+    (row,) = calibrate.measure_vs_predict([tc], tries=2)
+    assert row["measured_s"] == 0.4
+    cluster = calibrate.cpu_cluster(2, dict(cal))
+    model, cfg = tc.tiny().shapes()
+    tiny = predict_iteration(model, cfg, cluster, dtype_bytes=4, grad_bytes=4).total_s
+    assert row["host_overhead_s"] == pytest.approx(round(0.03 - tiny, 4))
+    model, cfg = tc.shapes()
+    plain = predict_iteration(model, cfg, cluster, dtype_bytes=4, grad_bytes=4).total_s
+    assert row["predicted_s"] == pytest.approx(round(plain + 0.03 - tiny, 4), abs=1e-4)
+    assert row["breakdown"]["framework"] == pytest.approx(round(0.03 - tiny, 4))
+    with pytest.raises(ValueError, match="tries must be >= 1"):
+        calibrate.measure_vs_predict([tc], tries=0)

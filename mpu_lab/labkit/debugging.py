@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 
 from mpu_lab import comm, distributed, parallel_state
-from mpu_lab.launcher import REPO_ROOT
-from mpu_lab.launcher.diagnosis import INSTALLED_DIRS
+from mpu_lab.launcher.diagnosis import repo_relative
 from mpu_lab.optimizer import DynamicLossScaler
 
 STACK_SIGNAL = signal.SIGUSR1
@@ -177,12 +176,10 @@ def _short(path: str) -> str:
     """A frame's file as a reader finds it: in this repository, or inside torch (no line
     numbers there: they change with the torch version). An installed package is never the
     repository's, even where the virtual environment sits inside it (the README's ``.venv``)."""
+    own = repo_relative(path)
+    if own:
+        return own
     p = pathlib.Path(path)
-    if not INSTALLED_DIRS.intersection(p.parts):
-        try:
-            return str(p.resolve().relative_to(REPO_ROOT))
-        except ValueError:
-            pass
     if "torch" in p.parts:
         return "/".join(p.parts[p.parts.index("torch"):])
     return p.name

@@ -91,15 +91,21 @@ def _own_frames(text: str) -> List[Tuple[str, int, str]]:
 INSTALLED_DIRS = frozenset({"site-packages", "dist-packages"})
 
 
+def repo_relative(path: str) -> Optional[str]:
+    """``path`` relative to the repository where it is one of the repository's own files;
+    None for anything else, an installed package included."""
+    p = pathlib.Path(path)
+    if INSTALLED_DIRS.intersection(p.parts):
+        return None
+    try:
+        return str(p.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return None
+
+
 def _short(path: str) -> str:
     """A frame's file: relative to the repository for its own files, else the file name."""
-    p = pathlib.Path(path)
-    if not INSTALLED_DIRS.intersection(p.parts):
-        try:
-            return str(p.resolve().relative_to(REPO_ROOT))
-        except ValueError:
-            pass
-    return p.name
+    return repo_relative(path) or pathlib.Path(path).name
 
 
 def _collective_in(traceback_text: str) -> Optional[str]:
