@@ -25,7 +25,10 @@ import mpu_lab
 from mpu_lab import comm, distributed, parallel_state, tensor_parallel
 from mpu_lab.tensor_parallel import mappings
 
-_TIMEOUT_TEXT = re.compile(r"timed out|timeout", re.I)
+# What a rank that was inside a collective or a send/receive raises when the wait ends: its own
+# timeout, or the connection its peer closed on timing out first.
+_TIMEOUT_TEXT = re.compile(r"timed out|timeout|connection closed by peer|connection reset by peer",
+                           re.I)
 _TORCH_DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"
 
 
@@ -34,7 +37,13 @@ def _waited_in_collective(exc: BaseException) -> bool:
     arrived at the collective? Read from where the rank stood (its traceback), not from the
     error's wording: the first rank to time out says "Timed out", but its peers may get
     "Connection closed by peer" a moment later, depending on timing. Both backends raise a
-    RuntimeError (DistBackendError) there."""
+    RuntimeError (DistBackendError) there. A pipeline stage waits in ``Work.wait()`` of a
+    send or receive it started, which has no torch.distributed frame in the traceback: the
+    backend's error class (DistBackendError, torch >= 2.1) and its wording say it waited (seen
+    with torch 2.15.0: "Connection closed by peer" on a stage whose neighbour timed out
+    first)."""
+    if isinstance(exc, dist.DistBackendError):
+        return True
     if not isinstance(exc, RuntimeError):
         return False
     frames = [f.f_code.co_filename for f, _ in traceback.walk_tb(exc.__traceback__)]
