@@ -54,7 +54,7 @@ _COMM_PREFIXES = ("c10d::", "gloo:", "nccl:", "record_param_comms")
 _COMM_WORDS = ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
                "reducescatter", "all_to_all", "alltoall", "broadcast", "send", "recv", "barrier")
 # Spans that enclose a whole step rather than doing something.
-_ENCLOSING_PREFIXES = ("ProfilerStep", "PyTorch Profiler")
+ENCLOSING_PREFIXES = ("ProfilerStep", "PyTorch Profiler")
 
 
 def load_trace(path: str) -> dict:
@@ -149,7 +149,7 @@ def classify_trace(trace: dict) -> Tuple[str, List[Interval], List[Interval], in
         if e.get("ph") != "X" or str(e.get("cat", "")).lower() not in cats:
             continue
         name = str(e.get("name", ""))
-        if name.startswith(_ENCLOSING_PREFIXES):
+        if name.startswith(ENCLOSING_PREFIXES):
             continue
         comm = is_communication(name, device)
         count += comm

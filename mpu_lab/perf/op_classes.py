@@ -37,8 +37,8 @@ import dataclasses
 import heapq
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mpu_lab.perf.kernel_timeline import (GPU_CATEGORIES, is_communication, load_trace,
-                                          trace_device)
+from mpu_lab.perf.kernel_timeline import (ENCLOSING_PREFIXES, GPU_CATEGORIES, is_communication,
+                                          load_trace, trace_device)
 
 __all__ = ["OP_CLASSES", "MATMUL_OPS", "OpClassProfile", "op_class", "op_class_profile",
            "op_class_profiles", "predicted_classes", "compare_terms", "format_terms"]
@@ -51,7 +51,6 @@ MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
 _FUSED_ATTENTION_PREFIX = "aten::_scaled_dot_product"
 _GPU_MATMUL_WORDS = ("gemm", "cutlass", "xmma", "flash", "attention", "sdpa", "cublas")
 _OPTIMIZER_PREFIX = "Optimizer."
-_ENCLOSING = ("ProfilerStep", "PyTorch Profiler")
 
 
 def op_class(name: str, has_comm_child: bool = False) -> str:
@@ -99,7 +98,7 @@ def _cpu_classes(events: List[dict]) -> Tuple[Dict[str, float], Tuple[float, flo
                        for e in events if str(e["name"]).startswith(_OPTIMIZER_PREFIX))
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), str(e["name"]))
                    for e in events if not str(e["name"]).startswith((_OPTIMIZER_PREFIX,)
-                                                                    + _ENCLOSING))
+                                                                    + ENCLOSING_PREFIXES))
     if not spans:
         raise ValueError("the trace holds no op on its main thread")
     # which spans directly enclose a communication op (their self time is its wait)
@@ -111,10 +110,8 @@ def _cpu_classes(events: List[dict]) -> Tuple[Dict[str, float], Tuple[float, flo
         if stack and is_communication(name):
             parent_of_comm.add(stack[-1])
         stack.append(i)
-    lo = min(a for a, _, _ in spans + [(x, y, "") for x, y in optimizer])
-    hi = max(b for _, b, _ in spans + [(x, y, "") for x, y in optimizer])
-    points = sorted({lo, hi} | {p for s in spans for p in s[:2]} |
-                    {p for s in optimizer for p in s})
+    points = sorted({p for s in spans for p in s[:2]} | {p for s in optimizer for p in s})
+    lo, hi = points[0], points[-1]
     acc = dict.fromkeys(OP_CLASSES, 0.0)
     heap: List[Tuple[float, float, int]] = []
     i = j = 0
