@@ -453,3 +453,31 @@ def test_failure_report_wording_from_the_ranks_records(tmp_path):
         "and the others then lost their peer."]
     text, _ = diagnosis._diagnose(tmp_path, 3, "ValueError: timeout_s must be > 0", "", None)
     assert text == ""
+
+
+def test_a_rank_that_exits_while_the_others_are_outside_any_collective(tmp_path):
+    """A rank ends with an exit code of its own while its peer is still in its own code (not
+    waiting in a collective, e.g. writing its part of a checkpoint): the report names the
+    rank that exited and where the peer was stopped, from the stack dump alone."""
+    (tmp_path / "stack_rank0.txt").write_text(
+        'Stack (most recent call first):\n'
+        '  File "/site-packages/torch/distributed/checkpoint/filesystem.py", line 40 in _write\n'
+        f'  File "{launcher.REPO_ROOT}/mpu_lab/checkpointing/save_load.py", line 77 in '
+        'save_checkpoint\n'
+        f'  File "{launcher.REPO_ROOT}/launch/train_gpt.py", line 90 in main\n')
+    codes = {1: 3, 0: -15}
+    text, states = diagnosis._diagnose(tmp_path, 2, "", "", None, codes)
+    assert text.splitlines() == [
+        "No rank raised: rank 1 exited with code 3 without a Python exception (os._exit, or "
+        "killed).",
+        "The others: rank 0 was stopped at mpu_lab/checkpointing/save_load.py:77 in "
+        "save_checkpoint.",
+        "likely cause: rank 1 exited with code 3 without a Python exception (an os._exit or "
+        "sys.exit in a library, or the operating system killed it: out of memory? see dmesg), "
+        "and the others then lost their peer."]
+    # with no stack dump from the peer there is still the rank that exited
+    (tmp_path / "stack_rank0.txt").unlink()
+    text, _ = diagnosis._diagnose(tmp_path, 2, "", "", None, codes)
+    assert text.splitlines()[:2] == [
+        "No rank raised: rank 1 exited with code 3 without a Python exception (os._exit, or "
+        "killed).", "The others: rank 0 was killed by signal 15."]
