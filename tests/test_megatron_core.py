@@ -5,7 +5,12 @@ optional: `pip install megatron-core`).
 The reference here is Megatron-core itself: its RankGenerator for the rank groups (pure), and
 its ColumnParallelLinear / RowParallelLinear / mappings on a real 4-rank gloo world (one job).
 """
+import logging
+import subprocess
+import sys
+
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 
@@ -75,3 +80,31 @@ def test_without_megatron_core_the_kit_says_how_to_install_it(monkeypatch):
     skipped = [{"rank": 0, "skipped": mc.INSTALL_HINT}, {"rank": 1, "skipped": mc.INSTALL_HINT}]
     assert mc.format_results(skipped) == mc.INSTALL_HINT
     assert "optional" in mc.INSTALL_HINT
+
+
+def test_the_no_cuda_runtime_notice_filter_drops_only_that_notice():
+    keep = mc._NoCudaRuntimeNotice().filter
+    record = logging.LogRecord("torch.utils.cpp_extension", logging.WARNING, __file__, 1,
+                               "No CUDA runtime is found, using CUDA_HOME='%s'", ("/usr",), None)
+    assert not keep(record)
+    record.msg, record.args = "Error checking compiler version for %s", ("c++",)
+    assert keep(record)
+
+
+@pytest.mark.skipif(torch.version.cuda is None or torch.cuda.is_available(),
+                    reason="only a CUDA build of torch with no GPU logs the notice")
+def test_importing_megatron_core_prints_no_cuda_runtime_notice(tmp_path):
+    """A CUDA build of torch on a machine with no GPU (what a fresh install gets on a laptop,
+    and CI's newest-torch leg) logs "No CUDA runtime is found" when megatron-core imports
+    torch.utils.cpp_extension; the kit's import keeps it out of lab 01's output. CUDA_HOME
+    points at an existing folder so that it happens on any machine; a bare import of
+    cpp_extension shows that it does."""
+    env = {"CUDA_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+
+    def stderr_of(code):
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=120, check=True).stderr
+
+    assert "No CUDA runtime is found" in stderr_of("import torch.utils.cpp_extension")
+    assert "No CUDA runtime is found" not in stderr_of(
+        "from mpu_lab.labkit import megatron_core as mc; mc._megatron()")

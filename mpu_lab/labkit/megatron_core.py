@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import inspect
+import logging
 import sys
 import warnings
 from typing import Callable, Dict, List, Optional
@@ -69,15 +70,31 @@ def available() -> bool:
         return False
 
 
+class _NoCudaRuntimeNotice(logging.Filter):
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." notice, which
+    ``torch.utils.cpp_extension`` logs on import (megatron-core imports it) wherever a CUDA
+    toolkit is present but no GPU is: a CUDA build of torch on a laptop, the build a fresh
+    ``pip install -r requirements.txt`` gets. Nothing in the labs compiles an extension."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+
 def _megatron():
     """Import Megatron-core's parallel state, tensor parallel and config, or raise with
     :data:`INSTALL_HINT`."""
     if not available():
         raise ImportError(INSTALL_HINT)
-    with warnings.catch_warnings():   # on import it warns that Transformer Engine / Apex are
-        warnings.filterwarnings("ignore", message=".*Transformer Engine.*")   # absent: expected
-        # megatron-core is optional (and slow to import): imported only where it is used.
-        from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
+    cpp_extension_log, notice = logging.getLogger("torch.utils.cpp_extension"), \
+        _NoCudaRuntimeNotice()
+    cpp_extension_log.addFilter(notice)
+    try:
+        with warnings.catch_warnings():   # on import it warns that Transformer Engine / Apex
+            warnings.filterwarnings("ignore", message=".*Transformer Engine.*")   # are absent
+            # megatron-core is optional (and slow to import): imported only where it is used.
+            from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
+    finally:
+        cpp_extension_log.removeFilter(notice)
     return parallel_state, tensor_parallel, ModelParallelConfig
 
 
