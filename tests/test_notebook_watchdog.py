@@ -7,13 +7,16 @@ that once waited 900 s for a reply at 8 ranks. ``stall_s=3`` keeps each test to 
 """
 import io
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import nbformat
 import psutil
 import pytest
 
-from mpu_lab.labkit import notebooks
+from mpu_lab.labkit import REPO_ROOT, notebooks
 
 
 def write_nb(path, sources):
@@ -71,3 +74,39 @@ def test_a_long_cell_that_keeps_the_cpu_busy_is_not_killed(tmp_path):
     assert "stopped answering" not in log.getvalue()
     assert nbformat.read(nb, 4).cells[0].outputs[0].text == "done\n"
 
+
+
+def test_a_regeneration_stopped_by_sigterm_leaves_no_process_behind(tmp_path):
+    """``kill`` of a regeneration (SIGTERM: a cancelled CI job, a time limit) ends it through
+    the watchdog's cleanup: the kernel and what it started in a session of its own are gone,
+    where Python's default SIGTERM would have ended only the parent and orphaned them."""
+    pids = tmp_path / "pids.txt"
+    nb = tmp_path / "long.ipynb"
+    write_nb(nb, ["import os, subprocess, sys, time\n"
+                  "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(90)'],"
+                  " start_new_session=True)\n"
+                  f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+                  "time.sleep(90)"])
+    code = ("import pathlib\nfrom mpu_lab.labkit import notebooks\n"
+            "from mpu_lab.labkit.notebooks.watchdog import terminate_as_exit\n"
+            "with terminate_as_exit():\n"
+            f"    notebooks.regenerate([pathlib.Path({str(nb)!r})], stall_s=0)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rc, left = None, []
+    try:
+        deadline = time.monotonic() + 90
+        while len(pids_in(pids)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert len(pids_in(pids)) == 2, "the notebook's cell never ran"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        left = [p for p in pids_in(pids) if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        for p in left:   # whatever the outcome, nothing of this test outlives it
+            psutil.Process(p).kill()
+    assert left == [], "processes left behind"
+    assert rc == 128 + signal.SIGTERM   # ended through SystemExit, not by the signal itself

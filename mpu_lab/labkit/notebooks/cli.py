@@ -9,7 +9,7 @@ from mpu_lab.labkit.notebooks.gpu_check import DEFAULT_OUTPUT_DIR, PROFILES, gpu
 from mpu_lab.labkit.notebooks.regenerate import regenerate
 from mpu_lab.labkit.notebooks.selection import load_params, notebook_paths, select
 from mpu_lab.labkit.notebooks.structure import structure_problems
-from mpu_lab.labkit.notebooks.watchdog import DEFAULT_STALL_S
+from mpu_lab.labkit.notebooks.watchdog import DEFAULT_STALL_S, terminate_as_exit
 from mpu_lab.labkit.viz.figures import save_figures
 
 USAGE = '''Instructor tooling for the lab notebooks: re-execute, draw the figures, check the structure.
@@ -101,13 +101,16 @@ def main(argv=None) -> int:
         params = load_params(args.params) if args.params else {}
         if args.profile:   # the labs' resolve cell fills what --params left None
             params.setdefault("all", {})["profile"] = args.profile
-        regenerate(paths, params, output_dir=args.output_dir, kernel=args.kernel,
-                   timeout_s=args.cell_timeout, stall_s=args.stall_s, known=notebook_paths())
+        with terminate_as_exit():   # a killed regeneration leaves no kernel or job behind
+            regenerate(paths, params, output_dir=args.output_dir, kernel=args.kernel,
+                       timeout_s=args.cell_timeout, stall_s=args.stall_s,
+                       known=notebook_paths())
         return 0
     if args.command == "gpu-check":
-        return gpu_check(args.output_dir, profile=args.profile, only=args.only,
-                         stall_s=args.stall_s, cell_timeout=args.cell_timeout,
-                         bench_timeout=args.bench_timeout, kernel=args.kernel)
+        with terminate_as_exit():
+            return gpu_check(args.output_dir, profile=args.profile, only=args.only,
+                             stall_s=args.stall_s, cell_timeout=args.cell_timeout,
+                             bench_timeout=args.bench_timeout, kernel=args.kernel)
     if args.command == "figures":
         for path in save_figures(args.out):
             print(path)

@@ -22,6 +22,7 @@ import json
 import os
 import pathlib
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -149,6 +150,27 @@ class _CpuMeter:
 
 
 # --------------------------------------------------------------------------- the parent side
+@contextlib.contextmanager
+def terminate_as_exit():
+    """While inside: SIGTERM (``kill``, a cancelled CI job, a batch system's time limit) raises
+    ``SystemExit`` in the main thread instead of ending the process at once, so that
+    :func:`run_once` kills the notebook's process tree (kernel, torchrun jobs, engines: they
+    run in sessions of their own and would outlive it). Ctrl-C already arrives as
+    ``KeyboardInterrupt``. Outside the main thread (no signal handlers there) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_once(source: pathlib.Path, output: pathlib.Path, parameters: Optional[dict],
              kernel: str, cwd: str, timeout_s: Optional[int], stall_s: float = DEFAULT_STALL_S,
              min_cpu: float = 0.05, poll_s: float = 0.5):
