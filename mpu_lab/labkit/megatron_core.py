@@ -18,6 +18,7 @@ Two halves, like :mod:`mpu_lab.parallel_state`:
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import inspect
@@ -85,17 +86,24 @@ def _megatron():
     :data:`INSTALL_HINT`."""
     if not available():
         raise ImportError(INSTALL_HINT)
-    cpp_extension_log, notice = logging.getLogger("torch.utils.cpp_extension"), \
-        _NoCudaRuntimeNotice()
-    cpp_extension_log.addFilter(notice)
-    try:
-        with warnings.catch_warnings():   # on import it warns that Transformer Engine / Apex
-            warnings.filterwarnings("ignore", message=".*Transformer Engine.*")   # are absent
-            # megatron-core is optional (and slow to import): imported only where it is used.
-            from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
-    finally:
-        cpp_extension_log.removeFilter(notice)
+    with _without_cuda_runtime_notice(), warnings.catch_warnings():
+        # on import it warns that Transformer Engine / Apex are absent: expected here
+        warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+        # megatron-core is optional (and slow to import): imported only where it is used.
+        from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
     return parallel_state, tensor_parallel, ModelParallelConfig
+
+
+@contextlib.contextmanager
+def _without_cuda_runtime_notice():
+    """While inside, ``torch.utils.cpp_extension``'s logger drops the notice
+    (:class:`_NoCudaRuntimeNotice`)."""
+    log, notice = logging.getLogger("torch.utils.cpp_extension"), _NoCudaRuntimeNotice()
+    log.addFilter(notice)
+    try:
+        yield
+    finally:
+        log.removeFilter(notice)
 
 
 def version() -> Optional[str]:
