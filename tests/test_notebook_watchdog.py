@@ -75,7 +75,6 @@ def test_a_long_cell_that_keeps_the_cpu_busy_is_not_killed(tmp_path):
     assert nbformat.read(nb, 4).cells[0].outputs[0].text == "done\n"
 
 
-
 def test_a_regeneration_stopped_by_sigterm_leaves_no_process_behind(tmp_path):
     """``kill`` of a regeneration (SIGTERM: a cancelled CI job, a time limit) ends it through
     the watchdog's cleanup: the kernel and what it started in a session of its own are gone,

@@ -224,20 +224,18 @@ def _diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: 
         # an exit code of its own first: a signal is more often torchrun stopping a peer
         gone = ([r for r, f in sorted(facts.items()) if f["how"] == "exited"]
                 + [r for r, f in sorted(facts.items()) if f["how"] == "killed"])
-        if root is None and not root_tb and gone:
+        if root is not None:
+            first = root
+            head = f"Rank {root} raised in its own code at {_where(root_tb)}, not in a collective."
+        elif not root_tb and gone:
             # No rank raised and none was waiting in a collective: one ended on its own (an
             # exit code, a signal) while the others were still in their own code.
-            others = [r for r in range(nproc) if r != gone[0]]
-            lines = [f"No rank raised: rank {gone[0]} {states[gone[0]]}."]
-            if others:
-                lines.append("The others: " + "; ".join(f"rank {r} {states[r]}" for r in others)
-                             + ".")
-            lines.append("likely cause: " + _likely_cause(facts, None, None, root_message, place))
-            return "\n".join(lines), states
-        if root is None:
+            first = gone[0]
+            head = f"No rank raised: rank {first} {states[first]}."
+        else:
             return "", states
-        others = [r for r in range(nproc) if r != root]
-        lines = [f"Rank {root} raised in its own code at {_where(root_tb)}, not in a collective."]
+        others = [r for r in range(nproc) if r != first]
+        lines = [head]
         if others:
             lines.append("The others: " + "; ".join(f"rank {r} {states[r]}" for r in others) + ".")
         lines.append("likely cause: " + _likely_cause(facts, root, op, root_message, place))
