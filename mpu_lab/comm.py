@@ -393,3 +393,61 @@ def reduce_scatter_async(tensor: torch.Tensor, group=None, dim: int = 0) -> Pend
     out = torch.empty_like(chunks[0])
     work = dist.reduce_scatter(out, chunks, group=group, async_op=True)
     return Pending("reduce_scatter", group, work, lambda: _from_backend(out, device), nbytes)
+
+
+# --------------------------------------------------------------------------- context parallel
+def all_to_all(tensor: torch.Tensor, group=None, scatter_dim: int = 0,
+               gather_dim: int = 0) -> torch.Tensor:
+    """Cut ``tensor`` into one chunk per rank of ``group`` along ``scatter_dim``; chunk ``j`` goes
+    to group rank ``j``, and the chunks received (from group ranks 0, 1, ...) are concatenated
+    along ``gather_dim``. Megatron-core's ``tensor_parallel.mappings.all_to_all`` with the split
+    and the concatenation dims named: sequence-split to head-split and back (Ulysses, and
+    ``--cp-comm-type a2a``). One ``all_to_all_single`` (gloo and NCCL, torch 2.11 to 2.15)."""
+    n = group_size(group)
+    if tensor.size(scatter_dim) % n:
+        raise ValueError(f"all_to_all: size {tensor.size(scatter_dim)} of dim {scatter_dim} is not "
+                         f"divisible by the group size {n}")
+    src, device = _to_backend(tensor.detach(), group)
+    send = torch.stack(torch.chunk(src, n, dim=scatter_dim)).contiguous()   # [n, *chunk]
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return _from_backend(torch.cat(received.unbind(0), dim=gather_dim), device)
+
+
+class Exchange:
+    """A :func:`send_recv_async` in flight: :meth:`wait` blocks until both messages are done and
+    returns the tensor received."""
+
+    def __init__(self, works, sent: torch.Tensor, received: torch.Tensor, device):
+        self._works, self._sent, self._received, self._device = list(works), sent, received, device
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        self._works, self._sent = [], None      # the send buffer may be freed now
+        return _from_backend(self._received, self._device)
+
+
+def send_recv_async(tensor: torch.Tensor, dst: int, src: int, group=None, tag: int = 0) -> Exchange:
+    """Send ``tensor`` to group rank ``dst`` and receive one of the same shape and dtype from
+    group rank ``src`` (a ring step: ``dst`` the next rank, ``src`` the previous one), started
+    and not waited for, so the caller computes while the messages travel."""
+    ranks = (dist.get_process_group_ranks(group) if group is not None
+             else list(range(dist.get_world_size())))
+    sent, device = _to_backend(tensor.detach().contiguous(), group)
+    received = torch.empty_like(sent)
+    if dist.get_backend(group) == "gloo":
+        # plain isend/irecv in the same order on every rank: gloo's isend does not wait for the
+        # receiver, and batch_isend_irecv is not dependable on gloo.
+        works = [dist.isend(sent, ranks[dst], group=group, tag=tag),
+                 dist.irecv(received, ranks[src], group=group, tag=tag)]
+    else:
+        # NCCL: one grouped call, so two ranks sending to each other never wait on each other.
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, ranks[dst], group, tag),
+                                        dist.P2POp(dist.irecv, received, ranks[src], group, tag)])
+    return Exchange(works, sent, received, device)
+
+
+def send_recv(tensor: torch.Tensor, dst: int, src: int, group=None, tag: int = 0) -> torch.Tensor:
+    """:func:`send_recv_async`, waited for: the tensor received from group rank ``src``."""
+    return send_recv_async(tensor, dst, src, group, tag).wait()
