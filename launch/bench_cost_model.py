@@ -85,7 +85,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="bench_cost_model.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--worker", action="store_true",
-                   help="run as the torchrun calibration job (mpu_lab.perf.calibrate_ranks)")
+                   help="run as the torchrun calibration job (mpu_lab.perf.calibrate.calibrate_ranks)")
     p.add_argument("--shape-sets", default=None,
                    help="--worker: JSON list of sets of [batch, m, k, n] matmuls to time")
     p.add_argument("--configs", nargs="+", default=["tp2", "pp2", "dp2"],

@@ -11,8 +11,4 @@ Three parts (``docs/ARCHITECTURE.md`` draws the layers):
 
 and ``perf``, the cost model and the measurement tools, between the mirror and the lab kit.
 """
-from mpu_lab import _renamed
-
-_renamed.install()   # old module paths (mpu_lab.launch, mpu_lab.viz, ...) still import
-
 __version__ = "0.1.0"

@@ -1,5 +1,6 @@
-"""Measurement tools (mpu_lab.perf.measure): the nccl-tests bandwidth formulas, the step-time
-breakdown of real train_gpt runs, the utilisation sampler and the bandwidth benchmark."""
+"""Measurement tools (mpu_lab.perf: bandwidth, breakdown, utilisation, runs): the nccl-tests
+bandwidth formulas, the step-time breakdown of real train_gpt runs, the utilisation sampler and
+the bandwidth benchmark."""
 import math
 
 import pytest
@@ -233,7 +234,7 @@ def test_breakdown_table_window_and_model_comparison():
     with pytest.raises(ValueError, match="rank 1 reported no breakdown"):
         breakdown.breakdowns([{"breakdown": reports[0]}, {"metrics": []}])
 
-    class Prediction:   # the fields of perf.model.IterationPrediction that are compared
+    class Prediction:   # the fields of perf.cost_model.IterationPrediction that are compared
         total_s = 0.5
 
         def breakdown(self):

@@ -10,8 +10,6 @@
 - :mod:`mpu_lab.perf.utilisation` — how busy each rank is over time.
 - :mod:`mpu_lab.perf.runs` — a profiled training run next to the cost model's prediction.
 - :mod:`mpu_lab.perf.activation_memory` — what one layer's autograd keeps, against the paper.
-
-``mpu_lab.perf.model`` and ``mpu_lab.perf.measure`` are temporary aliases of the old modules.
 """
 from mpu_lab.perf.cost_model import *  # noqa: F401,F403
 from mpu_lab.perf.bandwidth import algbw, bus_factor, busbw  # noqa: F401

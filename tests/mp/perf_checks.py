@@ -1,4 +1,4 @@
-"""torchrun worker: the measurement tools of mpu_lab.perf.measure in one 4-rank job.
+"""torchrun worker: mpu_lab.perf's measurement tools (bandwidth, breakdown) in one 4-rank job.
 
     torchrun --standalone --nproc-per-node 4 tests/mp/perf_checks.py TRACE_DIR
 
