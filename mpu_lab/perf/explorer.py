@@ -21,13 +21,14 @@ ranking survives a given error of the model.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import random
 import re
 from typing import Dict, List, Optional, Sequence
 
 from mpu_lab.perf.cost_model import (Cluster, IterationPrediction, ModelShape, ParallelConfig,
-                                     RECOMPUTE_MODES, bubble_fraction, group_crosses_nodes,
+                                     RECOMPUTE_MODES, bubble_fraction, bytes_per_parameter,
+                                     bytes_per_parameter_terms, canonical_dtype,
+                                     group_crosses_nodes,
                                      predict_iteration)
 from mpu_lab.perf.cost_model import predict as predict_module
 from mpu_lab.utils import divisors
@@ -183,6 +184,8 @@ class Exploration:
     num_gpus: int
     global_batch_size: int
     candidates: List[Candidate]
+    params_dtype: str = "fp16"      # the weights and gradients every prediction assumed
+    grads_dtype: str = "fp16"
 
     @property
     def best(self) -> Candidate:
@@ -265,7 +268,9 @@ class Exploration:
             ("data-parallel gradient all-reduce", "overlap_grad_reduce"),
             ("tensor-parallel collectives", "overlap_tp_comm"),
             ("pipeline send/recv", "overlap_p2p_comm"))}
-        dtype_bytes = inspect.signature(predict_iteration).parameters["dtype_bytes"].default
+        terms = bytes_per_parameter_terms(self.params_dtype, self.grads_dtype)
+        kept, split = sum(terms["replicated"].values()), sum(terms["sharded"].values())
+        act_bits = 8 * terms["replicated"]["param"]
         lines = [
             f"The ranking of {len(cfgs)} configurations assumes:",
             f"- splits: t·p·d = {self.num_gpus}, t divides the {model.a} heads, p the {model.L} "
@@ -278,7 +283,11 @@ class Exploration:
                if _switch(cfgs, "distributed_optimizer") == "off" else ""),
             f"- flash attention: {_switch(cfgs, 'flash_attention')}",
             "- overlap: " + ", ".join(f"{k} {v}" for k, v in overlaps.items()),
-            f"- {8 * dtype_bytes}-bit weights, gradients and activations",
+            f"- {act_bits}-bit weights and activations ({self.params_dtype}), "
+            f"{self.grads_dtype} gradients: {kept + split} bytes per parameter for weights, "
+            f"gradients and Adam "
+            f"({kept} + {split}/d with the distributed optimizer; Megatron-core's "
+            f"distributed-optimizer guide)",
             f"- {cl.name}: {cl.peak_flops / 1e12:.0f} TFLOP/s peak per GPU, matmuls at "
             f"{cl.matmul_efficiency:.2f} of it; links {cl.intra_node_bandwidth / 1e9:.0f} GB/s "
             f"inside a node of {cl.gpus_per_node}, {cl.inter_node_bandwidth / 1e9:.0f} GB/s "
@@ -345,11 +354,20 @@ class Exploration:
 def explore(model: ModelShape, cluster: Cluster, num_gpus: int, global_batch_size: int,
             micro_batch_sizes: Sequence[int] = (1, 2, 4, 8), virtual_stages: Sequence[int] = (1,),
             sequence_parallel: bool = True, recompute: str = "selective",
-            thresholds: Optional[Dict[str, float]] = None, **options) -> Exploration:
+            thresholds: Optional[Dict[str, float]] = None, params_dtype="fp16",
+            grads_dtype="fp16", **options) -> Exploration:
     """Enumerate (:func:`enumerate_configs`), predict, flag (:func:`diagnose`) and rank.
 
-    Raises ValueError for bad inputs, for more GPUs than ``cluster.num_nodes`` provides, and
-    when no configuration is valid (naming the constraint that rules them all out)."""
+    ``params_dtype`` / ``grads_dtype`` (a torch dtype or a name, as
+    :func:`~mpu_lab.perf.cost_model.bytes_per_parameter` takes them; default fp16/fp16, the
+    mixed precision of Narayanan et al. 2021): the width of the weights, activations and
+    gradients (the gradients' sets the data-parallel all-reduce's bytes) and Megatron's bytes
+    per parameter for weights, gradients and Adam (20 for fp16/fp16, 18 for bf16/fp32, 16 for
+    fp32/fp32), which decide what fits. Raises ValueError for bad inputs, for more GPUs than
+    ``cluster.num_nodes`` provides, and when no configuration is valid (naming the constraint
+    that rules them all out)."""
+    bytes_per_parameter(params_dtype, grads_dtype)            # a pair Megatron trains with
+    terms = bytes_per_parameter_terms(params_dtype, grads_dtype)["replicated"]
     if cluster.num_gpus is not None and num_gpus > cluster.num_gpus:
         raise ValueError(f"num_gpus {num_gpus} is more than the cluster's {cluster.num_gpus} "
                          f"({cluster.num_nodes} nodes x {cluster.gpus_per_node})")
@@ -363,8 +381,10 @@ def explore(model: ModelShape, cluster: Cluster, num_gpus: int, global_batch_siz
             f"{tuple(micro_batch_sizes)}")
     cands = []
     for cfg in configs:
-        pred = predict_iteration(model, cfg, cluster)
+        pred = predict_iteration(model, cfg, cluster, dtype_bytes=terms["param"],
+                                 grad_bytes=terms["grad"])
         cands.append(Candidate(cfg, pred, diagnose(pred, thresholds)))
     cands.sort(key=lambda c: (not c.fits, round(c.prediction.total_s, 9), c.config.tp,
                               c.config.pp, c.config.b, c.config.v))
-    return Exploration(model, cluster, num_gpus, global_batch_size, cands)
+    return Exploration(model, cluster, num_gpus, global_batch_size, cands,
+                       canonical_dtype(params_dtype), canonical_dtype(grads_dtype))

@@ -30,8 +30,13 @@ The names lab 10 calls (stable):
   ``torch.cuda.max_memory_allocated`` by phase of the first step.
 
 **Predicted**: :func:`mpu_lab.perf.cost_model.counts.memory_per_gpu` with ``dtype_bytes=4``
-(fp32 parameters, gradients and Adam moments: 4 + 4 + 8 bytes per parameter; the distributed
-optimizer divides the 8 by d) for the first stage; another stage scaled by its parameter count
+for the first stage: :data:`MPU_LAB_PARAMS_DTYPE` / :data:`MPU_LAB_GRADS_DTYPE`, the fp32/fp32
+row of Megatron-core's table (:func:`mpu_lab_bytes_per_parameter`: 4 + 4 + 8 = 16 bytes per
+parameter, 8 + 8/d with the distributed optimizer). That is mpu_lab's own figure, not
+Megatron's bf16 one (2 + 4 + 12 = 18, :func:`~mpu_lab.perf.cost_model.bytes_per_parameter`):
+mpu_lab's mixed precision is ``torch.autocast`` over fp32 parameters, so with or without
+``--bf16`` its weights, its gradient buffer and Adam's moments are fp32 and there is no
+separate fp32 main copy of either. Another stage is another stage scaled by its parameter count
 (``parameters_per_gpu(..., stage)``) and its micro-batches in flight. Where the model differs
 from mpu_lab's GPT (Narayanan et al. 2021 §5.1, Korthikanti et al. 2022 Table 2):
 
@@ -54,14 +59,18 @@ from mpu_lab import distributed, launcher, parallel_state
 from mpu_lab.perf.activation_memory import SavedTensors
 from mpu_lab.perf.cost_model.counts import memory_per_gpu, parameters_per_gpu
 from mpu_lab.perf.cost_model.inputs import ModelShape, ParallelConfig
+from mpu_lab.perf.cost_model.optimizer_state import DTYPE_BYTES, bytes_per_parameter
 from mpu_lab.training import (build_parser, get_batch, masked_mean_loss, model_config,
                               parse_args, validate_args)
 
-__all__ = ["TERMS", "OPTIMIZERS", "DEFAULT_MODEL", "measure_state_bytes",
+__all__ = ["MPU_LAB_PARAMS_DTYPE", "MPU_LAB_GRADS_DTYPE", "mpu_lab_bytes_per_parameter",
+           "TERMS", "OPTIMIZERS", "DEFAULT_MODEL", "measure_state_bytes",
            "measure_activation_bytes", "microbatches_in_flight", "predict_rank", "rank_rows",
            "PhasePeaks", "training_argv", "precheck", "run_memory_breakdown",
            "format_memory_table", "format_cuda_phases", "order_rows", "Rows"]
 
+# What mpu_lab's trainer keeps, whatever --bf16/--fp16 autocasts to (module docstring).
+MPU_LAB_PARAMS_DTYPE, MPU_LAB_GRADS_DTYPE = "fp32", "fp32"
 TERMS = ("parameters", "gradients", "optimizer", "activations")
 OPTIMIZERS = {False: "AdamW", True: "distributed"}      # --use-distributed-optimizer
 PHASES = ("model build", "forward", "backward", "optimizer step")
@@ -194,6 +203,14 @@ class PhasePeaks:
 
 
 # --------------------------------------------------------------------------- predicting
+def mpu_lab_bytes_per_parameter(distributed_optimizer: bool = False,
+                                data_parallel_size: int = 1) -> float:
+    """Bytes per parameter of mpu_lab's own training (fp32 weights, gradients, Adam m and v:
+    16, or 8 + 8/d with the distributed optimizer), beside Megatron's figures."""
+    return bytes_per_parameter(MPU_LAB_PARAMS_DTYPE, MPU_LAB_GRADS_DTYPE,
+                               distributed_optimizer, data_parallel_size)
+
+
 def predict_rank(args, pipeline_rank: int, distributed_optimizer: bool) -> Dict[str, float]:
     """The cost model's bytes for pipeline stage ``pipeline_rank`` of the run ``args``:
     :func:`memory_per_gpu` (``dtype_bytes=4``) for the first stage; another stage scales its
@@ -208,7 +225,8 @@ def predict_rank(args, pipeline_rank: int, distributed_optimizer: bool) -> Dict[
         schedule="gpipe" if args.pipeline_schedule == "gpipe" else "1f1b",
         flash_attention=model_config(args).attention_impl == "sdpa",
         distributed_optimizer=distributed_optimizer)
-    first = memory_per_gpu(model, cfg, dtype_bytes=4)
+    first = memory_per_gpu(model, cfg, dtype_bytes=DTYPE_BYTES[MPU_LAB_PARAMS_DTYPE],
+                           grad_bytes=DTYPE_BYTES[MPU_LAB_GRADS_DTYPE])
     stage = "first" if pipeline_rank == 0 else "last" if pipeline_rank == cfg.pp - 1 \
         else "middle"
     ratio = parameters_per_gpu(model, cfg, stage) / parameters_per_gpu(model, cfg, "first")

@@ -12,6 +12,8 @@ iteration, TFLOP/s per GPU, MFU and memory per GPU. Pure Python: no torch, no pr
 * :mod:`~mpu_lab.perf.cost_model.counts` — parameters and FLOPs (Narayanan et al. 2021, Appendix eq. (3)),
   bubble (§2.2), communication bytes (§3.3, §4.1), memory per GPU (ZeRO §3.1, Korthikanti
   §4.2.3);
+* :mod:`~mpu_lab.perf.cost_model.optimizer_state` — bytes per parameter of weights, gradients
+  and Adam's states, as Megatron-core's distributed-optimizer guide gives them;
 * :mod:`~mpu_lab.perf.cost_model.predict` — the time of one iteration, with the modelling
   assumptions stated plainly in its docstring.
 
@@ -23,8 +25,11 @@ Sources, one per formula (each function's docstring says which):
 * Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
   (arXiv:2205.05198): activation memory per layer (§4, Table 2), in-flight micro-batches of
   1F1B and interleaved schedules (§4.2.3), MFU vs HFU (§6).
-* Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-  Models" (arXiv:1910.02054) §3.1: mixed-precision Adam keeps 16 bytes per parameter.
+* Megatron-core's developer guide, "Distributed Optimizer": bytes per parameter of
+  Megatron's mixed-precision Adam, 20 / 18 / 16 for fp16/fp16, bf16/fp32, fp32/fp32, and
+  4 + 16/d, 6 + 12/d, 8 + 8/d with the distributed optimizer
+  (:mod:`~mpu_lab.perf.cost_model.optimizer_state`, :func:`bytes_per_parameter`). ZeRO's 16
+  (Rajbhandari et al. 2020 §3.1) models mixed precision without Megatron's fp32 main gradient.
 * Patarasuk & Yuan 2009 / NCCL's performance notes: a ring all-reduce moves 2(n-1)/n of the
   message through every GPU's link, all-gather and reduce-scatter (n-1)/n.
 """
@@ -38,6 +43,9 @@ from mpu_lab.perf.cost_model.counts import (  # noqa: F401
 from mpu_lab.perf.cost_model.inputs import (
     CLUSTERS, DGX_A100_80GB, DGX_H100, GPT2_SMALL, GPT3_175B, MODELS, RECOMPUTE_MODES,
     SCHEDULES, Cluster, ModelShape, ParallelConfig)
+from mpu_lab.perf.cost_model.optimizer_state import (  # noqa: F401
+    bytes_per_parameter, bytes_per_parameter_terms, canonical_dtype,
+    format_bytes_per_parameter)
 from mpu_lab.perf.cost_model.predict import (  # noqa: F401
     ADAM_STEP_BYTES_PER_PARAM, EFFECTS, ELEMENTWISE_PASSES, IterationPrediction,
     group_crosses_nodes, predict_iteration)
@@ -51,4 +59,5 @@ __all__ = [
     "ring_all_reduce_factor", "tp_comm_per_layer", "pipeline_p2p_bytes",
     "dp_allreduce_bytes", "in_flight_microbatches", "memory_per_gpu",
     "IterationPrediction", "predict_iteration", "EFFECTS",
+    "bytes_per_parameter", "bytes_per_parameter_terms", "format_bytes_per_parameter",
 ]

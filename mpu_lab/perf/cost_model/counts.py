@@ -11,18 +11,20 @@ Each function's docstring names its source:
   (arXiv:2205.05198): activation memory per layer (§4, Table 2;
   :mod:`mpu_lab.perf.cost_model.activations`), in-flight micro-batches of 1F1B and interleaved
   schedules (§4.2.3), selective recomputation (§5), model vs hardware FLOPs (MFU, HFU, §6).
-* Rajbhandari et al. 2020, "ZeRO" (arXiv:1910.02054) §3.1: mixed-precision Adam keeps 16 bytes
-  per parameter.
+* Megatron-core's developer guide, "Distributed Optimizer": bytes per parameter of its
+  mixed-precision Adam (:mod:`mpu_lab.perf.cost_model.optimizer_state`); ZeRO's 16 (Rajbhandari
+  et al. 2020 §3.1) is kept as :data:`BYTES_PER_PARAM_ADAM` for comparison only.
 * Patarasuk & Yuan 2009 / NCCL's performance notes: a ring all-reduce moves 2(n-1)/n of the
   message through every GPU's link.
 """
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Dict
+from typing import Dict, Optional
 
 from mpu_lab.perf.cost_model.activations import activation_memory_per_layer
 from mpu_lab.perf.cost_model.inputs import RECOMPUTE_MODES, ModelShape, ParallelConfig
+from mpu_lab.perf.cost_model.optimizer_state import bytes_per_parameter_terms, dtype_for_bytes
 
 __all__ = ["BYTES_PER_PARAM_ADAM", "parameter_count", "parameters_per_gpu", "flops_per_token",
            "model_flops_per_iteration", "hardware_flops_per_iteration", "FLOP_FORMS",
@@ -30,7 +32,9 @@ __all__ = ["BYTES_PER_PARAM_ADAM", "parameter_count", "parameters_per_gpu", "flo
            "ring_all_reduce_factor", "tp_comm_per_layer", "pipeline_p2p_bytes",
            "dp_allreduce_bytes", "in_flight_microbatches", "memory_per_gpu"]
 
-BYTES_PER_PARAM_ADAM = 16        # ZeRO §3.1: fp16 weight 2 + fp16 grad 2 + fp32 copy, m, v 12
+# ZeRO §3.1's model of mixed precision (fp16 weight 2 + fp16 grad 2 + fp32 copy, m, v 12): not
+# what Megatron allocates (no fp32 main grad); the cost model counts bytes_per_parameter's.
+BYTES_PER_PARAM_ADAM = 16
 
 
 def parameter_count(model: ModelShape) -> int:
@@ -226,21 +230,29 @@ def _score_bytes(model: ModelShape, cfg: ParallelConfig) -> float:
     return 5 * model.a * model.s * model.s * cfg.b / cfg.tp
 
 
-def memory_per_gpu(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2
-                   ) -> Dict[str, float]:
+def memory_per_gpu(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2,
+                   grad_bytes: Optional[int] = None) -> Dict[str, float]:
     """Bytes on the busiest GPU (the first pipeline stage), by kind.
 
-    Weights, gradients and optimizer states of mixed-precision Adam: 16 bytes per parameter
-    (ZeRO, Rajbhandari et al. 2020 §3.1: fp16 weight 2 + fp16 gradient 2 + fp32 weight,
-    momentum and variance 12); the distributed optimizer divides the 12 by d. Activations:
+    Weights, gradients and optimizer states of Megatron's mixed-precision Adam, per parameter
+    as in Megatron-core's "Distributed Optimizer" guide
+    (:func:`~mpu_lab.perf.cost_model.optimizer_state.bytes_per_parameter_terms`): weights
+    ``dtype_bytes`` (2: fp16 or bf16, 4: fp32) and gradients ``grad_bytes`` (default: the
+    weights' width) on every rank; the fp32 main weight and main gradient where those are
+    16-bit, and Adam's m and v, as ``optimizer`` — divided by d with the distributed
+    optimizer. So 2 + 2 + 16 = 20 bytes (4 + 16/d), 2 + 4 + 12 = 18 (6 + 12/d), 4 + 4 + 8 = 16
+    (8 + 8/d). Activations:
     Korthikanti et al. 2022 Table 2 (16-bit; scaled by dtype_bytes/2) per layer × L/p layers ×
     the schedule's in-flight micro-batches (1F1B keeps up to p on stage 0, §4.2.3); with full
     recomputation one layer's full activations are live again during its backward, counted
     once. Not counted: the embedding and logits activations, temporary buffers, fragmentation.
     """
+    grad_bytes = dtype_bytes if grad_bytes is None else grad_bytes
+    terms = bytes_per_parameter_terms(dtype_for_bytes(dtype_bytes, "dtype_bytes"),
+                                      dtype_for_bytes(grad_bytes, "grad_bytes"))
     n = parameters_per_gpu(model, cfg, "first")
-    weights, grads = dtype_bytes * n, dtype_bytes * n
-    optimizer = (BYTES_PER_PARAM_ADAM - 2 * dtype_bytes) * n
+    weights, grads = terms["replicated"]["param"] * n, terms["replicated"]["grad"] * n
+    optimizer = sum(terms["sharded"].values()) * n
     if cfg.distributed_optimizer:
         optimizer /= cfg.dp
     layers_per_stage = model.L / cfg.pp
@@ -251,4 +263,3 @@ def memory_per_gpu(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2
         activations += _layer_activation_bytes(model, cfg, stored=False) * scale
     return dict(weights=weights, gradients=grads, optimizer=optimizer, activations=activations,
                 total=weights + grads + optimizer + activations)
-

@@ -219,7 +219,10 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     (m + (p-1)/v) such micro-batch times (Narayanan et al. 2021 §2.2), i.e. the bubble is
     ``bubble_fraction(p, m, v)`` of the busy time. Then the DP gradient all-reduce (exposed
     part) and the Adam step. ``ignore``: effects of :data:`EFFECTS` to leave out (what-if
-    studies: which effect matters). ``host_overhead_s``: seconds per iteration of host work
+    studies: which effect matters). ``dtype_bytes`` / ``grad_bytes``: widths of the weights
+    (and activations) and of the gradients, 2 or 4; memory counts Megatron's bytes per
+    parameter for that pair (:func:`~mpu_lab.perf.cost_model.optimizer_state.bytes_per_parameter`:
+    20 for 2/2, 18 for 2/4, 16 for 4/4). ``host_overhead_s``: seconds per iteration of host work
     that does not scale with the width (see the module docstring), added as ``framework_s``.
     Raises ValueError for an invalid configuration.
     """
@@ -280,4 +283,4 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
         bubble_s=bubble, dp_comm_s=dp_time, optimizer_s=optimizer, total_s=total,
         model_flops=model_flops_per_iteration(model, cfg.global_batch_size),
         hardware_flops=hardware_flops_per_iteration(model, cfg.global_batch_size, cfg.recompute),
-        memory=memory_per_gpu(model, cfg, dtype_bytes), framework_s=host_overhead_s)
+        memory=memory_per_gpu(model, cfg, dtype_bytes, grad_bytes), framework_s=host_overhead_s)
