@@ -27,13 +27,18 @@ returns every rank's logged metrics (every rank reports the same losses; at PP >
 stage computes them and sends them to the others). With ``--record-timeline`` each rank also
 reports its last iteration's forward/backward records under ``"timeline"``::
 
-    from mpu_lab.pipeline_parallel import measured_bubble, pipeline_records, plot_gantt
+    from mpu_lab.perf.pipeline_timeline import measured_bubble, pipeline_records
+    from mpu_lab.labkit.viz import plot_gantt
     tl = pipeline_records(job.results)
     plot_gantt(tl["records"], time_unit="ms")
     measured_bubble(tl["records"], tl["num_microbatches"], tl["num_model_chunks"])
 
+(:class:`mpu_lab.perf.pipeline_timeline.ScheduleRecorder` hooks the model chunks from outside;
+the schedule itself records nothing.)
+
 With ``--breakdown`` each rank reports where its steps' time went (compute vs each kind of
-collective) under ``"breakdown"``; ``mpu_lab.perf.breakdown.format_breakdown`` tabulates it::
+collective) under ``"breakdown"``: :mod:`mpu_lab.perf.step_timer` times the training loop's
+steps from outside; ``mpu_lab.perf.breakdown.format_breakdown`` tabulates it::
 
     from mpu_lab.perf import breakdown
     print(breakdown.format_breakdown(breakdown.breakdowns(job.results)))
@@ -44,30 +49,36 @@ Chrome trace per rank to DIR.
 
 Debugging (lab 09): ``--inject-fault KIND[:RANK[:ITERATION]]`` makes one rank misbehave on
 purpose (hang, skip-collective, mismatched-shape, wrong-group, crash, pp-deadlock, divergence,
-fp16-overflow; ``mpu_lab.training.faults.FAULT_KINDS`` says what each does), and
-``--dense-twin`` has rank 0 train the dense TP=1 twin from the run's initial weights too and
-report its losses, for ``faults.compare_with_dense_twin``::
+fp16-overflow; ``mpu_lab.labkit.faults.FAULT_KINDS`` says what each does). The flag and the
+injection come from the lab kit (``faults.add_fault_args``, ``faults.inject``), which wraps the
+training loop's calls from outside; ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION`` kills a rank in the
+middle of a checkpoint save the same way. ``--dense-twin`` has rank 0 train the dense TP=1 twin
+from the run's initial weights too and report its losses, for
+``mpu_lab.labkit.twin_check.compare_with_dense_twin``::
 
     job = mpu_lab.launcher.run("train_gpt.py", ["--inject-fault", "divergence:1:3",
                                "--dense-twin", "--train-iters", "6", "--log-interval", "1"], nproc=2)
-    print(faults.compare_with_dense_twin(job))   # "Drifts from the dense twin at iteration 3: ..."
+    print(twin_check.compare_with_dense_twin(job))   # "Drifts from the dense twin at iteration 3: ..."
 
 The flags are checked before anything starts (``PRECHECK`` below, which runs
-``mpu_lab.training.validate_args``);
+``mpu_lab.training.validate_args`` and checks the fault);
 ``launch/train_gpt.sh`` shows the lecture's ``GPT_ARGS``. ``--pipeline-schedule`` is this
 project's flag (Megatron picks 1F1B, or interleaved when
 ``--num-layers-per-virtual-pipeline-stage`` is given, and has no GPipe); the default follows
 Megatron's rule.
 """
+import contextlib
 import faulthandler
 import os
 import pathlib
 import sys
 
 from mpu_lab import distributed, launcher, training
+from mpu_lab.labkit import faults
+from mpu_lab.perf import pipeline_timeline, step_timer
 
 # Checked by the launcher before torchrun starts (read from this source, not imported).
-PRECHECK = "mpu_lab.training.arguments:check_launch_args"
+PRECHECK = "mpu_lab.labkit.faults:check_launch_args"
 
 
 def _dump_stacks_on_abort():
@@ -83,20 +94,28 @@ def _dump_stacks_on_abort():
 @launcher.entrypoint
 def main(argv=None):
     _dump_stacks_on_abort()
-    args = training.parse_args(argv)
+    args = training.parse_args(argv, extra_args_provider=faults.add_fault_args)
     # Check the flags first (pure): a bad configuration fails here, naming the numbers.
     training.validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    fault = faults.fault_of(args)
     distributed.init()
     state = training.setup(args)
+    faults.inject(fault)              # --inject-fault: wraps the loop's calls on its rank
+    faults.kill_in_save_from_env()    # MPU_LAB_FAULT_IN_SAVE
     weights = training.dense_twin_weights(state) if args.dense_twin else None
-    metrics = training.train(state)
+    timer = step_timer.step_timer_for(args)    # --breakdown[-barrier|-profile], else None
+    recorder = pipeline_timeline.ScheduleRecorder(   # --record-timeline: hooks on the chunks
+        state.model_chunks, args.num_micro_batches, args.pipeline_schedule) \
+        if args.record_timeline else None
+    with step_timer.timing_train_steps(timer) if timer else contextlib.nullcontext():
+        metrics = training.train(state)
     result = {"metrics": metrics, "iteration": state.iteration}
     if weights is not None:   # rank 0, --dense-twin
         result["dense_losses"] = training.dense_twin_losses(args, weights)
-    if args.record_timeline:
-        result["timeline"] = training.schedule_timeline_report()
-    if getattr(state, "step_timer", None) is not None:   # --breakdown[-barrier|-profile]
-        result["breakdown"] = state.step_timer.report()
+    if recorder is not None:
+        result["timeline"] = recorder.report()
+    if timer is not None:
+        result["breakdown"] = timer.report()
     launcher.report(result)
     distributed.shutdown()
 

@@ -1,4 +1,4 @@
-"""Injected faults (``train_gpt.py --inject-fault``, :mod:`mpu_lab.training.faults`): each kind
+"""Injected faults (``train_gpt.py --inject-fault``, :mod:`mpu_lab.labkit.faults`): each kind
 fails as documented within its time bound with no process left (by PID), the failure report
 names the right ranks, call and likely cause, the dense-twin check flags a diverged run and
 passes a correct one, and a bad spec is refused before any process starts.
@@ -12,12 +12,16 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from mpu_lab import launcher
 from mpu_lab.launcher import LaunchError, diagnosis, runner
-from mpu_lab.training import faults
+from mpu_lab.labkit import faults, twin_check
+from mpu_lab.optimizer import DynamicLossScaler
+from mpu_lab.training import training as loop
 from process_watch import ProcessWatch
 
 TIMEOUT_S = 5.0
@@ -45,7 +49,7 @@ JOBS = {   # id: (ranks, flags)
 
 
 def _fault_time(lines):
-    """The wall clock the faulty rank printed when its fault fired (faults._announce)."""
+    """The wall clock the faulty rank printed when its fault fired (faults.announce)."""
     for _, text in lines:
         m = re.search(r"\[inject-fault\] .* \(time ([\d.]+)\)", text)
         if m:
@@ -101,8 +105,8 @@ def test_hang_names_the_rank_that_never_came_and_where_it_was(fault_jobs):
     assert fault_jobs["hang"]["seconds"] <= TIMEOUT_BOUND_S
     assert "A collective timed out (MPU_LAB_TIMEOUT_S: 5 s): " in message
     assert "reached by rank(s) [0]" in message
-    assert re.search(r"Not in it: rank 1 was stopped at mpu_lab/training/faults\.py:\d+ in "
-                     r"at_step_start", message)
+    assert re.search(r"Not in it: rank 1 was stopped at mpu_lab/labkit/faults\.py:\d+ in "
+                     r"hang", message)
     assert "likely cause: rank 1 never reached the collective" in message
 
 
@@ -113,7 +117,7 @@ def test_skipped_collective_pairs_unrelated_calls(fault_jobs):
     message = _error(fault_jobs, "skip-collective")
     assert fault_jobs["skip-collective"]["seconds"] <= PEER_LOST_BOUND_S
     assert re.search(r"rank 0 aborted \(SIGABRT.*\) at mpu_lab/training/training\.py:\d+ in "
-                     r"_average_over_data_parallel", message)
+                     r"average_losses_across_data_parallel_group", message)
     assert re.search(r"all_reduce at mpu_lab/training/finalize_model_grads\.py:\d+ in "
                      r"_ddp_counted_allreduce_hook, reached by rank\(s\) \[1\]", message)
     assert "likely cause: rank 0 aborted in a collective at" in message
@@ -124,7 +128,8 @@ def test_mismatched_shape_times_out_in_the_same_call_on_every_rank(fault_jobs):
     message = _error(fault_jobs, "mismatched-shape")
     assert fault_jobs["mismatched-shape"]["seconds"] <= TIMEOUT_BOUND_S
     assert re.search(r"timed out .*: all_reduce at mpu_lab/training/training\.py:\d+ in "
-                     r"_average_over_data_parallel, reached by rank\(s\) \[0, 1\]", message)
+                     r"average_losses_across_data_parallel_group, reached by rank\(s\) \[0, 1\]",
+                     message)
     assert "likely cause: every rank reached the same all_reduce" in message
     assert "another size or dtype" in message and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message
 
@@ -148,8 +153,8 @@ def test_crash_names_the_rank_that_raised_first(fault_jobs):
     assert fault_jobs["crash"]["seconds"] <= PEER_LOST_BOUND_S
     assert err.rank == 0 and "rank 0 raised first" in message
     assert "RuntimeError: rank 0 raised at iteration 2" in err.traceback
-    assert re.search(r"Rank 0 raised in its own code at mpu_lab/training/faults\.py:\d+ in "
-                     r"after_backward, not in a collective", message)
+    assert re.search(r"Rank 0 raised in its own code at mpu_lab/labkit/faults\.py:\d+ in "
+                     r"crash, not in a collective", message)
     # rank 1 lost its peer: it raised in the training loop, or (under load) torchrun stopped it
     # there before it had raised; either way the report places it in the training code
     assert re.search(r"The others: rank 1 (raised|was stopped) at mpu_lab/training/", message)
@@ -159,8 +164,8 @@ def test_crash_names_the_rank_that_raised_first(fault_jobs):
 def test_pp_deadlock_blocks_both_stages_in_send(fault_jobs):
     message = _error(fault_jobs, "pp-deadlock")
     assert fault_jobs["pp-deadlock"]["seconds"] <= TIMEOUT_BOUND_S
-    assert re.search(r"timed out .*: send at mpu_lab/training/faults\.py:\d+ in "
-                     r"_send_first_to_neighbour, reached by rank\(s\) \[0, 1\]", message)
+    assert re.search(r"timed out .*: send at mpu_lab/labkit/faults\.py:\d+ in "
+                     r"send_first_to_neighbour, reached by rank\(s\) \[0, 1\]", message)
     assert "likely cause: every rank is blocked in send" in message
     assert "batch_isend_irecv" in message
 
@@ -171,11 +176,11 @@ def test_dense_twin_check_flags_the_diverged_run_and_passes_a_correct_one(fault_
         assert "result" in fault_jobs[name], f"{name}: {fault_jobs[name].get('error')}"
         assert fault_jobs[name]["left"] == []
     broken = fault_jobs["divergence"]["result"].results[0]
-    verdict = faults.compare_with_dense_twin(broken, broken["dense_losses"])
+    verdict = twin_check.compare_with_dense_twin(broken, broken["dense_losses"])
     assert not verdict and verdict.iteration == 3 and verdict.rel_diff > 1e-3
     assert str(verdict).startswith("Drifts from the dense twin at iteration 3: loss ")
     good = fault_jobs["correct"]["result"].results[0]
-    verdict = faults.compare_with_dense_twin(fault_jobs["correct"]["result"])  # the job itself
+    verdict = twin_check.compare_with_dense_twin(fault_jobs["correct"]["result"])  # the job
     assert verdict and verdict.checked == 4, str(verdict)
     # the twin starts from the run's weights before the fault: the same in both jobs
     assert good["dense_losses"] == broken["dense_losses"]
@@ -246,18 +251,19 @@ def test_compare_with_dense_twin_on_hand_worked_losses():
     dense = [4.0, 3.0, 2.0, 1.0]
     # logged every 2 iterations: each record is the mean over its window (3.5, 1.5)
     records = [{"iteration": 2, "lm_loss": 3.5}, {"iteration": 4, "lm_loss": 1.5}]
-    verdict = faults.compare_with_dense_twin(records, dense)
+    verdict = twin_check.compare_with_dense_twin(records, dense)
     assert verdict and verdict.checked == 2 and verdict.max_rel_diff == 0.0
     records[1]["lm_loss"] = 1.5 * (1 + 3e-5)
-    verdict = faults.compare_with_dense_twin({"metrics": records}, dense, rtol=1e-5)
+    verdict = twin_check.compare_with_dense_twin({"metrics": records}, dense, rtol=1e-5)
     assert not verdict and verdict.iteration == 4
     assert verdict.rel_diff == pytest.approx(3e-5) and verdict.dense_loss == 1.5
     assert "iteration 4" in str(verdict) and "the 1 before it matched" in str(verdict)
-    assert not faults.compare_with_dense_twin([{"iteration": 1, "lm_loss": float("nan")}], dense)
+    assert not twin_check.compare_with_dense_twin([{"iteration": 1, "lm_loss": float("nan")}],
+                                                  dense)
     with pytest.raises(ValueError, match="--dense-twin"):
-        faults.compare_with_dense_twin({"metrics": records})
+        twin_check.compare_with_dense_twin({"metrics": records})
     with pytest.raises(ValueError, match="only 4 losses"):
-        faults.compare_with_dense_twin([{"iteration": 5, "lm_loss": 1.0}], dense)
+        twin_check.compare_with_dense_twin([{"iteration": 5, "lm_loss": 1.0}], dense)
 
 
 def test_likely_cause_from_records_alone(tmp_path):
@@ -270,9 +276,94 @@ def test_likely_cause_from_records_alone(tmp_path):
     (tmp_path / "failed_rank0.json").write_text(json.dumps(
         {"rank": 0, "time": 1.0, "message": "RuntimeError: Detected mismatch between "
          "collectives on ranks. Rank 0 is running collective: ...", "traceback": tb}))
-    text, _ = diagnosis._diagnose(tmp_path, 2, "RuntimeError: Detected mismatch between "
+    text, _ = diagnosis.diagnose(tmp_path, 2, "RuntimeError: Detected mismatch between "
                                   "collectives on ranks", tb, None, {1: 9})
     assert text.splitlines()[-1].startswith("likely cause: TORCH_DISTRIBUTED_DEBUG=DETAIL")
-    text, _ = diagnosis._diagnose(tmp_path, 2, "RuntimeError: Connection closed by peer", tb,
+    text, _ = diagnosis.diagnose(tmp_path, 2, "RuntimeError: Connection closed by peer", tb,
                                   None, {1: 9})
     assert "likely cause: rank 1 exited with code 9 without a Python exception" in text
+
+
+# --------------------------------------------------------------------------- the injection itself
+def test_training_loop_and_checkpoint_save_carry_no_fault_code():
+    """The code a learner reads has no fault branch: the lab kit wraps it from outside."""
+    for path in ("mpu_lab/training/training.py", "mpu_lab/checkpointing/save_load.py"):
+        source = (launcher.REPO_ROOT / path).read_text()
+        assert not re.search(r"\bfaults?\b|inject|os\._exit|MPU_LAB_FAULT|import.*labkit",
+                             source), path
+
+
+@pytest.mark.parametrize("kind,call", [
+    ("hang", None), ("divergence", None), ("pp-deadlock", None),
+    ("crash", "finalize_grads"), ("fp16-overflow", "finalize_grads"),
+    ("skip-collective", "average_losses_across_data_parallel_group"),
+    ("mismatched-shape", "average_losses_across_data_parallel_group"),
+    ("wrong-group", "clip_grad_norm")])
+def test_inject_replaces_the_step_and_the_one_call_of_its_kind_then_puts_them_back(world, kind, call):
+    names = ["train_step", "finalize_grads", "average_losses_across_data_parallel_group",
+             "clip_grad_norm"]
+    before = {name: getattr(loop, name) for name in names}
+    remove = faults.inject(faults.Fault(kind, 0, 2))
+    try:
+        replaced = {name for name in names if getattr(loop, name) is not before[name]}
+        assert replaced == {"train_step"} | ({call} if call else set())
+    finally:
+        remove()
+    assert {name: getattr(loop, name) for name in names} == before
+
+
+def _one_step(monkeypatch, fault, iteration, scale=2.0 ** 16):
+    """Run the injected train_step once on a stand-in step that calls the (wrapped)
+    finalize_grads and the loss average as the real steps do; returns what it saw."""
+    seen = {}
+
+    def step(state):
+        seen["scale_in_backward"] = state.scaler.scale
+        loop.finalize_grads()
+        seen["scale_at_optimizer_step"] = state.scaler.scale
+        seen["loss"] = loop.average_losses_across_data_parallel_group(torch.tensor(3.0))
+        return {}
+
+    monkeypatch.setattr(loop, "train_step", step)
+    monkeypatch.setattr(loop, "finalize_grads", lambda *a, **k: None)
+    state = SimpleNamespace(iteration=iteration, scaler=DynamicLossScaler(scale))
+    remove = faults.inject(fault)
+    try:
+        loop.train_step(state)
+    finally:
+        remove()
+    return seen
+
+
+def test_fp16_overflow_scales_one_backward_by_2_to_the_64_on_its_rank_only(world, monkeypatch):
+    fault = faults.Fault("fp16-overflow", 0, 2)
+    seen = _one_step(monkeypatch, fault, iteration=1)          # iteration 2, rank 0: armed
+    assert seen["scale_in_backward"] == 2.0 ** 80
+    assert seen["scale_at_optimizer_step"] == 2.0 ** 16       # the scaler's own, exactly
+    seen = _one_step(monkeypatch, fault, iteration=2)          # iteration 3: untouched
+    assert seen["scale_in_backward"] == seen["scale_at_optimizer_step"] == 2.0 ** 16
+    seen = _one_step(monkeypatch, faults.Fault("fp16-overflow", 1, 2), iteration=1)   # rank 1
+    assert seen["scale_in_backward"] == 2.0 ** 16
+
+
+def test_loss_faults_change_the_all_reduce_input_on_their_step_only(world, monkeypatch):
+    """One rank, so the loss average is the identity: what comes back is what went in."""
+    shape = _one_step(monkeypatch, faults.Fault("mismatched-shape", 0, 2), 1)["loss"]
+    assert shape.tolist() == [3.0, 1.0]                         # 2 elements, not 1
+    assert _one_step(monkeypatch, faults.Fault("mismatched-shape", 0, 2), 0)["loss"].shape == ()
+    assert _one_step(monkeypatch, faults.Fault("skip-collective", 0, 2), 1)["loss"].item() == 3.0
+    with pytest.raises(RuntimeError, match="rank 0 raised at iteration 2"):
+        _one_step(monkeypatch, faults.Fault("crash", 0, 2), 1)
+    assert _one_step(monkeypatch, faults.Fault("crash", 0, 2), 2)["loss"].item() == 3.0
+
+
+def test_kill_in_save_wraps_dcp_writer_and_refuses_a_bad_spec(monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+    original = FileSystemWriter.write_data
+    undo = faults.kill_in_save(1, 4)
+    assert FileSystemWriter.write_data is not original
+    undo()
+    assert FileSystemWriter.write_data is original
+    monkeypatch.setenv(faults.SAVE_FAULT_ENV, "1-4")
+    with pytest.raises(ValueError, match=r"MPU_LAB_FAULT_IN_SAVE='1-4': expected RANK:ITERATION"):
+        faults.kill_in_save_from_env()

@@ -19,7 +19,7 @@ import pytest
 from mpu_lab import launcher
 from mpu_lab.labkit import broken_jobs, debugging
 from mpu_lab.labkit.exercises import grade, lab09
-from mpu_lab.training.faults import FAULT_KINDS
+from mpu_lab.labkit.faults import FAULT_KINDS
 
 STUB = '''
 def my_exchange(stage, num_stages, mine):

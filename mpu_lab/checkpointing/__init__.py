@@ -1,11 +1,11 @@
 """Distributed checkpoints with resharding, through ``torch.distributed.checkpoint`` (DCP) — the
 lab's version of Megatron's ``megatron/training/checkpointing.py`` and
-``megatron/core/dist_checkpointing``, in four modules: :mod:`~mpu_lab.checkpointing.files`
+``megatron/core/dist_checkpointing``, in five modules: :mod:`~mpu_lab.checkpointing.files`
 (finding and verifying folders, pure), :mod:`~mpu_lab.checkpointing.state_dict` (the sharded
 state dict), :mod:`~mpu_lab.checkpointing.save_load` (save / load, collective),
 :mod:`~mpu_lab.checkpointing.vocab_padding` (a change of vocabulary padding: dummy rows
 trimmed or zero-filled) and :mod:`~mpu_lab.checkpointing.consolidate` (one ordinary state
-dict; the command line). This package re-exports every name the former single module had.
+dict; the command line).
 
 Each tensor-parallel shard is saved as a ``DTensor`` over the tensor-parallel group
 (``Shard(partition_dim)``): DCP records every shard with its *global* offsets, so a checkpoint
@@ -33,8 +33,8 @@ from the marker's is reported by name before anything is read (DCP itself keeps 
 checksums: a flipped byte in a tensor would load silently). The parent folder gets Megatron's
 ``latest_checkpointed_iteration.txt``.
 
-Test hook: ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION`` makes that rank exit (``os._exit``) inside
-DCP's save of that iteration, right after writing its data file — a rank killed mid-save.
+A rank killed mid-save (the reliability tests) is injected from outside, by the lab kit
+(:func:`mpu_lab.labkit.faults.kill_in_save`, ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION``).
 
 What is saved: ``model.<name>`` (parameters), ``optimizer.<name>.{exp_avg,exp_avg_sq,step}``
 (AdamW state, sharded like the parameter), ``scheduler``, ``iteration``, ``args``, and the RNG
@@ -50,14 +50,10 @@ Command line::
 """
 from mpu_lab.checkpointing.consolidate import consolidate, gather_model_state_dict, main
 from mpu_lab.checkpointing.files import (
-    _ITER_DIR,
     MARKER,
     MODEL_FIELDS,
     TRACKER,
     CheckpointError,
-    _complete_siblings,
-    _file_digest,
-    _hint,
     check_compatible,
     file_records,
     find_checkpoint,
@@ -68,22 +64,8 @@ from mpu_lab.checkpointing.files import (
     verify_checkpoint,
 )
 from mpu_lab.checkpointing import vocab_padding
-from mpu_lab.checkpointing.save_load import _fault_writer, load_checkpoint, save_checkpoint
-from mpu_lab.checkpointing.state_dict import (
-    _LAYER_NAME,
-    _MESHES,
-    TIED_EMBEDDING,
-    _as_saved,
-    _chunks,
-    _global_shape,
-    _is_split,
-    _jsonable_args,
-    _named_params,
-    _pipeline_union,
-    _rng_state_dict,
-    _tp_mesh,
-    checkpoint_names,
-)
+from mpu_lab.checkpointing.save_load import load_checkpoint, save_checkpoint
+from mpu_lab.checkpointing.state_dict import TIED_EMBEDDING, checkpoint_names
 
 __all__ = [
     "MARKER", "TRACKER", "MODEL_FIELDS", "TIED_EMBEDDING", "CheckpointError", "iteration_dir",

@@ -21,7 +21,7 @@ from mpu_lab.checkpointing.files import (
     read_checkpoint_info,
     verify_checkpoint,
 )
-from mpu_lab.checkpointing.state_dict import _is_split, _named_params
+from mpu_lab.checkpointing.state_dict import is_split, named_params
 
 def gather_model_state_dict(model, pipeline: bool = False) -> Dict[str, torch.Tensor]:
     """The full (TP=1) parameters of ``model`` (a module or a list of pipeline chunks) on every
@@ -30,9 +30,9 @@ def gather_model_state_dict(model, pipeline: bool = False) -> Dict[str, torch.Te
     model's, gathered over the pipeline group too (then collective over both)."""
     out = {}
     group = parallel_state.get_tensor_model_parallel_group()
-    for name, p in _named_params(model):
+    for name, p in named_params(model):
         t = p.detach()
-        if _is_split(p):
+        if is_split(p):
             t = comm.all_gather(t, group=group, dim=p.partition_dim)
         out[name] = t.cpu().clone()
     pp = parallel_state.get_pipeline_model_parallel_world_size()

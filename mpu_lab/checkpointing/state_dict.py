@@ -27,32 +27,29 @@ def _tp_mesh():
     return _MESHES[key]
 
 
-def _is_split(param) -> bool:
+def is_split(param) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) and \
         parallel_state.get_tensor_model_parallel_world_size() > 1
 
 
-def _global_shape(param, local_shape) -> torch.Size:
+def global_shape(param, local_shape) -> torch.Size:
     shape = list(local_shape)
-    if _is_split(param):
+    if is_split(param):
         if getattr(param, "partition_stride", 1) != 1:
             raise NotImplementedError("interleaved (stride > 1) shards cannot be saved as DTensors")
         shape[param.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
     return torch.Size(shape)
 
 
-def _as_saved(local: torch.Tensor, param):
+def as_saved(local: torch.Tensor, param):
     """``local`` (this rank's piece, on the CPU) as DCP should see it."""
-    if not _is_split(param):
+    if not is_split(param):
         return local
     from torch.distributed.tensor import DTensor, Shard   # heavy: only when saving a shard
-    shape = _global_shape(param, local.shape)
+    shape = global_shape(param, local.shape)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, _tp_mesh(), [Shard(param.partition_dim)], run_check=False,
                               shape=shape, stride=stride)
-
-
-_chunks = model_chunks_of   # the former name here
 
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -79,12 +76,12 @@ def checkpoint_names(model) -> List[tuple]:
     return out
 
 
-def _named_params(model):
+def named_params(model):
     """The parameters to save, with their checkpoint names."""
     return [(n, p) for n, p, copy in checkpoint_names(model) if not copy]
 
 
-def _pipeline_union(names: List[str]) -> List[str]:
+def pipeline_union(names: List[str]) -> List[str]:
     """The names held by the whole pipeline (every stage's), on every stage."""
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return list(names)
@@ -94,7 +91,7 @@ def _pipeline_union(names: List[str]) -> List[str]:
     return sorted({n for part in gathered for n in part})
 
 
-def _rng_state_dict(prefix: str) -> Dict[str, torch.Tensor]:
+def rng_state_dict(prefix: str) -> Dict[str, torch.Tensor]:
     out = {f"{prefix}.cpu": torch.get_rng_state()}
     device = distributed.get_device()
     if device.type == "cuda":
@@ -106,7 +103,7 @@ def _rng_state_dict(prefix: str) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _jsonable_args(args) -> Dict[str, Any]:
+def jsonable_args(args) -> Dict[str, Any]:
     out = {}
     for k, v in vars(args).items():
         if v is None or isinstance(v, (bool, int, float, str)):

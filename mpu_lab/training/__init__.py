@@ -6,9 +6,10 @@
 data-parallel, sequence-parallel and tied-embedding gradient reductions),
 :mod:`~mpu_lab.training.initialize` (``get_model``, ``setup``, ``get_batch``),
 :mod:`~mpu_lab.training.training` (``megatron/training/training.py``: ``train_step``,
-``train``, ``pretrain``) and :mod:`~mpu_lab.training.dense_twin` (the single-process twin); :mod:`~mpu_lab.training.faults`
-injects faults on purpose (``--inject-fault``, lab 09) and compares a run with its twin;
-AdamW, clipping and the fp16 loss scale are in :mod:`mpu_lab.optimizer`.
+``train``, ``pretrain``) and :mod:`~mpu_lab.training.dense_twin` (the single-process twin);
+AdamW, clipping and the fp16 loss scale are in :mod:`mpu_lab.optimizer`. Lab 09's injected
+faults (``--inject-fault``) live in the lab kit (:mod:`mpu_lab.labkit.faults`), which wraps
+this package's calls from outside: the loop has no fault branch.
 
 Data parallelism at PP=1 is torch's ``DistributedDataParallel`` on the data-parallel group,
 with a communication hook that routes its bucket all-reduces through :mod:`mpu_lab.comm` so
@@ -29,9 +30,7 @@ from mpu_lab.models.gpt import pad_vocab_size
 from mpu_lab.models.transformer import TransformerConfig
 from mpu_lab.optimizer import DynamicLossScaler, build_optimizer, clip_grad_norm
 from mpu_lab.pipeline_parallel import model_chunks_of
-from mpu_lab.timers import StepTimer
 from mpu_lab.training.arguments import (
-    _validate_pipeline,
     build_parser,
     check_launch_args,
     model_config,
@@ -40,32 +39,16 @@ from mpu_lab.training.arguments import (
     vocab_padding_message,
 )
 from mpu_lab.training.dense_twin import train_dense_twin
-from mpu_lab.training.faults import (
-    FAULT_KINDS,
-    Fault,
-    TwinVerdict,
-    check_fault,
-    compare_with_dense_twin,
-    parse_fault,
-)
-from mpu_lab.training.finalize_model_grads import (
-    _ddp_counted_allreduce_hook,
-    allreduce_data_parallel_grads,
-    finalize_grads,
-)
+from mpu_lab.training.finalize_model_grads import allreduce_data_parallel_grads, finalize_grads
 from mpu_lab.training.initialize import TrainState, get_batch, get_model, setup
 from mpu_lab.training.optimizer_param_scheduler import OptimizerParamScheduler, build_scheduler
 from mpu_lab.training.training import (
-    _autocast,
-    _microbatches,
-    _optimizer_step,
-    _sync,
+    average_losses_across_data_parallel_group,
     dense_twin_losses,
     dense_twin_weights,
     forward_step,
     masked_mean_loss,
     pretrain,
-    schedule_timeline_report,
     train,
     train_step,
     train_step_pipelined,
@@ -77,8 +60,7 @@ __all__ = [
     "vocab_padding_message", "OptimizerParamScheduler", "build_scheduler", "build_optimizer",
     "clip_grad_norm", "DynamicLossScaler", "allreduce_data_parallel_grads", "finalize_grads",
     "TrainState", "model_chunks_of", "get_model", "setup", "get_batch", "train_step",
-    "train_step_pipelined", "forward_step", "masked_mean_loss", "schedule_timeline_report",
-    "train", "pretrain", "train_dense_twin", "init_single_process", "StepTimer",
-    "dense_twin_weights", "dense_twin_losses", "FAULT_KINDS", "Fault", "TwinVerdict",
-    "parse_fault", "check_fault", "compare_with_dense_twin",
+    "train_step_pipelined", "forward_step", "masked_mean_loss",
+    "train", "pretrain", "train_dense_twin", "init_single_process",
+    "dense_twin_weights", "dense_twin_losses", "average_losses_across_data_parallel_group",
 ]

@@ -3,35 +3,28 @@
 flag names, :func:`validate_args`, which fills in the derived values (data-parallel size,
 micro-batches, padded vocabulary, pipeline schedule) and is pure — no ``torch.distributed`` —
 so a notebook or the launcher can reject a bad configuration *before* any process starts, with
-a ``ValueError`` naming the numbers; :func:`check_launch_args`, the script's pre-check
-(``PRECHECK`` in ``launch/train_gpt.py``, run by :func:`mpu_lab.launcher.precheck`); and
-:func:`model_config`, the :class:`~mpu_lab.models.transformer.TransformerConfig` of the flags.
+a ``ValueError`` naming the numbers; :func:`check_launch_args`, what the launcher checks
+before ``torchrun`` starts (:func:`mpu_lab.launcher.precheck`); and :func:`model_config`, the
+:class:`~mpu_lab.models.transformer.TransformerConfig` of the flags. Both the parser and the
+checks are built from named steps, one per argument group and one per check family, as
+Megatron's ``_add_*_args`` functions.
 """
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from mpu_lab import checkpointing
 from mpu_lab.datasets import BYTE_VOCAB_SIZE, check_text_file
 from mpu_lab.models.gpt import pad_vocab_size
 from mpu_lab.models.transformer import TransformerConfig
 from mpu_lab.pipeline_parallel import validate_pipeline_args
-from mpu_lab.training.faults import (
-    DEFAULT_ITERATION,
-    DEFAULT_RANK,
-    FAULT_KINDS,
-    check_fault,
-    parse_fault,
-)
 from mpu_lab.utils import divisors
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="train_gpt.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Train a small GPT with tensor/sequence/data parallelism (Megatron-style flags).")
+def _add_parallelism_args(p: argparse.ArgumentParser) -> None:
+    """Tensor, pipeline (and virtual pipeline) and sequence parallelism."""
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -44,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers per model chunk for the interleaved schedule (Megatron's flag): "
                         "v = num_layers / PP / this")
     g.add_argument("--sequence-parallel", action="store_true")
+
+
+def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Megatron's data parallelism: the distributed optimizer, overlapped gradient reduction, buckets."""
     g = p.add_argument_group("data parallelism (lab 10)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron's distributed optimizer (ZeRO-1): gradients reduce-scattered, "
@@ -54,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket (default, as Megatron: "
                         "max(40000000, 1000000 x data-parallel size))")
+
+
+def _add_network_size_args(p: argparse.ArgumentParser) -> None:
+    """The transformer's shape, dropout and initialisation."""
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
@@ -70,11 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP size (Megatron)")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """Mock data or a text file."""
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true",
                    help="synthetic learnable data (the default when --data-path is not given)")
     g.add_argument("--data-path", default=None, help="a text file, read as bytes (vocab 256)")
     g.add_argument("--vocab-size", type=int, default=512, help="vocabulary of the mock data")
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    """Batch sizes, iterations, the learning-rate schedule, AdamW, clipping, the seed."""
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None,
@@ -92,10 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--seed", type=int, default=1234)
+
+
+def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
+    """Fp16 / bf16 and the loss scale."""
     g = p.add_argument_group("precision")
     g.add_argument("--fp16", action="store_true", help="autocast to float16, dynamic loss scale")
     g.add_argument("--bf16", action="store_true", help="autocast to bfloat16")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
+
+
+def _add_logging_and_checkpointing_args(p: argparse.ArgumentParser) -> None:
+    """Log lines, metrics, the timeline and breakdown reports, checkpoints."""
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--metrics-file", default=None,
@@ -107,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--breakdown", action="store_true",
                    help="every rank times its steps and the collectives in them and reports "
                         "the per-step breakdown (compute vs each kind of collective; "
-                        "mpu_lab.perf.measure) under \"breakdown\"; the first step is not timed")
+                        "mpu_lab.perf.breakdown) under \"breakdown\"; the first step is not timed")
     g.add_argument("--breakdown-barrier", action="store_true",
                    help="--breakdown with a barrier before each collective, booked as "
                         "'wait': separates waiting for peers from the transfer itself")
@@ -120,28 +137,54 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a checkpoint folder, or a folder of iter_XXXXXXX checkpoints (latest)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+
+
+def _add_debugging_args(p: argparse.ArgumentParser) -> None:
+    """The dense twin (lab 09)."""
     g = p.add_argument_group("debugging (lab 09)")
-    g.add_argument("--inject-fault", default=None, metavar="KIND[:RANK[:ITERATION]]",
-                   help="make one rank misbehave on purpose (mpu_lab.training.faults): "
-                        + ", ".join(FAULT_KINDS) + f"; RANK default {DEFAULT_RANK}, the "
-                        f"1-based ITERATION default {DEFAULT_ITERATION}")
     g.add_argument("--dense-twin", action="store_true",
                    help="rank 0 also trains the dense TP=1 twin from the run's initial weights "
                         "and reports its per-iteration losses under \"dense_losses\" "
-                        "(faults.compare_with_dense_twin)")
+                        "(mpu_lab.labkit.twin_check.compare_with_dense_twin)")
+
+
+# In the order of the help text.
+ARGUMENT_GROUPS = (_add_parallelism_args, _add_data_parallel_args, _add_network_size_args,
+                   _add_data_args, _add_training_args, _add_mixed_precision_args,
+                   _add_logging_and_checkpointing_args, _add_debugging_args)
+
+
+def build_parser(extra_args_provider: Optional[Callable[[argparse.ArgumentParser], Any]] = None
+                 ) -> argparse.ArgumentParser:
+    """The parser of ``launch/train_gpt.py``, one argument group at a time (as Megatron's
+    ``parse_args``); ``extra_args_provider(parser)`` adds more (Megatron's own hook: lab 09's
+    ``--inject-fault`` comes in this way, from :mod:`mpu_lab.labkit.faults`)."""
+    p = argparse.ArgumentParser(
+        prog="train_gpt.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a small GPT with tensor/sequence/data parallelism (Megatron-style flags).")
+    for add in ARGUMENT_GROUPS:
+        add(p)
+    if extra_args_provider is not None:
+        extra_args_provider(p)
     return p
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    return build_parser().parse_args(None if argv is None else list(map(str, argv)))
+def parse_args(argv: Optional[Sequence[str]] = None,
+               extra_args_provider: Optional[Callable[[argparse.ArgumentParser], Any]] = None
+               ) -> argparse.Namespace:
+    parser = build_parser(extra_args_provider)
+    return parser.parse_args(None if argv is None else list(map(str, argv)))
 
 
-def check_launch_args(argv: Sequence[str], world_size: int, cwd=None) -> argparse.Namespace:
+def check_launch_args(argv: Sequence[str], world_size: int, cwd=None,
+                      extra_args_provider: Optional[Callable[[argparse.ArgumentParser], Any]] = None
+                      ) -> argparse.Namespace:
     """What ``launcher.run("train_gpt.py", argv, nproc=world_size)`` checks before torchrun
-    starts (the script's ``PRECHECK``): parse, :func:`validate_args`, and a ``--load`` checkpoint's files against the sums
+    starts: parse, :func:`validate_args`, and a ``--load`` checkpoint's files against the sums
     recorded at save (:func:`mpu_lab.checkpointing.verify_checkpoint`). Relative paths are
-    taken from ``cwd``, the job's working folder, when given."""
-    args = parse_args(argv)
+    taken from ``cwd``, the job's working folder, when given. The script's ``PRECHECK``
+    (:func:`mpu_lab.labkit.faults.check_launch_args`) runs it with the fault flag added."""
+    args = parse_args(argv, extra_args_provider)
     if cwd is not None:
         for name in ("data_path", "load"):
             value = getattr(args, name)
@@ -169,7 +212,23 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
 
     Pure: no ``torch.distributed``, so it runs in the notebook before ``torchrun`` starts.
     Raises ``ValueError`` naming the numbers and what would be valid. Returns ``args``.
+    One check family per step, in this order (each may use what the ones before filled in).
     """
+    dp = _check_parallel_sizes(args, world_size)
+    _check_model(args)
+    _fill_batch_sizes(args, world_size, dp)
+    _validate_pipeline(args)
+    _check_optimizer_and_schedule(args)
+    _check_data_parallel_options(args, dp)
+    _check_save_interval(args)
+    _check_vocabulary(args)
+    _check_load(args, check_load)
+    return args
+
+
+def _check_parallel_sizes(args, world_size: int) -> int:
+    """The tensor- and pipeline-parallel sizes against the world; returns the data-parallel
+    size ``world_size / (TP x PP)``."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
@@ -188,12 +247,17 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
         raise ValueError(
             f"world size {world_size} is not divisible by tensor x pipeline parallel size "
             f"{tp} x {pp} = {tp * pp}; {valid}")
-    dp = world_size // (tp * pp)
+    return world_size // (tp * pp)
+
+
+def _check_model(args) -> None:
+    """Positive sizes, the model's shape for this TP size, and the position table (fills in
+    ``max_position_embeddings``)."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "train_iters", "log_interval"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    model_config(args).check(tp, args.seq_length)
+    model_config(args).check(args.tensor_model_parallel_size, args.seq_length)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.max_position_embeddings < args.seq_length:
@@ -202,6 +266,10 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
                          f"per position; use >= {args.seq_length} (or leave it out: default "
                          f"--seq-length)")
 
+
+def _fill_batch_sizes(args, world_size: int, dp: int) -> None:
+    """global batch = micro batch x micro-batches x DP: fills in ``global_batch_size`` (when
+    not given), ``data_parallel_size``, ``num_micro_batches`` and ``world_size``."""
     mbs = args.micro_batch_size
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp
@@ -214,8 +282,11 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
     args.data_parallel_size = dp
     args.num_micro_batches = gbs // (mbs * dp)
     args.world_size = world_size
-    _validate_pipeline(args)
 
+
+def _check_optimizer_and_schedule(args) -> None:
+    """Precision, learning rates and warmup (fills in ``lr_decay_iters`` and
+    ``lr_warmup_steps``), clipping and weight decay."""
     if args.fp16 and args.bf16:
         raise ValueError("--fp16 and --bf16 exclude each other: pick one")
     if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
@@ -239,6 +310,10 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
     if args.clip_grad < 0 or args.weight_decay < 0:
         raise ValueError(f"--clip-grad ({args.clip_grad}) and --weight-decay "
                          f"({args.weight_decay}) must be >= 0")
+
+
+def _check_data_parallel_options(args, dp: int) -> None:
+    """``--ddp-bucket-size``: positive, and only with Megatron's data parallelism."""
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ValueError(f"--ddp-bucket-size must be a positive number of elements, got "
                          f"{args.ddp_bucket_size} (leave it out for Megatron's default, "
@@ -249,9 +324,13 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
                          f"Megatron's data parallelism, used with --use-distributed-optimizer "
                          f"or --overlap-grad-reduce; add one of them (torch DDP, the default, "
                          f"has its own bucket_cap_mb)")
-    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
-        raise ValueError(f"--save-interval {args.save_interval} needs --save DIR and a value >= 1")
 
+
+def _check_vocabulary(args) -> None:
+    """The data file (``--data-path``: bytes, vocabulary 256) or the mock vocabulary, and its
+    padding to a multiple of ``--make-vocab-size-divisible-by`` x TP (fills in
+    ``padded_vocab_size``)."""
+    tp = args.tensor_model_parallel_size
     if args.data_path:
         check_text_file(args.data_path, args.seq_length)
         args.vocab_size = BYTE_VOCAB_SIZE
@@ -264,20 +343,23 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
                          f"multiple of it x TP ({tp}); use 1 for no padding, or Megatron's 128")
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
 
-    inject = getattr(args, "inject_fault", None)
-    args.fault = parse_fault(inject) if inject else None
-    if args.fault is not None:
-        check_fault(args.fault, args)
+
+def _check_save_interval(args) -> None:
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        raise ValueError(f"--save-interval {args.save_interval} needs --save DIR and a value >= 1")
+
+
+def _check_load(args, check_load: bool) -> None:
+    """``--dense-twin`` cannot follow ``--load``; a ``--load`` checkpoint must be complete and
+    fit the model (``check_load``)."""
     if getattr(args, "dense_twin", False) and args.load:
         raise ValueError(f"--dense-twin starts the twin from the run's initial weights; it "
                          f"cannot follow a run resumed with --load {args.load}")
-
     if check_load and args.load:
         # complete and compatible; the files' sums are checked once by check_launch_args
         # (before torchrun starts) and where they are read (checkpointing.load_checkpoint)
         path = checkpointing.find_checkpoint(args.load)
         checkpointing.check_compatible(checkpointing.read_checkpoint_info(path), args)
-    return args
 
 
 def _validate_pipeline(args) -> None:

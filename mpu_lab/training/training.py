@@ -5,7 +5,7 @@ step — or, with ``--pipeline-model-parallel-size`` > 1, :func:`train_step_pipe
 micro-batches go through the stages under
 :func:`~mpu_lab.pipeline_parallel.get_forward_backward_func` (GPipe, 1F1B or interleaved) with
 :func:`forward_step`; both reduce the loss with :func:`masked_mean_loss` and
-:func:`_average_over_data_parallel` and return :func:`_step_output`'s dict. :func:`train` is the
+:func:`average_losses_across_data_parallel_group` and return :func:`_step_output`'s dict. :func:`train` is the
 loop, logging JSON lines (``--metrics-file``) and saving checkpoints; :func:`pretrain` parses,
 validates, sets up and trains. Mixed precision is ``torch.autocast`` over fp32 parameters."""
 from __future__ import annotations
@@ -26,13 +26,10 @@ from mpu_lab.optimizer import DistributedOptimizer, clip_grad_norm
 from mpu_lab.pipeline_parallel import (
     average_losses_across_microbatches,
     get_forward_backward_func,
-    get_last_schedule_stats,
     unwrap_model,
 )
-from mpu_lab.timers import StepTimer
 from mpu_lab.checkpointing import gather_model_state_dict
 from mpu_lab.models import PlainGPT
-from mpu_lab.training import faults
 from mpu_lab.training.arguments import model_config, parse_args, validate_args
 from mpu_lab.training.dense_twin import train_dense_twin
 from mpu_lab.training.finalize_model_grads import finalize_grads
@@ -45,19 +42,12 @@ def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> t
     return (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
 
 
-def _average_over_data_parallel(loss: torch.Tensor, fault: Optional[faults.Fault] = None
-                                ) -> torch.Tensor:
+def average_losses_across_data_parallel_group(loss: torch.Tensor) -> torch.Tensor:
     """The global batch's loss from this replica's mean over its micro-batches: the mean over
-    the data-parallel group (tag ``logging``). ``fault``: this rank's injected fault of the
-    step (:mod:`~mpu_lab.training.faults`), if any."""
+    the data-parallel group (Megatron's function of this name, in ``training/utils.py``)."""
     dp_group = parallel_state.get_data_parallel_group()
     if comm.group_size(dp_group) > 1:
-        if fault is not None and fault.kind == "skip-collective":
-            return loss                                  # injected: no all-reduce on this rank
-        if fault is not None and fault.kind == "mismatched-shape":
-            loss = torch.stack([loss, torch.ones_like(loss)])   # injected: 2 elements, not 1
-        with comm.comm_tag("logging"):
-            loss = comm.all_reduce(loss, group=dp_group) / comm.group_size(dp_group)
+        loss = comm.all_reduce(loss, group=dp_group) / comm.group_size(dp_group)
     return loss
 
 
@@ -70,13 +60,10 @@ def _step_output(state: TrainState, loss, grad_norm: float, lr: float, skipped: 
     return out
 
 
-def _loss_scale(state: TrainState, fault: Optional[faults.Fault]) -> float:
+def _loss_scale(state: TrainState) -> float:
     """The factor this step's loss is multiplied by before backward: the fp16 loss scale
-    (1 without ``--fp16``); an injected fp16-overflow multiplies it by 2^64 on its rank."""
-    scale = state.scaler.scale if state.scaler else 1.0
-    if fault is not None and fault.kind == "fp16-overflow":
-        scale *= faults.OVERFLOW_FACTOR
-    return scale
+    (1 without ``--fp16``)."""
+    return state.scaler.scale if state.scaler else 1.0
 
 
 def _autocast(args, device):
@@ -87,7 +74,7 @@ def _autocast(args, device):
     return contextlib.nullcontext()
 
 
-def _optimizer_step(args, state, params, fault: Optional[faults.Fault] = None):
+def _optimizer_step(args, state, params):
     """Unscale (fp16), clip over the model-parallel group, step, advance the schedule. With
     the distributed optimizer the gradients are this rank's shards, so the overflow check and
     the norm go over every rank (data x model parallel), as Megatron's grad-stats group.
@@ -98,8 +85,6 @@ def _optimizer_step(args, state, params, fault: Optional[faults.Fault] = None):
     mp_group = parallel_state.get_model_parallel_group()
     if isinstance(state.optimizer, DistributedOptimizer):
         params, mp_group = state.optimizer.shard_params, dist.group.WORLD
-    if fault is not None and fault.kind == "wrong-group":
-        mp_group = parallel_state.get_data_parallel_group()   # injected: the wrong group
     skipped = False
     if state.scaler:
         skipped = state.scaler.unscale_and_check(params, mp_group)
@@ -130,12 +115,10 @@ def train_step(state: TrainState) -> Dict[str, float]:
         return train_step_pipelined(state)
     args, model, ddp_model = state.args, state.model, state.ddp_model
     device = distributed.get_device()
-    fault = faults.active(state)
-    faults.at_step_start(state)
     model.train()
     _zero_grads(state)
     M = args.num_micro_batches
-    scale = _loss_scale(state, fault)
+    scale = _loss_scale(state)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for m in range(M):
         batch = get_batch(state, state.iteration, m)
@@ -147,14 +130,12 @@ def train_step(state: TrainState) -> Dict[str, float]:
                 losses = ddp_model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
             loss = masked_mean_loss(losses, batch["loss_mask"])     # mean over this micro-batch
             (loss * (scale / M)).backward()
-        comm.clear_backward_tag()
         loss_sum += loss.detach()
     finalize_grads(model, ddp_chunks=state.ddp_chunks)
-    faults.after_backward(state)
     params = [p for p in model.parameters() if p.requires_grad]
-    lr, grad_norm, skipped = _optimizer_step(args, state, params, fault)
+    lr, grad_norm, skipped = _optimizer_step(args, state, params)
     # Loss of the global batch: mean over micro-batches, then over the data-parallel group.
-    loss = _average_over_data_parallel(loss_sum / M, fault)
+    loss = average_losses_across_data_parallel_group(loss_sum / M)
     return _step_output(state, loss, grad_norm, lr, skipped)
 
 
@@ -198,12 +179,10 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
     is broadcast over the pipeline so every rank returns it."""
     args, chunks = state.args, state.model_chunks
     device = distributed.get_device()
-    fault = faults.active(state)
-    faults.at_step_start(state)
     for chunk in chunks:
         chunk.train()
     _zero_grads(state)
-    scale = _loss_scale(state, fault)
+    scale = _loss_scale(state)
     iterators = [_microbatches(state, state.iteration, chunk) for chunk in chunks]
     forward_backward = get_forward_backward_func(args.pipeline_schedule)
     store = forward_backward(
@@ -213,36 +192,19 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
         num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False,
         grad_scale_func=(lambda loss: loss * scale) if state.scaler else None)
-    comm.clear_backward_tag()
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     finalize_grads(chunks, data_parallel_params=None if state.ddp_chunks else params,
                    ddp_chunks=state.ddp_chunks)
-    faults.after_backward(state)
-    lr, grad_norm, skipped = _optimizer_step(args, state, params, fault)
+    lr, grad_norm, skipped = _optimizer_step(args, state, params)
     # The loss of the global batch: on the last stage the mean over micro-batches, averaged
     # over the data-parallel group; then sent from the last stage to the whole pipeline.
     loss = torch.zeros((), dtype=torch.float32, device=device)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         loss += average_losses_across_microbatches(store)["lm_loss"]
-        loss = _average_over_data_parallel(loss, fault)
-    with comm.comm_tag("logging"):
-        loss = comm.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                              group=parallel_state.get_pipeline_model_parallel_group())
+        loss = average_losses_across_data_parallel_group(loss)
+    loss = comm.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                          group=parallel_state.get_pipeline_model_parallel_group())
     return _step_output(state, loss, grad_norm, lr, skipped)
-
-
-def schedule_timeline_report() -> Dict[str, Any]:
-    """This rank's pipeline coordinates and the records of its last schedule run
-    (:func:`~mpu_lab.pipeline_parallel.get_last_schedule_stats`), JSON-able, for
-    ``launcher.report``; :func:`~mpu_lab.pipeline_parallel.timeline.pipeline_records` turns the
-    ranks' reports into the Gantt chart's input. ``{}`` when no schedule has run."""
-    stats = get_last_schedule_stats()
-    if stats is None:
-        return {}
-    return dict(pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
-                tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
-                data_parallel_rank=parallel_state.get_data_parallel_rank(),
-                stats=stats.as_dict())
 
 
 def _sync(device):
@@ -262,17 +224,11 @@ def train(state: TrainState, train_iters: Optional[int] = None,
     tokens_per_iteration = args.global_batch_size * args.seq_length
     logged: List[Dict[str, Any]] = []
     window_losses, window_start = [], None
-    timer = None
-    if getattr(args, "breakdown", False) or getattr(args, "breakdown_barrier", False) \
-            or getattr(args, "breakdown_profile", None):
-        # train_gpt.py --breakdown: time each step and its collectives (mpu_lab.perf.measure)
-        timer = state.step_timer = StepTimer(device, barrier=args.breakdown_barrier,
-                                             profile_dir=args.breakdown_profile)
     try:
         _sync(device)
         window_start = time.perf_counter()
         while state.iteration < end:
-            step = timer.time_step(train_step, state) if timer else train_step(state)
+            step = train_step(state)
             window_losses.append(step["lm_loss"])
             it = state.iteration
             if it % args.log_interval == 0 or it == end:
@@ -324,7 +280,7 @@ def dense_twin_losses(args: argparse.Namespace, weights: Dict[str, torch.Tensor]
     """The per-iteration losses of the run's dense twin: a
     :class:`~mpu_lab.models.PlainGPT` holding ``weights`` (:func:`dense_twin_weights`),
     trained in this process like the run (:func:`~mpu_lab.training.dense_twin.train_dense_twin`);
-    what :func:`~mpu_lab.training.faults.compare_with_dense_twin` compares with."""
+    what a run's logged losses are compared with (``--dense-twin``)."""
     twin = PlainGPT.from_config(model_config(args), args.padded_vocab_size,
                                 args.max_position_embeddings)
     twin.load_state_dict(weights)

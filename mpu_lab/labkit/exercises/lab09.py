@@ -12,13 +12,13 @@ import torch
 from mpu_lab import distributed, parallel_state
 from mpu_lab.labkit.exercises.common import Verdict, _as_int, _unanswered, _verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, show
-from mpu_lab.training.faults import FAULT_KINDS
+from mpu_lab.labkit.faults import FAULT_KINDS
 
 
 # --------------------------------------------------------------------------- name the cause
 def suspects() -> Dict[str, str]:
     """The list of causes the learner picks from: ``{letter: cause}``, one per fault kind of
-    :data:`mpu_lab.training.faults.FAULT_KINDS`, ordered by the cause's text (so the letters
+    :data:`mpu_lab.labkit.faults.FAULT_KINDS`, ordered by the cause's text (so the letters
     do not follow the lab's sections)."""
     causes = sorted(FAULT_KINDS[kind]["cause"] for kind in FAULT_KINDS)
     return dict(zip(string.ascii_uppercase, causes))

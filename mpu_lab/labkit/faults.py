@@ -1,34 +1,48 @@
 """Faults injected on purpose into ``launch/train_gpt.py`` (``--inject-fault
 KIND[:RANK[:ITERATION]]``), so a learner sees what a broken distributed job does and how it is
-diagnosed; and the check that catches the one fault that fails nothing, silent divergence:
-:func:`compare_with_dense_twin` (the run's losses against its dense TP=1 twin, ``--dense-twin``).
+diagnosed (lab 09); and a rank killed in the middle of a checkpoint save
+(``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION``, the reliability tests).
 
-The lab's own (Megatron-LM has no fault injection). Each kind is something that goes wrong in
-real jobs (Megatron-LM issue #881 and nanotron issue #209 are hangs):
+The lab's own (Megatron-LM has no fault injection), and it stays out of the training loop:
+:func:`inject` wraps, for one rank and one iteration, the one call of
+:mod:`mpu_lab.training.training` that each kind corrupts (the train step itself, the loss
+all-reduce, the gradient-norm reduction, the step after backward), and :func:`kill_in_save`
+wraps the checkpoint writer of ``torch.distributed.checkpoint``. Each kind is something that
+goes wrong in real jobs (Megatron-LM issue #881 and nanotron issue #209 are hangs):
 
 * a collective fault (hang, skip-collective, mismatched-shape, wrong-group, pp-deadlock) makes
   the other ranks wait until the collective timeout (``MPU_LAB_TIMEOUT_S``), or makes gloo
   refuse the message, and :func:`mpu_lab.launcher.run` raises ``LaunchError`` naming where each
   rank stood;
 * crash: a rank raises; the others lose their peer at once;
-* divergence finishes with plausible losses: only the dense twin shows it;
+* divergence finishes with plausible losses: only the dense twin shows it
+  (:func:`mpu_lab.labkit.twin_check.compare_with_dense_twin`);
 * fp16-overflow finishes too: the step is skipped on every rank and the loss scale halved, as
   Megatron's dynamic loss scaler does (``skipped_iterations``, ``loss_scale`` in the metrics).
 
 ``RANK`` is a global rank (default 1) and ``ITERATION`` the 1-based iteration of the log lines
-(default 2: the first step runs as usual). :func:`check_fault` says which flags a kind needs.
+(default 2: the first step runs as usual). :func:`check_fault` says which flags a kind needs;
+:func:`check_launch_args` is the script's ``PRECHECK``.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import math
+import os
+import pathlib
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from mpu_lab import distributed, parallel_state
+from mpu_lab.checkpointing import iteration_dir
+from mpu_lab.optimizer import DynamicLossScaler
+from mpu_lab.training import arguments
+from mpu_lab.training import training as loop
+
+SAVE_FAULT_ENV = "MPU_LAB_FAULT_IN_SAVE"
 
 # kind -> what is injected, what a learner should take from it, which flags it needs
 FAULT_KINDS: Dict[str, Dict[str, str]] = {
@@ -88,7 +102,7 @@ FAULT_KINDS: Dict[str, Dict[str, str]] = {
 DEFAULT_RANK = 1
 DEFAULT_ITERATION = 2
 OVERFLOW_FACTOR = 2.0 ** 64
-_SPEC = "KIND[:RANK[:ITERATION]]"
+SPEC = "KIND[:RANK[:ITERATION]]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,19 +123,19 @@ def parse_fault(spec: str) -> Fault:
     valid = ", ".join(FAULT_KINDS)
     parts = str(spec).strip().split(":")
     if not parts[0] or len(parts) > 3:
-        raise ValueError(f"--inject-fault {spec!r}: expected {_SPEC} (e.g. hang, crash:0, "
+        raise ValueError(f"--inject-fault {spec!r}: expected {SPEC} (e.g. hang, crash:0, "
                          f"divergence:1:5); KIND is one of {valid}")
     kind = parts[0].strip().lower()
     if kind not in FAULT_KINDS:
         raise ValueError(f"--inject-fault {spec!r}: unknown fault kind {kind!r}; valid kinds "
-                         f"are {valid} (format {_SPEC})")
+                         f"are {valid} (format {SPEC})")
     numbers = []
     for name, text in zip(("RANK", "ITERATION"), parts[1:]):
         try:
             numbers.append(int(text))
         except ValueError:
             raise ValueError(f"--inject-fault {spec!r}: {name} must be an integer, got "
-                             f"{text!r} (format {_SPEC})") from None
+                             f"{text!r} (format {SPEC})") from None
     rank = numbers[0] if numbers else DEFAULT_RANK
     iteration = numbers[1] if len(numbers) > 1 else DEFAULT_ITERATION
     if rank < 0 or iteration < 1:
@@ -171,51 +185,58 @@ def check_fault(fault: Fault, args) -> None:
                              f"{last} (rank {fault.rank} is on stage {stage})")
 
 
-# --------------------------------------------------------------------------- in the job
-def active(state, kind: Optional[str] = None) -> Optional[Fault]:
-    """The fault this rank injects in the step about to run (``state.iteration`` optimizer
-    steps done), or None; with ``kind``, only a fault of that kind."""
-    fault = getattr(state.args, "fault", None)
-    if fault is None or (kind is not None and fault.kind != kind):
+# --------------------------------------------------------------------------- the flag
+def add_fault_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--inject-fault``: the ``extra_args_provider`` that ``launch/train_gpt.py`` gives
+    :func:`mpu_lab.training.parse_args`."""
+    g = parser.add_argument_group("debugging (lab 09): injected faults")
+    g.add_argument("--inject-fault", default=None, metavar=SPEC,
+                   help="make one rank misbehave on purpose (mpu_lab.labkit.faults): "
+                        + ", ".join(FAULT_KINDS) + f"; RANK default {DEFAULT_RANK}, the "
+                        f"1-based ITERATION default {DEFAULT_ITERATION}")
+    return parser
+
+
+def fault_of(args) -> Optional[Fault]:
+    """The fault ``--inject-fault`` asks for, checked against ``args`` (validated for the
+    world: :func:`mpu_lab.training.validate_args`); None without the flag."""
+    spec = getattr(args, "inject_fault", None)
+    if not spec:
         return None
-    if state.iteration + 1 != fault.iteration or dist.get_rank() != fault.rank:
-        return None
+    fault = parse_fault(spec)
+    check_fault(fault, args)
     return fault
 
 
-def _announce(fault: Fault) -> None:
+def check_launch_args(argv: Sequence[str], world_size: int, cwd=None) -> argparse.Namespace:
+    """``launch/train_gpt.py``'s ``PRECHECK``: the training flags
+    (:func:`mpu_lab.training.arguments.check_launch_args`), ``--inject-fault`` among them,
+    then the fault against them (:func:`fault_of`)."""
+    args = arguments.check_launch_args(argv, world_size, cwd, extra_args_provider=add_fault_args)
+    fault_of(args)
+    return args
+
+
+# --------------------------------------------------------------------------- in the job
+def announce(fault: Fault) -> None:
     """One line on the faulty rank's output, with the wall clock (``time.time()``), so a test
     or a lab can measure how long the job takes to fail from here."""
     print(f"[inject-fault] {fault.kind} on rank {fault.rank} at iteration {fault.iteration} "
           f"(time {time.time():.3f})", flush=True)
 
 
-def at_step_start(state) -> None:
-    """Announce this rank's fault of the step (:func:`_announce`) and inject the ones that
-    act before the forward: hang, divergence, pp-deadlock (on the fault's rank and its
-    pipeline neighbour)."""
-    fault = getattr(state.args, "fault", None)
-    if fault is None or state.iteration + 1 != fault.iteration:
-        return
-    if dist.get_rank() == fault.rank:
-        _announce(fault)
-    if fault.kind == "pp-deadlock":
-        _send_first_to_neighbour(state, fault)
-    elif dist.get_rank() == fault.rank and fault.kind == "hang":
-        time.sleep(24 * 3600)   # stopped by torchrun when the others time out
-    elif dist.get_rank() == fault.rank and fault.kind == "divergence":
-        _redraw_one_shard(state)
+def hang() -> None:
+    """The rank sleeps instead of computing its step; torchrun stops it when the others time
+    out."""
+    time.sleep(24 * 3600)
 
 
-def after_backward(state) -> None:
-    """crash: the rank raises between its backward and the optimizer step."""
-    fault = active(state, "crash")
-    if fault is not None:
-        raise RuntimeError(f"rank {fault.rank} raised at iteration {fault.iteration} "
-                           f"(fault injected by --inject-fault crash)")
+def crash(fault: Fault) -> None:
+    raise RuntimeError(f"rank {fault.rank} raised at iteration {fault.iteration} "
+                       f"(fault injected by --inject-fault crash)")
 
 
-def _redraw_one_shard(state) -> None:
+def redraw_one_shard(state) -> None:
     """Re-draw this rank's part of the first 2-D weight of its model from another seed."""
     weight = next(p for p in state.model.parameters() if p.dim() == 2)
     generator = torch.Generator().manual_seed(state.args.seed + 7919 * (dist.get_rank() + 1))
@@ -225,7 +246,7 @@ def _redraw_one_shard(state) -> None:
         weight.copy_(fresh.to(weight.device, weight.dtype))
 
 
-def _send_first_to_neighbour(state, fault: Fault) -> None:
+def send_first_to_neighbour(state, fault: Fault) -> None:
     """The fault's rank and its pipeline neighbour (the next stage; the previous one for
     the last stage) each send an activation-sized tensor with a blocking ``dist.send``, then
     receive the other's: neither receive is ever posted, so both sends wait until the
@@ -247,72 +268,126 @@ def _send_first_to_neighbour(state, fault: Fault) -> None:
     dist.recv(activation, src=other, group=group)
 
 
-# --------------------------------------------------------------------------- dense twin
 @dataclasses.dataclass
-class TwinVerdict:
-    """What :func:`compare_with_dense_twin` found; true when the run matches its twin."""
-    ok: bool
-    rtol: float
-    checked: int                          # logged iterations compared
-    max_rel_diff: float                   # over the iterations that matched
-    iteration: Optional[int] = None       # the first logged iteration that drifts
-    loss: Optional[float] = None          # the run's loss there
-    dense_loss: Optional[float] = None    # the twin's
-    rel_diff: Optional[float] = None
+class Injection:
+    """One fault installed into this process's training loop: :meth:`train_step` replaces
+    the loop's ``train_step`` (it arms the fault on its rank in its iteration and runs the
+    kinds that act before the forward); each other method replaces the one call its kind
+    corrupts, and passes the call through unchanged whenever the fault is not armed."""
+    fault: Fault
+    rank: int
+    armed: bool = False
+    inflated_scaler: Optional[DynamicLossScaler] = None
+    originals: Dict[str, Callable] = dataclasses.field(default_factory=dict)
 
-    def __bool__(self) -> bool:
-        return self.ok
+    def train_step(self, state):
+        fault = self.fault
+        faulty_step = state.iteration + 1 == fault.iteration
+        self.armed = faulty_step and self.rank == fault.rank
+        if self.armed:
+            announce(fault)
+        if faulty_step and fault.kind == "pp-deadlock":
+            send_first_to_neighbour(state, fault)   # on the fault's rank and its neighbour
+        elif self.armed and fault.kind == "hang":
+            hang()
+        elif self.armed and fault.kind == "divergence":
+            redraw_one_shard(state)
+        elif self.armed and fault.kind == "fp16-overflow":
+            # this rank's loss is scaled 2^64 times too much for one backward
+            self.inflated_scaler = state.scaler
+            state.scaler.scale *= OVERFLOW_FACTOR
+        try:
+            return self.originals["train_step"](state)
+        finally:
+            self.armed = False
 
-    def __str__(self) -> str:
-        if self.ok:
-            return (f"Matches the dense twin: {self.checked} logged iterations within rtol "
-                    f"{self.rtol:.0e} (largest relative difference {self.max_rel_diff:.1e}).")
-        before = (f"; the {self.checked - 1} before it matched (largest relative difference "
-                  f"{self.max_rel_diff:.1e})" if self.checked > 1 else "")
-        return (f"Drifts from the dense twin at iteration {self.iteration}: loss "
-                f"{self.loss:.6f} vs the twin's {self.dense_loss:.6f}, relative difference "
-                f"{self.rel_diff:.1e} > rtol {self.rtol:.0e}{before}.")
+    def finalize_grads(self, *args, **kwargs):
+        """After the backward, before the optimizer step: crash raises; fp16-overflow gives
+        the scaler back its true scale, which it unscales the gradients with."""
+        out = self.originals["finalize_grads"](*args, **kwargs)
+        if self.inflated_scaler is not None:
+            self.inflated_scaler.scale /= OVERFLOW_FACTOR
+            self.inflated_scaler = None
+        if self.armed and self.fault.kind == "crash":
+            crash(self.fault)
+        return out
+
+    def average_losses_across_data_parallel_group(self, loss):
+        """skip-collective: no all-reduce on this rank; mismatched-shape: 2 elements, not 1."""
+        original = self.originals["average_losses_across_data_parallel_group"]
+        if self.armed and self.fault.kind == "skip-collective":
+            return loss
+        if self.armed and self.fault.kind == "mismatched-shape":
+            return original(torch.stack([loss, torch.ones_like(loss)]))
+        return original(loss)
+
+    def clip_grad_norm(self, params, max_norm, group):
+        """wrong-group: the norm summed over the data-parallel group, not the model-parallel
+        one."""
+        if self.armed:
+            group = parallel_state.get_data_parallel_group()
+        return self.originals["clip_grad_norm"](params, max_norm, group)
 
 
-def _rank0(metrics):
-    """A job (anything with ``.results``: rank 0's report) or a report, as given."""
-    return metrics.results[0] if hasattr(metrics, "results") else metrics
+# the call of mpu_lab.training.training each kind replaces, besides train_step
+PATCHED_CALL = {"crash": "finalize_grads", "fp16-overflow": "finalize_grads",
+                "skip-collective": "average_losses_across_data_parallel_group",
+                "mismatched-shape": "average_losses_across_data_parallel_group",
+                "wrong-group": "clip_grad_norm"}
 
 
-def compare_with_dense_twin(metrics, dense_losses: Optional[Sequence] = None,
-                            rtol: float = 1e-5) -> TwinVerdict:
-    """Compare a run's logged losses with its dense twin's, iteration by iteration.
+def inject(fault: Optional[Fault]) -> Callable[[], None]:
+    """Install ``fault`` (:func:`fault_of`) into this process's training loop: replace the
+    loop's ``train_step`` and the one call the kind corrupts (:data:`PATCHED_CALL`) with the
+    methods of an :class:`Injection`. Returns the function that puts the originals back;
+    nothing is installed for None. Every rank calls it (pp-deadlock also acts on the fault
+    rank's neighbour)."""
+    if fault is None:
+        return lambda: None
+    injection = Injection(fault, dist.get_rank())
+    for name in ["train_step"] + ([PATCHED_CALL[fault.kind]] if fault.kind in PATCHED_CALL else []):
+        injection.originals[name] = getattr(loop, name)
+        setattr(loop, name, getattr(injection, name))
 
-    ``metrics``: the run's logged records (``job.results[0]["metrics"]``, or that result dict
-    itself), each with ``iteration`` and ``lm_loss`` (the mean over the iterations since the
-    previous record); ``dense_losses``: the twin's loss per iteration, iteration 1 first
-    (``job.results[0]["dense_losses"]`` with ``--dense-twin``). Returns a
-    :class:`TwinVerdict`: the first iteration whose relative difference exceeds ``rtol``,
-    by how much; true when none does. ``metrics`` may also be the job
-    (:class:`~mpu_lab.launcher.LaunchResult`); ``dense_losses`` left out: the report's own
-    ``"dense_losses"``."""
-    report = _rank0(metrics)
-    if dense_losses is None:
-        if not (isinstance(report, dict) and "dense_losses" in report):
-            raise ValueError("no dense losses: run train_gpt.py with --dense-twin, or pass "
-                             "dense_losses (the twin's loss per iteration)")
-        dense_losses = report["dense_losses"]
-    records = list(report["metrics"] if isinstance(report, dict) else report)
-    if not records:
-        raise ValueError("no logged iterations to compare (metrics is empty)")
-    dense = [float(x["lm_loss"]) if isinstance(x, dict) else float(x) for x in dense_losses]
-    previous, worst, checked = 0, 0.0, 0
-    for record in records:
-        it = int(record["iteration"])
-        if it > len(dense):
-            raise ValueError(f"the run logged iteration {it} but the twin has only "
-                             f"{len(dense)} losses")
-        window = dense[previous:it]
-        expected = sum(window) / len(window)
-        got = float(record["lm_loss"])
-        rel = abs(got - expected) / abs(expected) if expected else abs(got)
-        checked += 1
-        if not rel <= rtol or math.isnan(got):
-            return TwinVerdict(False, rtol, checked, worst, it, got, expected, rel)
-        worst, previous = max(worst, rel), it
-    return TwinVerdict(True, rtol, checked, worst)
+    def remove() -> None:
+        for name, original in injection.originals.items():
+            setattr(loop, name, original)
+    return remove
+
+
+# --------------------------------------------------------------------------- in the save
+def kill_in_save(rank: int, iteration: int) -> Callable[[], None]:
+    """Global rank ``rank`` exits (``os._exit(3)``, no Python exception) inside
+    ``torch.distributed.checkpoint``'s save of ``iteration``, right after writing its data
+    file and before DCP's metadata: a rank killed mid-save, which leaves an incomplete
+    checkpoint behind. Wraps the default writer's ``write_data``; returns the undo."""
+    # heavy (about a second): imported only for this fault
+    from torch.distributed.checkpoint import FileSystemWriter
+    original = FileSystemWriter.write_data
+    folder = iteration_dir(".", iteration).name
+
+    def write_data(self, plan, planner):
+        future = original(self, plan, planner)
+        if dist.get_rank() != rank or pathlib.Path(self.path).name != folder:
+            return future
+        future.wait()
+        print(f"rank {rank}: exiting in the middle of saving {folder} "
+              f"({SAVE_FAULT_ENV}={rank}:{iteration})", flush=True)
+        os._exit(3)
+
+    FileSystemWriter.write_data = write_data
+    return lambda: setattr(FileSystemWriter, "write_data", original)
+
+
+def kill_in_save_from_env() -> Callable[[], None]:
+    """:func:`kill_in_save` as ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION`` asks (nothing when it
+    is not set); returns the undo."""
+    value = os.environ.get(SAVE_FAULT_ENV, "")
+    if not value:
+        return lambda: None
+    try:
+        rank, iteration = (int(part) for part in value.split(":"))
+    except ValueError:
+        raise ValueError(f"{SAVE_FAULT_ENV}={value!r}: expected RANK:ITERATION, two integers "
+                         f"(e.g. 1:4)") from None
+    return kill_in_save(rank, iteration)
