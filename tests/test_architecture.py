@@ -34,7 +34,8 @@ BOTTOM_LAYERS = {
 }
 MIRROR = ("mpu_lab.parallel_state", "mpu_lab.distributed", "mpu_lab.comm", "mpu_lab.timers",
           "mpu_lab.tensor_parallel", "mpu_lab.models", "mpu_lab.pipeline_parallel",
-          "mpu_lab.datasets", "mpu_lab.optimizer", "mpu_lab.checkpointing", "mpu_lab.training")
+          "mpu_lab.datasets", "mpu_lab.optimizer", "mpu_lab.checkpointing", "mpu_lab.training",
+          "mpu_lab.context_parallel")
 
 
 def modules() -> Dict[str, pathlib.Path]:
