@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from mpu_lab.launcher import LaunchTimeout, run, runner
+from mpu_lab.launcher import LaunchTimeout, prechecks, run
 
 PROBE = pathlib.Path(__file__).parent / "mp" / "launch_probe.py"
 pytestmark = pytest.mark.slow
@@ -105,10 +105,10 @@ def test_prechecks_of_jobs_launched_side_by_side_leave_stdout_and_stderr_as_they
         print("usage: ...")
         time.sleep(0.02)
 
-    monkeypatch.setattr(runner, "precheck_spec", lambda path: "x:y")
-    monkeypatch.setattr(runner, "resolve_precheck", lambda spec: slow_check)
+    monkeypatch.setattr(prechecks, "precheck_spec", lambda path: "x:y")
+    monkeypatch.setattr(prechecks, "resolve_precheck", lambda spec: slow_check)
     before = sys.stdout, sys.stderr
-    threads = [threading.Thread(target=runner.precheck, args=(pathlib.Path("x.py"), [], 2))
+    threads = [threading.Thread(target=prechecks.precheck, args=(pathlib.Path("x.py"), [], 2))
                for _ in range(8)]
     for t in threads:
         t.start()
@@ -126,6 +126,6 @@ def test_an_environment_inside_the_repository_is_not_the_repositorys_code():
     torch_file = str(REPO_ROOT / ".venv" / "lib" / "python3.11" / "site-packages" / "torch"
                      / "distributed" / "distributed_c10d.py")
     assert debugging._short(torch_file) == "torch/distributed/distributed_c10d.py"
-    assert diagnosis._short(torch_file) == "distributed_c10d.py"
+    assert diagnosis.short_path(torch_file) == "distributed_c10d.py"
     own = str(REPO_ROOT / "mpu_lab" / "comm.py")
-    assert debugging._short(own) == diagnosis._short(own) == "mpu_lab/comm.py"
+    assert debugging._short(own) == diagnosis.short_path(own) == "mpu_lab/comm.py"

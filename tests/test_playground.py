@@ -239,7 +239,7 @@ def test_stop_does_not_report_a_log_file_someone_else_already_removed(caplog):
 
     from mpu_lab.labkit.playground import world as world_module
     log = logging.getLogger("ipyparallel.cluster.cluster.test-quiet")
-    world_module._quiet_about_removed_logs(log)
+    world_module.quiet_about_removed_logs(log)
     with caplog.at_level(logging.ERROR, logger=log.name):
         log.error("Failed to remove /tmp/ipcontroller-1.log: [Errno 2] No such file or directory")
         log.error("Failed to remove /tmp/ipcontroller-1.log: [Errno 13] Permission denied")

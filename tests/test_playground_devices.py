@@ -3,7 +3,7 @@ without starting engines.
 
 Each test plays the engines of a world one after another in this process: it puts the
 environment :func:`~mpu_lab.labkit.playground.world.engine_env` gives engine ``r`` in
-``os.environ`` and calls the engine's own :func:`~mpu_lab.labkit.playground.engine._engine_init`
+``os.environ`` and calls the engine's own :func:`~mpu_lab.labkit.playground.engine.engine_init`
 with ``torch.cuda.is_available`` / ``device_count`` faked (0, 1, 2, 4 or 8 GPUs) and
 ``torch.distributed.init_process_group`` recorded instead of run. So what is checked is the
 code a real engine runs: NCCL only when every engine has a GPU of its own, ``cuda:LOCAL_RANK``
@@ -27,7 +27,7 @@ from mpu_lab.labkit.playground.world import check_world_args, engine_env
 @pytest.fixture
 def machine(monkeypatch):
     """``machine(gpus, nccl=True)`` fakes a node with ``gpus`` GPUs; returns ``play(world_size,
-    backend)``, which runs ``_engine_init`` as each engine of such a world and returns one
+    backend)``, which runs ``engine_init`` as each engine of such a world and returns one
     record per rank: the reply, the namespace's ``device``, the init_process_group keywords and
     the device ``torch.cuda.set_device`` was given."""
     for name in ("MPU_LAB_DEVICE", "MPU_LAB_BACKEND", "TORCH_NCCL_BLOCKING_WAIT"):
@@ -62,7 +62,7 @@ def machine(monkeypatch):
                 shell.user_ns.clear()
                 for key, value in engine_env(rank, world_size, 29500, 15.0).items():
                     monkeypatch.setenv(key, value)
-                reply = engine._engine_init(backend, 15.0, tp, pp)
+                reply = engine.engine_init(backend, 15.0, tp, pp)
                 records.append(dict(reply=reply, device=shell.user_ns["device"],
                                     rank=shell.user_ns["rank"], init=dict(state["init"]),
                                     set_device=state["set_device"]))
@@ -145,7 +145,7 @@ def shell(monkeypatch):
 
 
 def test_a_cells_tensor_value_comes_back_on_the_cpu_unchanged(shell):
-    reply = engine._run_on_engine("x = torch.full((2,), float(rank), device=device)\n"
+    reply = engine.run_on_engine("x = torch.full((2,), float(rank), device=device)\n"
                                   "{'x': x, 'both': [x, (x * 2).requires_grad_()]}", rank=1)
     assert "error" not in reply, reply.get("traceback")
     value = reply["value"]
@@ -156,7 +156,7 @@ def test_a_cells_tensor_value_comes_back_on_the_cpu_unchanged(shell):
 
 def test_values_are_lists_of_floats(shell):
     shell.user_ns["x"] = torch.arange(4, device=torch.device("cpu")).reshape(2, 2)
-    assert engine._engine_values("x") == [[0.0, 1.0], [2.0, 3.0]]
-    assert engine._engine_values("(x[0], [x[1]])") == ([0.0, 1.0], [[2.0, 3.0]])
-    assert engine._engine_values("x.shape") == torch.Size([2, 2])   # not a tensor: as it is
-    assert engine._engine_values("None") is None
+    assert engine.engine_values("x") == [[0.0, 1.0], [2.0, 3.0]]
+    assert engine.engine_values("(x[0], [x[1]])") == ([0.0, 1.0], [[2.0, 3.0]])
+    assert engine.engine_values("x.shape") == torch.Size([2, 2])   # not a tensor: as it is
+    assert engine.engine_values("None") is None

@@ -440,9 +440,9 @@ def test_failure_report_wording_from_the_ranks_records(tmp_path):
         f'  File "{launcher.REPO_ROOT}/launch/x.py", line 5 in main\n')
     summary = [(None, "  rank      : 2 (local_rank: 2)"), (None, "  exitcode  : 9 (pid: 1)"),
                (None, "  rank      : 1 (local_rank: 1)"), (None, "  exitcode  : -15 (pid: 2)")]
-    codes = diagnosis._exit_codes(summary)
+    codes = diagnosis.exit_codes_from_lines(summary)
     assert codes == {2: 9, 1: -15}
-    text, states = diagnosis._diagnose(tmp_path, 3, "RuntimeError: size mismatch", tb, None, codes)
+    text, states = diagnosis.diagnose(tmp_path, 3, "RuntimeError: size mismatch", tb, None, codes)
     assert text.splitlines() == [
         "A collective failed: broadcast at launch/x.py:7 in main, reached by rank(s) [0]; every "
         "rank must call it, in the same order.",
@@ -451,7 +451,7 @@ def test_failure_report_wording_from_the_ranks_records(tmp_path):
         "likely cause: rank 2 exited with code 9 without a Python exception (an os._exit or "
         "sys.exit in a library, or the operating system killed it: out of memory? see dmesg), "
         "and the others then lost their peer."]
-    text, _ = diagnosis._diagnose(tmp_path, 3, "ValueError: timeout_s must be > 0", "", None)
+    text, _ = diagnosis.diagnose(tmp_path, 3, "ValueError: timeout_s must be > 0", "", None)
     assert text == ""
 
 
@@ -466,7 +466,7 @@ def test_a_rank_that_exits_while_the_others_are_outside_any_collective(tmp_path)
         'save_checkpoint\n'
         f'  File "{launcher.REPO_ROOT}/launch/train_gpt.py", line 90 in main\n')
     codes = {1: 3, 0: -15}
-    text, states = diagnosis._diagnose(tmp_path, 2, "", "", None, codes)
+    text, states = diagnosis.diagnose(tmp_path, 2, "", "", None, codes)
     assert text.splitlines() == [
         "No rank raised: rank 1 exited with code 3 without a Python exception (os._exit, or "
         "killed).",
@@ -477,7 +477,7 @@ def test_a_rank_that_exits_while_the_others_are_outside_any_collective(tmp_path)
         "and the others then lost their peer."]
     # with no stack dump from the peer there is still the rank that exited
     (tmp_path / "stack_rank0.txt").unlink()
-    text, _ = diagnosis._diagnose(tmp_path, 2, "", "", None, codes)
+    text, _ = diagnosis.diagnose(tmp_path, 2, "", "", None, codes)
     assert text.splitlines()[:2] == [
         "No rank raised: rank 1 exited with code 3 without a Python exception (os._exit, or "
         "killed).", "The others: rank 0 was killed by signal 15."]

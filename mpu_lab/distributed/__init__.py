@@ -55,6 +55,22 @@ def choose_device(local_rank: int, gpu_count: Optional[int] = None) -> torch.dev
     return torch.device("cuda", local_rank % gpu_count)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now, for a rendezvous (``MASTER_PORT``). The operating
+    system picks it; another process may still take it before the rendezvous binds it."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def synchronize(device) -> None:
+    """Wait until the kernels queued on ``device`` have run (nothing to wait for on the CPU):
+    a wall-clock time read after a CUDA launch would otherwise measure the launch only."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
@@ -131,11 +147,8 @@ def init_single_process(backend: str = "auto"):
     a benchmark, a unit test). Does nothing when a world already exists."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         init(backend=backend)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)

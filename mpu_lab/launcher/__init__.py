@@ -13,7 +13,7 @@ What it does for you, because ``torchrun`` from a notebook is easy to get wrong:
   ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``), or collated in rank order after the job
   (``show="ranks"``: deterministic, for notebooks that nbval compares).
 * The flags checked before anything starts: a script declares ``PRECHECK = "module:function"``
-  and :func:`~mpu_lab.launcher.runner.precheck` runs that function on the flags.
+  and :func:`~mpu_lab.launcher.prechecks.precheck` runs that function on the flags.
 * Results as Python data: a worker calls :func:`report` with anything JSON-able; ``run``
   returns them in rank order.
 * Failure is an exception, :class:`LaunchError`, naming the root-cause rank (the first to fail,
@@ -22,21 +22,21 @@ What it does for you, because ``torchrun`` from a notebook is easy to get wrong:
   checked gone — no orphan workers.
 
 Modules: :mod:`~mpu_lab.launcher.worker` (inside a job), :mod:`~mpu_lab.launcher.runner` (the
-driver), :mod:`~mpu_lab.launcher.process_tree`, :mod:`~mpu_lab.launcher.diagnosis`.
+driver), :mod:`~mpu_lab.launcher.prechecks` (a script's flags checked before it starts),
+:mod:`~mpu_lab.launcher.process_tree` (finding and stopping a job's processes, also
+for the lab kit), :mod:`~mpu_lab.launcher.pump` (a child's output, line by line),
+:mod:`~mpu_lab.launcher.diagnosis`.
 """
 from mpu_lab.launcher.paths import LAUNCH_DIR, REPO_ROOT, RESULT_DIR_ENV
+from mpu_lab.launcher.prechecks import precheck, precheck_spec, resolve_precheck, script_prechecks
 from mpu_lab.launcher.process_tree import descendants, kill_tree
 from mpu_lab.launcher.runner import (
     LaunchError,
     LaunchResult,
     LaunchTimeout,
     max_ranks,
-    precheck,
-    precheck_spec,
-    resolve_precheck,
     resolve_script,
     run,
-    script_prechecks,
     torchrun_command,
 )
 from mpu_lab.launcher.worker import entrypoint, gather_lines, report

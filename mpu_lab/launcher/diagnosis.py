@@ -16,12 +16,13 @@ from mpu_lab.launcher.paths import REPO_ROOT
 _LAUNCHER_DIR = pathlib.Path(__file__).resolve().parent
 
 # Messages of ranks that fail only because another rank died first.
-_SECONDARY = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|"
-                        r"NCCL communicator was aborted|failed to recv|Socket Timeout", re.I)
+SECONDARY_FAILURE = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|"
+                               r"NCCL communicator was aborted|failed to recv|Socket Timeout",
+                               re.I)
 
 
 
-def _root_cause(log_dir: pathlib.Path, result_dir: pathlib.Path) -> Tuple[Optional[int], str, str]:
+def root_cause(log_dir: pathlib.Path, result_dir: pathlib.Path) -> Tuple[Optional[int], str, str]:
     """(rank, message, traceback) of the first failure: from :func:`entrypoint`'s precise
     records if any, else from torch elastic's error files (``@record``, 1 s resolution, so
     ties are broken against errors that only echo a dead peer)."""
@@ -32,7 +33,8 @@ def _root_cause(log_dir: pathlib.Path, result_dir: pathlib.Path) -> Tuple[Option
         except (OSError, ValueError):
             continue
     if precise:
-        first = min(precise, key=lambda d: (bool(_SECONDARY.search(d["message"])), d["time"]))
+        first = min(precise, key=lambda d: (bool(SECONDARY_FAILURE.search(d["message"])),
+                                            d["time"]))
         return first["rank"], first["message"], first["traceback"]
     best = None
     for path in log_dir.rglob("error.json"):
@@ -51,7 +53,7 @@ def _root_cause(log_dir: pathlib.Path, result_dir: pathlib.Path) -> Tuple[Option
             rank = int(path.parent.name)
         except ValueError:
             rank = None
-        key = (stamp, bool(_SECONDARY.search(text)))
+        key = (stamp, bool(SECONDARY_FAILURE.search(text)))
         if best is None or key < best[0]:
             best = (key, rank, text, extra.get("py_callstack", ""))
     if best is None:
@@ -103,7 +105,7 @@ def repo_relative(path: str) -> Optional[str]:
         return None
 
 
-def _short(path: str) -> str:
+def short_path(path: str) -> str:
     """A frame's file: relative to the repository for its own files, else the file name."""
     return repo_relative(path) or pathlib.Path(path).name
 
@@ -132,7 +134,7 @@ def _where(text: str, innermost_last: bool = True) -> str:
     if not frames:
         return "an unknown place"
     path, line, func = frames[-1] if innermost_last else frames[0]
-    return f"{_short(path)}:{line} in {func}"
+    return f"{short_path(path)}:{line} in {func}"
 
 
 def _rank_facts(result_dir: pathlib.Path, nproc: int, exit_codes: Dict[int, int]
@@ -195,7 +197,7 @@ def _state(f: Dict[str, object]) -> str:
     return "was stopped (no record of where)"
 
 
-def _diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: str,
+def diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: str,
               timeout_s: Optional[str], exit_codes: Optional[Dict[int, int]] = None
               ) -> Tuple[str, Dict[int, str]]:
     """Explain a failed job: which call, where, which ranks were in it and where the others
@@ -207,7 +209,7 @@ def _diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: 
     op = _collective_in(root_tb)
     place = _where(root_tb)
     timed_out = bool(_COLLECTIVE_TIMEOUT.search(root_message))
-    secondary = bool(_SECONDARY.search(root_message))
+    secondary = bool(SECONDARY_FAILURE.search(root_message))
     waiting = [r for r, f in sorted(facts.items()) if f["how"] == "stopped" and f["op"]]
     if not root_tb and op is None and waiting and any(
             f["how"] in ("aborted", "exited", "killed") for f in facts.values()):
@@ -276,7 +278,7 @@ def _likely_cause(facts: Dict[int, Dict[str, object]], root: Optional[int], op: 
         return ("TORCH_DISTRIBUTED_DEBUG=DETAIL found the ranks calling different collectives "
                 "here (another operation, shape or dtype: the message lists each rank's call); "
                 "every rank must pass the same collective the same tensor shape and dtype.")
-    own = [r for r in by["raised"] if facts[r]["op"] is None and not _SECONDARY.search(
+    own = [r for r in by["raised"] if facts[r]["op"] is None and not SECONDARY_FAILURE.search(
         str(facts[r]["message"])) and not _COLLECTIVE_TIMEOUT.search(str(facts[r]["message"]))]
     if own:
         r = root if root in own else own[0]
@@ -331,7 +333,7 @@ def _likely_cause(facts: Dict[int, Dict[str, object]], root: Optional[int], op: 
             f"ranks' calls.")
 
 
-def _traceback_from_lines(lines, rank) -> str:
+def traceback_from_lines(lines, rank) -> str:
     mine = [t for r, t in lines if r == rank]
     for i, text in enumerate(mine):
         if text.startswith("Traceback (most recent call last)"):
@@ -339,7 +341,7 @@ def _traceback_from_lines(lines, rank) -> str:
     return "\n".join(mine[-30:])
 
 
-def _exit_codes(lines) -> Dict[int, int]:
+def exit_codes_from_lines(lines) -> Dict[int, int]:
     """``{rank: exit code}`` from torchrun's failure summary (``rank : 1 (local_rank: 1)``
     then ``exitcode : 3 (pid: ...)``); negative codes are signals (-15: SIGTERM)."""
     codes, rank = {}, None
@@ -357,7 +359,7 @@ def _exit_codes(lines) -> Dict[int, int]:
     return codes
 
 
-def _first_failed_rank(lines) -> Optional[int]:
+def first_failed_rank(lines) -> Optional[int]:
     """Parse torchrun's failure summary (``rank : 3 (local_rank: 3)``) as a fallback."""
     for _, text in lines:
         m = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank", text)

@@ -1,19 +1,17 @@
 """Running a ``launch/`` script under ``torchrun`` from a notebook or a script (the lab's own;
 Megatron's jobs are started by hand or by Slurm): :func:`run` checks the flags first (each
-script's ``PRECHECK``, :func:`precheck`), starts ``torchrun --standalone`` with a free
-rendezvous port, ``OMP_NUM_THREADS`` and unbuffered output, streams or collates every line by
-rank, applies a time limit, returns the ranks' reports as a :class:`LaunchResult`, and turns a
-failure into a :class:`LaunchError` naming the root-cause rank — with the whole process tree
-stopped and checked gone.
+script's ``PRECHECK``, :mod:`mpu_lab.launcher.prechecks`), starts ``torchrun --standalone``
+with a free rendezvous port, ``OMP_NUM_THREADS`` and unbuffered output, streams or collates
+every line by rank, applies a time limit, returns the ranks' reports as a
+:class:`LaunchResult`, and turns a failure into a :class:`LaunchError` naming the root-cause
+rank — with the whole process tree stopped and checked gone. :func:`run` reads as its steps:
+:func:`check_run_args`, :func:`job_environment`, :func:`follow_job` (:func:`read_lines`),
+:func:`print_by_rank`, then :func:`read_results`, or :func:`timeout_error` /
+:func:`failure_error`.
 """
 from __future__ import annotations
 
-import ast
-import contextlib
 import dataclasses
-import functools
-import importlib
-import io
 import json
 import os
 import pathlib
@@ -23,29 +21,23 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mpu_lab.launcher.diagnosis import (
-    _SECONDARY,
-    _diagnose,
-    _exit_codes,
-    _first_failed_rank,
-    _root_cause,
-    _traceback_from_lines,
+    SECONDARY_FAILURE,
+    diagnose,
+    exit_codes_from_lines,
+    first_failed_rank,
+    root_cause,
+    traceback_from_lines,
 )
 from mpu_lab.launcher.paths import LAUNCH_DIR, REPO_ROOT, RESULT_DIR_ENV
-from mpu_lab.launcher.process_tree import _alive, descendants, kill_tree
+from mpu_lab.launcher.prechecks import precheck
+from mpu_lab.launcher.process_tree import descendants, kill_tree
+from mpu_lab.launcher.pump import pump_lines
 
 _MARK = re.compile(r"\[rank(\d+)\]:")
-# Two launches at once (threads) both read their script's PRECHECK with ast.parse, which in
-# CPython 3.11 can fail with "AST constructor recursion depth mismatch" when run concurrently.
-_PARSE_LOCK = threading.Lock()
-# sys.stdout and sys.stderr are process-wide: two pre-checks redirecting them from two threads
-# at once (jobs launched side by side) could restore them in the wrong order and leave the
-# notebook's stdout pointing at a dead buffer, so one pre-check runs at a time
-_REDIRECT_LOCK = threading.Lock()
 
 
 class RankLines:
@@ -143,83 +135,6 @@ def resolve_script(script) -> pathlib.Path:
     raise FileNotFoundError(f"no launch script {str(script)!r}; the launch/ folder has {scripts}")
 
 
-# --------------------------------------------------------------------------- pre-checks
-def precheck_spec(path) -> Optional[str]:
-    """The ``PRECHECK`` string a script declares at module level (``"module:function"``), read
-    from its source with :mod:`ast` — the script is not imported — or None."""
-    try:
-        with _PARSE_LOCK:    # CPython 3.11's parser is not safe in two threads at once
-            tree = ast.parse(pathlib.Path(path).read_text(), filename=str(path))
-    except (OSError, SyntaxError, ValueError):
-        return None
-    for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, ast.AnnAssign) else []
-        if any(isinstance(t, ast.Name) and t.id == "PRECHECK" for t in targets):
-            value = node.value
-            if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                return value.value
-            raise ValueError(f"{pathlib.Path(path).name}: PRECHECK must be a string literal "
-                             f"'package.module:function', got {ast.dump(value)}")
-    return None
-
-
-def resolve_precheck(spec: str) -> Callable[..., Any]:
-    """The function a ``PRECHECK`` string names: ``"package.module:function"``, imported with
-    :func:`importlib.import_module` — a plugin-style lookup, so the launcher itself imports no
-    training code; each script names the check of its own flags."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"PRECHECK {spec!r} is not of the form 'package.module:function'")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def script_prechecks(directory=LAUNCH_DIR) -> Dict[str, Callable[..., Any]]:
-    """``{script name: check}`` for the scripts of ``directory`` that declare a ``PRECHECK``;
-    each check is resolved when it is called (``check(argv, nproc, cwd=None)``)."""
-    out: Dict[str, Callable[..., Any]] = {}
-    for path in sorted(pathlib.Path(directory).glob("*.py")):
-        spec = precheck_spec(path)
-        if spec:
-            out[path.name] = functools.partial(_call_precheck, spec)
-    return out
-
-
-def _call_precheck(spec: str, argv: Sequence[str], nproc: int, cwd=None):
-    return resolve_precheck(spec)(argv, nproc, cwd=cwd)
-
-
-def precheck(path: pathlib.Path, args: Sequence[str], nproc: int, cwd=None) -> None:
-    """Run the pure flag check that the script ``path`` declares for ``nproc`` ranks.
-
-    Each script owns its pre-check: it declares at module level, e.g.
-    ``PRECHECK = "mpu_lab.training.arguments:check_launch_args"``; the launcher reads that
-    string from the source (:func:`precheck_spec`, no import of the script), resolves it
-    (:func:`resolve_precheck`) and calls it as ``fn(argv, nproc, cwd=cwd)`` in this process,
-    before torchrun starts (no ``torch.distributed``), so a configuration that cannot work
-    fails in well under a second with a ``ValueError`` naming the numbers. An argparse error
-    becomes a ``ValueError`` with argparse's message; ``--help`` is left to the job."""
-    spec = precheck_spec(path)
-    if spec is None:
-        return
-    check = resolve_precheck(spec)
-    err = io.StringIO()
-    try:
-        with _REDIRECT_LOCK, contextlib.redirect_stderr(err), \
-                contextlib.redirect_stdout(io.StringIO()):
-            check([str(a) for a in args], nproc, cwd=cwd)
-    except SystemExit as exc:
-        if exc.code in (0, None):
-            return
-        raise ValueError(f"{path.name}: bad arguments {list(map(str, args))}: "
-                         f"{err.getvalue().strip().splitlines()[-1] if err.getvalue() else exc}"
-                         ) from None
-
-
-
 def torchrun_command(script: pathlib.Path, args: Sequence[str], nproc: int, log_dir: str,
                      python: str = sys.executable) -> List[str]:
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -243,6 +158,41 @@ def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600
     (:func:`precheck`).
     Raises :class:`LaunchError` (root-cause rank and traceback) or :class:`LaunchTimeout`.
     """
+    check_run_args(nproc, show, timeout_s)
+    if isinstance(args, str):
+        args = args.split()
+    path = resolve_script(script)
+    if check:
+        precheck(path, args, nproc, cwd=cwd)
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="mpu_lab_run_"))
+    try:
+        result_dir, log_dir = work / "results", work / "logs"
+        result_dir.mkdir()
+        child_env = job_environment(nproc, result_dir, env)
+        command = torchrun_command(path, args, nproc, str(log_dir), python)
+        start = time.monotonic()
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1, env=child_env, cwd=cwd,
+                                start_new_session=True)
+        lines, timed_out = follow_job(proc, timeout_s, start, show, on_line)
+        elapsed = time.monotonic() - start
+        if show == "ranks":
+            print_by_rank(lines, nproc)
+        if timed_out:
+            raise timeout_error(path.name, timeout_s, nproc, lines, result_dir, proc.returncode)
+        if proc.returncode != 0:
+            raise failure_error(path.name, proc.returncode, nproc, lines, log_dir, result_dir,
+                                child_env.get("MPU_LAB_TIMEOUT_S"))
+        return LaunchResult(read_results(result_dir, nproc), lines, proc.returncode, elapsed,
+                            nproc, command)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- run's steps
+def check_run_args(nproc, show: str, timeout_s: float) -> None:
+    """Raise ``ValueError`` for a bad ``nproc``, ``show`` or ``timeout_s`` of :func:`run`."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
     if nproc > max_ranks():
@@ -254,125 +204,149 @@ def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600
         raise ValueError(f"show must be 'live', 'ranks' or 'none', got {show!r}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    if isinstance(args, str):
-        args = args.split()
-    path = resolve_script(script)
-    if check:
-        precheck(path, args, nproc, cwd=cwd)
 
-    work = pathlib.Path(tempfile.mkdtemp(prefix="mpu_lab_run_"))
-    result_dir, log_dir = work / "results", work / "logs"
-    result_dir.mkdir()
+
+def job_environment(nproc: int, result_dir: pathlib.Path,
+                    env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """This process's environment plus what the job needs: unbuffered output, threads per rank,
+    where ranks report, torchrun's rank prefix, this checkout on the path; then ``env``."""
     child_env = dict(os.environ)
+    threads = child_env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
     child_env.update({
         "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": child_env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc)),
+        "OMP_NUM_THREADS": threads,
         RESULT_DIR_ENV: str(result_dir),
         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:",
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), child_env.get("PYTHONPATH")) if p),
     })
     child_env.update({k: str(v) for k, v in (env or {}).items()})
-    command = torchrun_command(path, args, nproc, str(log_dir), python)
+    return child_env
 
+
+def follow_job(proc: subprocess.Popen, timeout_s: float, start: float, show: str,
+               on_line: Optional[Callable[[Optional[int], str], None]]
+               ) -> Tuple[List[Tuple[Optional[int], str]], bool]:
+    """Read the job's output by rank until it ends or ``timeout_s`` (from ``start``) is up;
+    return its ``(rank, text)`` lines and whether it timed out. However this ends (a time
+    limit, ``KeyboardInterrupt`` from the notebook's stop button), no process of the job is
+    left behind."""
     lines: List[Tuple[Optional[int], str]] = []
-    splitter = RankLines()
-    start = time.monotonic()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, env=child_env, cwd=cwd, start_new_session=True)
-    q: "queue.Queue[Optional[str]]" = queue.Queue()
-
-    def pump():
-        for raw in proc.stdout:
-            q.put(raw)
-        q.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
     timed_out = False
     try:
-        done = False
-        while not done:
-            remaining = timeout_s - (time.monotonic() - start)
-            if remaining <= 0:
-                timed_out = True
-                break
-            try:
-                raw = q.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                continue
-            got = splitter.flush() if raw is None else splitter.feed(raw)
-            for rank, text in got:
-                lines.append((rank, text))
-                if show == "live":
-                    print(f"[rank{rank}] {text}" if rank is not None else text, flush=True)
-                if on_line is not None:
-                    on_line(rank, text)
-            if raw is None:
-                done = True
-                break
-        if not timed_out:
+        ended = read_lines(pump_lines(proc.stdout), RankLines(), lines, timeout_s, start, show,
+                           on_line)
+        timed_out = not ended
+        if ended:
             proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
     except subprocess.TimeoutExpired:
         timed_out = True
-    except BaseException:  # KeyboardInterrupt from the notebook's stop button included
+    except BaseException:
         kill_tree(proc)
-        shutil.rmtree(work, ignore_errors=True)
         raise
     finally:
         if timed_out:
             kill_tree(proc)
         # Workers run in sessions of their own: make sure none outlives the job.
-        leftovers = [p for p in descendants(proc.pid) if _alive(p)]
-        if leftovers or proc.poll() is None:
+        if descendants(proc.pid) or proc.poll() is None:
             kill_tree(proc)
-    elapsed = time.monotonic() - start
+    return lines, timed_out
 
-    if show == "ranks":
-        for r in range(nproc):
-            for text in (t for rr, t in lines if rr == r):
-                print(f"[rank{r}] {text}")
-    try:
-        if timed_out:
-            tail = "\n".join(f"[rank{r}] {t}" if r is not None else t for r, t in lines[-20:])
-            _, states = _diagnose(result_dir, nproc, "", "", None)
-            where = "\n".join(f"  rank {r} {s}" for r, s in sorted(states.items()))
-            raise LaunchTimeout(
-                f"{path.name}: the job ran past timeout_s={timeout_s:g} s and was killed "
-                f"(all {nproc} ranks). Where the ranks were:\n{where}\nLast lines:\n{tail}",
-                returncode=proc.returncode, output=lines, states=states)
-        if proc.returncode != 0:
-            rank, message, tb = _root_cause(log_dir, result_dir)
-            if rank is None:
-                rank = _first_failed_rank(lines)
-            if not tb and rank is not None:
-                tb = _traceback_from_lines(lines, rank)
-            head = f"{path.name} failed: rank {rank} raised first" if rank is not None \
-                else f"{path.name} failed (exit code {proc.returncode})"
-            codes = _exit_codes(lines)
-            if not message or _SECONDARY.search(message):
-                # No rank raised, or only echoes of a dead peer were raised: the root cause is
-                # a rank that exited with a code of its own (os._exit, sys.exit) and left no
-                # exception record; the others ended by torchrun's signal (negative codes).
-                # Which rank torchrun happened to list first, or what a rank last printed, says
-                # nothing then, so neither is presented as the error.
-                silent = [r for r, c in sorted(codes.items()) if c > 0 and not
-                          (result_dir / f"failed_rank{r}.json").exists()]
-                if silent:
-                    rank = silent[0]
-                    tb = _traceback_from_lines(lines, rank)
-                    tb = tb if tb.startswith("Traceback") else ""
-                    head = (f"{path.name} failed: rank {rank} exited with code {codes[rank]} "
-                            f"without a Python exception; the others lost their peer")
-            detail = message if message else ""
-            diagnosis, states = _diagnose(result_dir, nproc, message, tb,
-                                          child_env.get("MPU_LAB_TIMEOUT_S"), codes)
-            raise LaunchError(f"{head}{': ' + detail if detail else ''}\n"
-                              f"{diagnosis + chr(10) if diagnosis else ''}{tb}".rstrip(),
-                              rank=rank, traceback=tb, returncode=proc.returncode, output=lines,
-                              states=states)
-        results = []
-        for r in range(nproc):
-            f = result_dir / f"rank{r}.json"
-            results.append(json.loads(f.read_text()) if f.exists() else None)
-        return LaunchResult(results, lines, proc.returncode, elapsed, nproc, command)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
+def read_lines(incoming: "queue.Queue[Optional[str]]", splitter: RankLines,
+               lines: List[Tuple[Optional[int], str]], timeout_s: float, start: float,
+               show: str, on_line) -> bool:
+    """Append each complete ``(rank, text)`` line to ``lines`` as it arrives, printing it
+    (``show="live"``) and passing it to ``on_line``. True when the output ended, False when
+    ``timeout_s`` ran out first."""
+    while True:
+        remaining = timeout_s - (time.monotonic() - start)
+        if remaining <= 0:
+            return False
+        try:
+            raw = incoming.get(timeout=min(remaining, 0.5))
+        except queue.Empty:
+            continue
+        for rank, text in splitter.flush() if raw is None else splitter.feed(raw):
+            lines.append((rank, text))
+            if show == "live":
+                print(f"[rank{rank}] {text}" if rank is not None else text, flush=True)
+            if on_line is not None:
+                on_line(rank, text)
+        if raw is None:
+            return True
+
+
+def print_by_rank(lines: Sequence[Tuple[Optional[int], str]], nproc: int) -> None:
+    """Every rank's lines, rank 0 first (``show="ranks"``)."""
+    for r in range(nproc):
+        for text in (t for rr, t in lines if rr == r):
+            print(f"[rank{r}] {text}")
+
+
+def read_results(result_dir: pathlib.Path, nproc: int) -> List[Any]:
+    """What each rank passed to :func:`~mpu_lab.launcher.worker.report`, rank order."""
+    results = []
+    for r in range(nproc):
+        f = result_dir / f"rank{r}.json"
+        results.append(json.loads(f.read_text()) if f.exists() else None)
+    return results
+
+
+def timeout_error(name: str, timeout_s: float, nproc: int,
+                  lines: Sequence[Tuple[Optional[int], str]], result_dir: pathlib.Path,
+                  returncode: Optional[int]) -> LaunchTimeout:
+    """The error of a job killed at its time limit: where each rank was, the last lines."""
+    tail = "\n".join(f"[rank{r}] {t}" if r is not None else t for r, t in lines[-20:])
+    _, states = diagnose(result_dir, nproc, "", "", None)
+    where = "\n".join(f"  rank {r} {s}" for r, s in sorted(states.items()))
+    return LaunchTimeout(
+        f"{name}: the job ran past timeout_s={timeout_s:g} s and was killed "
+        f"(all {nproc} ranks). Where the ranks were:\n{where}\nLast lines:\n{tail}",
+        returncode=returncode, output=lines, states=states)
+
+
+def failure_error(name: str, returncode: int, nproc: int,
+                  lines: Sequence[Tuple[Optional[int], str]], log_dir: pathlib.Path,
+                  result_dir: pathlib.Path, timeout_env: Optional[str]) -> LaunchError:
+    """The error of a job that exited non-zero: the root-cause rank, its message and traceback,
+    and the diagnosis of where every rank was."""
+    rank, message, tb = root_cause(log_dir, result_dir)
+    if rank is None:
+        rank = first_failed_rank(lines)
+    if not tb and rank is not None:
+        tb = traceback_from_lines(lines, rank)
+    head = f"{name} failed: rank {rank} raised first" if rank is not None \
+        else f"{name} failed (exit code {returncode})"
+    codes = exit_codes_from_lines(lines)
+    if not message or SECONDARY_FAILURE.search(message):
+        silent = rank_that_exited_silently(name, lines, codes, result_dir)
+        if silent is not None:
+            rank, tb, head = silent
+    detail = message if message else ""
+    diagnosis, states = diagnose(result_dir, nproc, message, tb, timeout_env, codes)
+    return LaunchError(f"{head}{': ' + detail if detail else ''}\n"
+                       f"{diagnosis + chr(10) if diagnosis else ''}{tb}".rstrip(),
+                       rank=rank, traceback=tb, returncode=returncode, output=lines,
+                       states=states)
+
+
+def rank_that_exited_silently(name: str, lines: Sequence[Tuple[Optional[int], str]],
+                              codes: Dict[int, int], result_dir: pathlib.Path
+                              ) -> Optional[Tuple[int, str, str]]:
+    """``(rank, traceback, head)`` of the first rank that exited with a code of its own and
+    left no exception record, or None.
+
+    Called when no rank raised, or only echoes of a dead peer were raised: the root cause is
+    then a rank that exited by itself (os._exit, sys.exit) while the others ended by
+    torchrun's signal (negative codes). Which rank torchrun happened to list first, or what a
+    rank last printed, says nothing then, so neither is presented as the error."""
+    silent = [r for r, c in sorted(codes.items()) if c > 0 and not
+              (result_dir / f"failed_rank{r}.json").exists()]
+    if not silent:
+        return None
+    rank = silent[0]
+    tb = traceback_from_lines(lines, rank)
+    tb = tb if tb.startswith("Traceback") else ""
+    head = (f"{name} failed: rank {rank} exited with code {codes[rank]} "
+            f"without a Python exception; the others lost their peer")
+    return rank, tb, head

@@ -8,7 +8,8 @@ torchrun jobs and ipyparallel engines it started); a lost reply uses none.
 
 So papermill runs in a child process (``python -c`` calling :func:`_child_main`) that prints a
 marker line when a cell starts, when it finishes and for every output. The parent reads those
-lines and samples the CPU time of the child's whole process tree (``psutil``). While a cell is
+lines and samples the CPU time of the child's whole process tree
+(:mod:`mpu_lab.launcher.process_tree`, on ``psutil``). While a cell is
 executing, ``stall_s`` seconds with no marker and less than ``min_cpu`` of one core used by the
 tree count as a stall: the tree is killed (the kernel, torchrun jobs, ipyparallel engines;
 also descendants that were re-parented, found by an environment tag every process inherits)
@@ -29,11 +30,13 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import psutil
 
 from mpu_lab.labkit import REPO_ROOT
+from mpu_lab.launcher import process_tree
+from mpu_lab.launcher.pump import pump_lines
 
 DEFAULT_STALL_S = 120.0
 MARK = "@@mpu_lab_watchdog "
@@ -89,45 +92,10 @@ _CHILD_CODE = ("import sys; from mpu_lab.labkit.notebooks.watchdog import _child
 
 
 # --------------------------------------------------------------------------- the process tree
-def _tree(pid: int) -> List[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root] + root.children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def _tagged(tag: str) -> List[psutil.Process]:
-    """Every live process of this user that inherited ``TAG_ENV=tag`` (orphans included)."""
-    found = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if p.environ().get(TAG_ENV) == tag:
-                found.append(p)
-    return found
-
-
 def kill_tree(proc: subprocess.Popen, tag: str, grace_s: float = 1.0) -> List[int]:
-    """SIGTERM the child, its descendants and every process tagged ``tag``; SIGKILL what is
-    left after ``grace_s``; look again until none is left. Returns the PIDs stopped."""
-    stopped: Dict[int, psutil.Process] = {}
-    for _ in range(5):
-        procs = {p.pid: p for p in _tree(proc.pid) + _tagged(tag) if p.pid != os.getpid()}
-        procs = {pid: p for pid, p in procs.items() if p.is_running()}
-        if not procs:
-            break
-        stopped.update(procs)
-        for p in procs.values():
-            with contextlib.suppress(psutil.Error):
-                p.terminate()
-        _, alive = psutil.wait_procs(list(procs.values()), timeout=grace_s)
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(alive, timeout=grace_s)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    return sorted(stopped)
+    """Stop the child, its descendants and every process tagged ``tag`` (SIGTERM, then SIGKILL
+    what is left after ``grace_s``; look again until none is left). Returns the PIDs stopped."""
+    return process_tree.kill_tree(proc, grace_s, also=lambda: process_tree.tagged(TAG_ENV, tag))
 
 
 class _CpuMeter:
@@ -140,7 +108,7 @@ class _CpuMeter:
 
     def sample(self) -> float:
         now = {}
-        for p in _tree(self.pid):
+        for p in process_tree.tree(self.pid):
             with contextlib.suppress(psutil.Error):
                 t = p.cpu_times()
                 now[p.pid] = t.user + t.system + t.children_user + t.children_system
@@ -192,14 +160,7 @@ def run_once(source: pathlib.Path, output: pathlib.Path, parameters: Optional[di
     proc = subprocess.Popen([sys.executable, "-c", _CHILD_CODE, str(spec)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True)
-    lines: "queue.Queue[Optional[str]]" = queue.Queue()
-
-    def pump():
-        for raw in proc.stdout:
-            lines.put(raw)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
+    lines = pump_lines(proc.stdout)
     meter = _CpuMeter(proc.pid)
     samples = collections.deque([(time.monotonic(), meter.sample())])
     last_progress, cell, line = time.monotonic(), None, ""
@@ -244,7 +205,7 @@ def run_once(source: pathlib.Path, output: pathlib.Path, parameters: Optional[di
         kill_tree(proc, tag)
         raise
     finally:
-        leftovers = _tagged(tag)
+        leftovers = process_tree.tagged(TAG_ENV, tag)
         if leftovers:   # a notebook must not leave processes behind it (an engine, a job)
             kill_tree(proc, tag)
         spec.unlink(missing_ok=True)

@@ -51,7 +51,7 @@ def _waited_in_collective(exc: BaseException) -> bool:
         _TIMEOUT_TEXT.search(str(exc)))
 
 
-def _engine_setup(env: Dict[str, str]) -> int:
+def engine_setup(env: Dict[str, str]) -> int:
     """Put torchrun's variables in this engine's environment. Returns the engine's PID. (The
     heavy modules, torch and mpu_lab.tensor_parallel, came with this module when the engine
     unpickled this function: before any collective timeout runs.)"""
@@ -59,7 +59,7 @@ def _engine_setup(env: Dict[str, str]) -> int:
     return os.getpid()
 
 
-def _engine_init(backend: str, timeout_s: float, tp: int, pp: int, port: Optional[int] = None):
+def engine_init(backend: str, timeout_s: float, tp: int, pp: int, port: Optional[int] = None):
     """(Re)initialise the default group and Megatron's groups; fill the cell namespace."""
     from IPython import get_ipython      # the engine's kernel (ipyparallel, an optional extra)
 
@@ -83,13 +83,13 @@ def _engine_init(backend: str, timeout_s: float, tp: int, pp: int, port: Optiona
     return {"backend": info.backend, "device": str(info.device)}
 
 
-def _engine_values(expr: str):
+def engine_values(expr: str):
     """``expr`` evaluated in the engine's namespace, a tensor turned into nested lists."""
     from IPython import get_ipython      # the engine's kernel (ipyparallel, an optional extra)
     return _as_values(eval(expr, get_ipython().user_ns))
 
 
-def _run_on_engine(what, args=(), kwargs=None, rank: int = 0) -> dict:
+def run_on_engine(what, args=(), kwargs=None, rank: int = 0) -> dict:
     """Run a function, or a code string in the engine's namespace (its last expression is the
     value, as in IPython), capturing stdout/stderr; never raise, so every rank reports."""
     out, err = io.StringIO(), io.StringIO()

@@ -47,7 +47,7 @@ class RankOutput:
         return f"RankOutput(rank={self.rank}, {state})"
 
 
-def _problem(outputs: Sequence[RankOutput], world: "World") -> str:
+def world_problem(outputs: Sequence[RankOutput], world: "World") -> str:
     """One message for what went wrong, '' if nothing did."""
     failed = [o.rank for o in outputs if o.error]
     if not failed:
@@ -72,8 +72,8 @@ def _problem(outputs: Sequence[RankOutput], world: "World") -> str:
     return f"ranks {failed} raised (tracebacks above, rank-labelled); the world is still usable."
 
 
-def _raise_for(outputs: Sequence[RankOutput], world: "World") -> None:
-    problem = _problem(outputs, world)
+def raise_for_outputs(outputs: Sequence[RankOutput], world: "World") -> None:
+    problem = world_problem(outputs, world)
     if not problem:
         return
     failed = [o for o in outputs if o.error]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from mpu_lab.labkit.playground.errors import PlaygroundError, RankError, _problem
+from mpu_lab.labkit.playground.errors import PlaygroundError, RankError, world_problem
 from mpu_lab.labkit.playground.world import (
     DEFAULT_TIMEOUT_S,
     START_TIMEOUT_S,
@@ -59,7 +59,7 @@ def ranks_magic(line: str, cell: str) -> None:
     except (PlaygroundError, ValueError) as exc:
         raise PlaygroundError(f"{exc} ({USAGE})") from None
     outputs = world.show(cell, ranks=chosen)
-    problem = _problem(outputs, world) if outputs is not None else ""
+    problem = world_problem(outputs, world) if outputs is not None else ""
     if problem and not may_fail:
         # the tracebacks are printed above, under their ranks' headings
         raise RankError(f"{problem} (each rank's traceback is printed above; "

@@ -8,39 +8,33 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from mpu_lab import launcher, parallel_state
+from mpu_lab import distributed, launcher, parallel_state
 from mpu_lab.labkit.playground.engine import (
-    _engine_init,
-    _engine_setup,
-    _engine_values,
-    _run_on_engine,
+    engine_init,
+    engine_setup,
+    engine_values,
+    run_on_engine,
 )
 from mpu_lab.labkit.playground.errors import (
     HEADING,
     PlaygroundError,
     RankOutput,
-    _problem,
-    _raise_for,
+    world_problem,
+    raise_for_outputs,
 )
 from mpu_lab.labkit.viz.collectives import plot_collective
+from mpu_lab.launcher import process_tree
 
 DEFAULT_TIMEOUT_S = 15.0      # collective timeout: a stuck cell answers in seconds, not minutes
 START_TIMEOUT_S = 180.0       # engines registering with the controller on a busy machine
 _WORLDS: List["World"] = []   # started and not stopped (stopped at exit)
 _CURRENT: Optional["World"] = None   # the world %%ranks talks to
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gpu_count() -> int:
@@ -110,7 +104,7 @@ class World:
         env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         t0 = time.perf_counter()
         self.cluster = ipp.Cluster(n=self.world_size, log_level=40, shutdown_atexit=True)
-        _quiet_about_removed_logs(self.cluster.log)
+        quiet_about_removed_logs(self.cluster.log)
         _WORLDS.append(self)
         self.cluster.start_controller_sync()
         # ipyparallel registered its own exit handler just now; run ours first (atexit is
@@ -124,17 +118,17 @@ class World:
         self.timings["engines_registered_s"] = time.perf_counter() - t0
         self.controller_pid = self.cluster.controller.process.pid
         self.engine_ids = sorted(self.client.ids)[: self.world_size]
-        port = _free_port()
+        port = distributed.free_port()
         replies = [self.client[e].apply_async(
-            _engine_setup, engine_env(r, self.world_size, port, self.timeout_s))
+            engine_setup, engine_env(r, self.world_size, port, self.timeout_s))
             for r, e in enumerate(self.engine_ids)]
         self.pids = [a.get(timeout=self.start_timeout_s) for a in replies]
         self.timings["engine_start_s"] = time.perf_counter() - t0
 
     def _init_group(self, new_port: bool = False) -> None:
         t0 = time.perf_counter()
-        port = _free_port() if new_port else None
-        replies = [self.client[e].apply_async(_engine_init, self.requested_backend,
+        port = distributed.free_port() if new_port else None
+        replies = [self.client[e].apply_async(engine_init, self.requested_backend,
                                               self.timeout_s, self.tp, self.pp, port)
                    for e in self.engine_ids]
         infos = [a.get(timeout=self.start_timeout_s + self.timeout_s) for a in replies]
@@ -164,7 +158,7 @@ class World:
         # its schedulers; ipyparallel's own stop waits on each engine in turn), SIGKILL what
         # outlives a second (an engine takes ~1.6 s to exit cleanly, its nanny ~2 s more, and
         # neither holds anything worth keeping), then let the cluster remove its files.
-        _kill_leftovers(self.process_tree(), grace_s=1.0)
+        process_tree.stop(process_tree.processes(self.process_tree()), grace_s=1.0)
         if self.cluster is not None:
             with contextlib.suppress(Exception):
                 self.cluster.stop_cluster_sync()
@@ -176,7 +170,6 @@ class World:
 
     def process_tree(self) -> List[int]:
         """PIDs of the engines, the controller and all their descendants (nannies, schedulers)."""
-        import psutil
         roots = self.pids + ([self.controller_pid] if self.controller_pid else [])
         if self.cluster is not None:    # also engines that never reported their PID
             with contextlib.suppress(Exception):
@@ -185,8 +178,7 @@ class World:
                 roots.append(self.cluster.controller.process.pid)
         found = list(dict.fromkeys(p for p in roots if p))
         for pid in roots:
-            with contextlib.suppress(psutil.Error):
-                found += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+            found += [p.pid for p in process_tree.tree(pid)[1:]]
         return list(dict.fromkeys(found))
 
     @property
@@ -248,7 +240,7 @@ class World:
         if isinstance(fn_or_code, str):
             args, kwargs = (), {}
         replies = [self.client[self.engine_ids[r]].apply_async(
-            _run_on_engine, fn_or_code, args, kwargs, r) for r in chosen]
+            run_on_engine, fn_or_code, args, kwargs, r) for r in chosen]
         try:
             got = [a.get() for a in replies]
         except KeyboardInterrupt:
@@ -277,7 +269,7 @@ class World:
         :class:`RankError` (every failing rank's traceback) or :class:`CollectiveTimeout`.
         """
         outputs = self.execute(fn_or_code, *args, ranks=ranks, **kwargs)
-        _raise_for(outputs, self)
+        raise_for_outputs(outputs, self)
         return [o.value for o in outputs]
 
     def show(self, fn_or_code: Union[str, Callable], *args, ranks=None,
@@ -301,7 +293,7 @@ class World:
                 print(repr(o.value))
             if o.stderr:
                 print(f"rank {o.rank} (stderr): {o.stderr}", end="", file=sys.stderr)
-        problem = _problem(outputs, self)
+        problem = world_problem(outputs, self)
         if problem:
             print(problem)
         return outputs
@@ -309,7 +301,7 @@ class World:
     # -- pictures
     def values(self, expr: str, ranks=None) -> List[Any]:
         """``expr`` evaluated on each rank, tensors as (nested) lists of floats: for pictures."""
-        return self.run(_engine_values, expr, ranks=ranks)   # lists: the notebook needs no torch
+        return self.run(engine_values, expr, ranks=ranks)   # lists: the notebook needs no torch
 
     def groups(self, family: str = "tp") -> List[List[int]]:
         """The rank lists of one group family of this world (``"tp"``, ``"dp"``, ``"pp"``...)."""
@@ -323,23 +315,6 @@ class World:
                                    groups=self.groups(family))
 
 
-def _kill_leftovers(pids: Sequence[int], grace_s: float = 5.0) -> None:
-    """SIGTERM, then SIGKILL, whatever of ``pids`` outlived the cluster's own shutdown."""
-    import psutil
-    procs = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            procs.append(psutil.Process(pid))
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(alive, timeout=grace_s)
-
-
 class _AlreadyRemoved(logging.Filter):
     """Drops ipyparallel's "Failed to remove <its log file>: [Errno 2] ..." at stop: in
     JupyterLab its server extension and this kernel both clean the cluster's log files, and the
@@ -350,7 +325,7 @@ class _AlreadyRemoved(logging.Filter):
         return not (message.startswith("Failed to remove") and "Errno 2" in message)
 
 
-def _quiet_about_removed_logs(log) -> None:
+def quiet_about_removed_logs(log) -> None:
     if isinstance(log, logging.Logger):
         log.addFilter(_AlreadyRemoved())
         for handler in log.handlers:
