@@ -60,6 +60,8 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
     CP ``group``; returns this rank's ``[s/cp, b, n, d]`` output."""
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)     # the blocks and their merge stay in fp32 under a
+    @torch.autocast("cuda", enabled=False)    # mixed-precision run (inputs are upcast below)
     def forward(ctx, q, k, v, causal: bool, scale: float, group):
         cp_size, cp_rank = dist.get_world_size(group=group), dist.get_rank(group=group)
         send_to, recv_from = (cp_rank + 1) % cp_size, (cp_rank - 1) % cp_size
@@ -86,6 +88,8 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
