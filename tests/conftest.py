@@ -91,7 +91,8 @@ def as_notebook():
 
 
 # --------------------------------------------------------------------------- parallel run
-# `python -m pytest` runs on two pytest-xdist workers (pyproject addopts: -n 2 --dist loadfile):
+# `python -m pytest` runs on pytest-xdist workers (pyproject addopts: -n auto --dist loadfile;
+# two on the 2-core machine, see MAX_WORKERS below):
 # most of the suite waits — on torchrun starting ranks that import torch one core at a time,
 # on collective timeouts, on notebook kernels — so two workers overlap what one leaves idle.
 # A file is one unit of work (module fixtures such as a torchrun job run once); a notebook is
@@ -130,10 +131,57 @@ def _unit(nodeid: str) -> str:
     return SHARED_JOBS.get(path, path)
 
 
+# --------------------------------------------------------------------------- the inner loop
+# `python -m pytest -m "not slow"` keeps one shared multi-rank world, `four_rank_job` (the
+# mirror's GPT, pipeline and distributed-optimizer checks against their dense twins). A test
+# that needs any other multi-rank job is `slow`: marked here by the fixture that starts the
+# job (so a new test using one is slow without anyone remembering to mark it), or with
+# `pytest.mark.slow` in its file where the test starts the job itself. Notebooks are slow.
+SLOW_FIXTURES = {
+    "eight_rank_job", "grading_world",                   # the other two shared worlds
+    "tests/test_faults.py::fault_jobs",                  # eight faulty train_gpt.py jobs
+    "tests/test_kernel_timeline.py::pp2_results",        # a profiled PP=2 job
+    "tests/test_memory_accounting.py::rows",             # 4-rank jobs at three layouts
+    "tests/test_dp_overlap.py::result",                  # DP jobs with and without overlap
+}
+
+
+def _is_slow(item) -> bool:
+    if item.path.suffix == ".ipynb":
+        return True
+    path = item.nodeid.split("::", 1)[0]
+    return any(name in SLOW_FIXTURES or f"{path}::{name}" in SLOW_FIXTURES
+               for name in getattr(item, "fixturenames", ()))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """Longest units first (a stable sort: each unit's items keep their order)."""
+    """Mark the notebook cells ``notebook`` and the slow items (above); then longest units first (a stable sort: each unit's
+    items keep their order). Runs before pytest's own ``-m`` selection (tryfirst), so the
+    marker counts there."""
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.notebook)
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: -EXPECTED_SECONDS.get(_unit(item.nodeid), 0))
+
+
+# `-n auto` (pyproject addopts): one worker per core, at most MAX_WORKERS. A unit may start up
+# to 8 ranks that each import torch and then wait in collectives with timeouts of a few
+# seconds; more workers than that would start more jobs side by side than the cores can feed,
+# and a job past its timeout fails. 2 workers on the 2-core machine is what was measured.
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: min(usable cores, MAX_WORKERS); PYTEST_XDIST_AUTO_NUM_WORKERS overrides,
+    as in pytest-xdist's own hook."""
+    chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if chosen:
+        return int(chosen)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, MAX_WORKERS))
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -48,6 +48,7 @@ def test_walkthrough_groups_read_the_same_in_both():
     assert "tp-dp-cp" in mc.format_rank_groups(mc.rank_groups_side_by_side(16, 2, 2, cp=2))
 
 
+@pytest.mark.slow
 def test_layers_and_mappings_equal_megatron_core_on_four_ranks():
     """One job: TP=2 on 4 ranks (dp=2), plain and sequence-parallel layers, all mappings."""
     job = launcher.run("megatron_core_side_by_side.py",

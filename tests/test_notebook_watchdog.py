@@ -18,6 +18,8 @@ import pytest
 
 from mpu_lab.labkit import REPO_ROOT, notebooks
 
+pytestmark = pytest.mark.slow        # each test runs notebook kernels of its own
+
 
 def write_nb(path, sources):
     nb = nbformat.v4.new_notebook()
