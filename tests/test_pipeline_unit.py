@@ -1,10 +1,14 @@
 """Pipeline parallelism without processes: partition, the checks before launch, the per-stage
 op order, its message plan under NCCL's rules, the logical timeline's exact bubble, peak
-in-flight activations, and the Gantt chart."""
+in-flight activations, the recorder that watches a schedule from outside, and the Gantt
+chart."""
 from fractions import Fraction
 
 import pytest
+import torch
 
+from mpu_lab.labkit.viz import plot_gantt
+from mpu_lab.perf.pipeline_timeline import ScheduleRecorder, measured_bubble, pipeline_records
 from mpu_lab.pipeline_parallel import (
     analytic_bubble,
     bubble_share,
@@ -13,9 +17,7 @@ from mpu_lab.pipeline_parallel import (
     check_schedule,
     get_num_microbatches,
     layer_offset,
-    measured_bubble,
     partition_table,
-    plot_gantt,
     schedule_order,
     simulate,
     stage_layers,
@@ -184,6 +186,59 @@ def test_measured_bubble_of_ideal_records_equals_the_formula():
     assert got["measured_share"] == pytest.approx(3 / 11)
     assert got["analytic_share"] == pytest.approx(3 / 11) and got["analytic_relative"] == 3 / 8
     assert bubble_share(t.records) == Fraction(3, 11)
+
+
+# --------------------------------------------------------------------------- the recorder
+def test_recorder_sees_forwards_and_backwards_from_hooks_alone():
+    """Two micro-batches through one chunk by hand, 1F1B-like: F0 F1 B0 B1. Only the hooks
+    of the recorder watch; the second iteration starts afresh at F0."""
+    torch.manual_seed(0)
+    chunk = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    recorder = ScheduleRecorder(chunk, num_microbatches=2, schedule="1f1b")
+    for _ in range(2):
+        out0 = chunk(torch.randn(3, 4))
+        out1 = chunk(torch.randn(3, 4))
+        out0.sum().backward()
+        out1.sum().backward()
+    assert [r[:3] for r in recorder.records] == [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)]
+    assert recorder.peak_in_flight == 2
+    starts = [r[3] for r in recorder.records]
+    assert starts == sorted(starts) and all(r[4] >= r[3] for r in recorder.records)
+    with torch.no_grad():                      # forward-only: forwards, nothing held
+        chunk(torch.randn(3, 4))
+        chunk(torch.randn(3, 4))
+    assert [r[:3] for r in recorder.records] == [("F", 0, 0), ("F", 1, 0)]
+    assert recorder.peak_in_flight == 0
+    recorder.remove()
+    chunk(torch.randn(3, 4))
+    assert len(recorder.records) == 2          # no hooks left
+
+
+def test_recorder_numbers_chunks_in_the_order_given():
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    with ScheduleRecorder(chunks, num_microbatches=1) as recorder:
+        y = chunks[1](chunks[0](torch.ones(1, 2)))
+        y.sum().backward()
+    assert [r[:3] for r in recorder.records] == [("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]
+    with pytest.raises(ValueError, match="num_microbatches must be a positive integer, got 0"):
+        ScheduleRecorder(chunks, num_microbatches=0)
+
+
+def test_pipeline_records_orders_the_stages_and_names_a_missing_timeline():
+    def report(stage, dp_rank):
+        return {"timeline": dict(pipeline_parallel_rank=stage, tensor_parallel_rank=0,
+                                 data_parallel_rank=dp_rank, pipeline_parallel_size=2,
+                                 schedule="1f1b", num_microbatches=1, num_model_chunks=1,
+                                 peak_in_flight=1, records=[["F", 0, 0, stage, stage + 1]])}
+    # Ranks in the order tp-cp-dp-pp: ranks 0, 1 are stage 0 of replicas 0, 1.
+    tl = pipeline_records([report(0, 0), report(0, 1), report(1, 0), report(1, 1)],
+                          data_parallel_rank=1)
+    assert tl["ranks"] == [1, 3] and tl["records"] == [[("F", 0, 0, 0, 1)], [("F", 0, 0, 1, 2)]]
+    assert (tl["schedule"], tl["num_microbatches"], tl["peak_in_flight"]) == ("1f1b", 1, [1, 1])
+    with pytest.raises(ValueError, match="--record-timeline"):
+        pipeline_records([{"metrics": []}, None])
+    with pytest.raises(ValueError, match=r"stages \[1\] found, expected 0..1"):
+        pipeline_records([None, report(1, 0)])
 
 
 def test_gantt_chart_draws_one_box_per_op():

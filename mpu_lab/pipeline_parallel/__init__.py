@@ -6,15 +6,17 @@ Modules, named after Megatron-core's ``megatron.core.pipeline_parallel``:
 * :mod:`~mpu_lab.pipeline_parallel.partition` — layers per stage and per virtual stage, number
   of micro-batches, and the checks that run before launch;
 * :mod:`~mpu_lab.pipeline_parallel.order` — the per-stage order of forwards and backwards for
-  each schedule, and the messages it implies (pure; the one source of the schedules);
+  each schedule, and the messages it implies (pure: the planner and deadlock checker);
 * :mod:`~mpu_lab.pipeline_parallel.p2p_communication` — ``send_forward``, ``recv_backward``,
   ``send_forward_recv_backward``, ... between neighbouring stages;
 * :mod:`~mpu_lab.pipeline_parallel.schedules` — ``get_forward_backward_func()``: GPipe, 1F1B,
-  interleaved 1F1B, no pipelining; timelines and in-flight activations of each run;
+  interleaved 1F1B, no pipelining, each written out as its loops;
+* :mod:`~mpu_lab.pipeline_parallel.utils` — the model chunks a schedule runs and the shape of
+  the messages between them;
 * :mod:`~mpu_lab.pipeline_parallel.tied_embeddings` — the embedding shared by the first and the
   last stage;
-* :mod:`~mpu_lab.pipeline_parallel.timeline` — the bubble: formula, logical simulator, measured,
-  Gantt chart;
+* :mod:`~mpu_lab.pipeline_parallel.timeline` — the bubble on paper: formula and logical
+  simulator;
 * :mod:`~mpu_lab.pipeline_parallel.toy` — a tiny tied-embedding model to pipeline in seconds.
 """
 from mpu_lab.pipeline_parallel.order import (
@@ -37,42 +39,30 @@ from mpu_lab.pipeline_parallel.partition import (
     virtual_size_from_layers_per_virtual_stage,
 )
 from mpu_lab.pipeline_parallel.schedules import (
-    ScheduleStats,
     average_losses_across_microbatches,
     forward_backward_no_pipelining,
     forward_backward_pipelining_gpipe,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
-    get_last_schedule_stats,
-    get_tensor_shape,
-    model_chunks_of,
-    unwrap_model,
 )
 from mpu_lab.pipeline_parallel.tied_embeddings import (
     allreduce_embedding_grads,
     shared_embedding_or_output_weight,
     sync_embedding_weights,
 )
-from mpu_lab.pipeline_parallel.timeline import (
-    analytic_bubble,
-    bubble_share,
-    measured_bubble,
-    pipeline_records,
-    plot_gantt,
-    simulate,
-)
+from mpu_lab.pipeline_parallel.timeline import analytic_bubble, bubble_share, simulate
+from mpu_lab.pipeline_parallel.utils import get_tensor_shape, model_chunks_of, unwrap_model
 
 __all__ = [
     "Op", "communication_plan", "schedule_order", "schedule_steps", "verify_communication",
     "SCHEDULES", "canonical_schedule", "check_layers", "check_schedule", "get_num_microbatches",
     "layer_offset", "partition_table", "stage_layers", "validate_pipeline_args",
     "virtual_size_from_layers_per_virtual_stage",
-    "ScheduleStats", "average_losses_across_microbatches", "forward_backward_no_pipelining",
+    "average_losses_across_microbatches", "forward_backward_no_pipelining",
     "forward_backward_pipelining_gpipe", "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving", "get_forward_backward_func",
-    "get_last_schedule_stats", "get_tensor_shape", "model_chunks_of", "unwrap_model",
+    "get_tensor_shape", "model_chunks_of", "unwrap_model",
     "allreduce_embedding_grads", "shared_embedding_or_output_weight", "sync_embedding_weights",
-    "analytic_bubble", "bubble_share", "measured_bubble", "pipeline_records", "plot_gantt",
-    "simulate",
+    "analytic_bubble", "bubble_share", "simulate",
 ]

@@ -1,10 +1,13 @@
 """The order in which one pipeline stage runs its forwards and backwards, and the messages
 between stages that this order implies. Pure: no processes, no tensors.
 
-This module is the single source of the schedules. :mod:`~mpu_lab.pipeline_parallel.schedules`
-executes exactly the list :func:`schedule_order` returns, and the logical simulator in
-:mod:`~mpu_lab.pipeline_parallel.timeline` replays the same list, so a test of the simulator's
-bubble also pins what the real schedule does.
+This module is the planner: it writes each schedule's op order down as a list, and
+:func:`verify_communication` replays the messages that order implies to show that it cannot
+deadlock. :mod:`~mpu_lab.pipeline_parallel.schedules` runs the same schedules as Megatron's
+loops, independently of this list, and a multi-rank test records the order the loops execute
+(from outside, with hooks) and holds it equal to :func:`schedule_order`; the logical simulator
+in :mod:`~mpu_lab.pipeline_parallel.timeline` replays the list, so its bubble is the real
+schedule's.
 
 The schedules (Narayanan et al. 2021, §2.2; Huang et al. 2019):
 

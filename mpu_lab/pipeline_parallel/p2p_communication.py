@@ -6,19 +6,19 @@ pass, the gradient of its input to the previous one (Narayanan et al. 2021, §2.
 known in advance (``seq_length x micro_batch_size x hidden_size``), so the receiver allocates
 the buffer itself and no shape has to travel first.
 
-How it avoids deadlocks: every call posts all of its sends and receives at once with
-``torch.distributed.batch_isend_irecv`` and then waits for all of them. Two neighbours that
-each send to and receive from the other in the same call (``send_forward_recv_backward`` on
-one, ``send_backward_recv_forward`` on the other) therefore never wait on each other. The
-schedules call :func:`communicate` between steps with the messages
-:func:`~mpu_lab.pipeline_parallel.order.communication_plan` lists; ``verify_communication``
-in that module checks the plan under NCCL's matching rules.
+Every call posts its sends and receives as plain ``isend`` / ``irecv`` in Megatron's fixed
+order (``_p2p_ops``: even ranks send first, odd ranks receive first), then waits for all of
+them. Two neighbours that send to and receive from each other in the same call
+(``send_forward_recv_backward`` on one, ``send_backward_recv_forward`` on the other) therefore
+never wait on each other, even where a send completes only once the peer has posted its
+receive (NCCL). ``batch_isend_irecv`` is not used: on gloo it is not reliable.
 
 Backends: NCCL sends GPU tensors directly. gloo sends CPU tensors; when a rank's tensors are on
 a GPU that it shares with other ranks (then the backend is gloo: NCCL refuses two ranks on
 one GPU, see :func:`mpu_lab.distributed.choose_backend`) the message is staged through host
-memory here. Activations travel with tag 0 and gradients with tag 1 (gloo matches on tags;
-NCCL matches in posting order, which the plan keeps consistent).
+memory here. Activations travel with tag 0 and gradients with tag 1: with two stages the next
+and the previous rank are the same rank, and gloo tells the two directions apart by the tag
+(NCCL ignores tags and matches in posting order, which ``_p2p_ops`` keeps the same on both).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed
+from mpu_lab import distributed
 from mpu_lab import parallel_state as ps
 
 ACTIVATION_TAG = 0   # travelling to the next stage
@@ -47,12 +47,39 @@ def _outgoing(tensor: torch.Tensor, shape: Sequence[int], dtype, host: bool) -> 
     return out.cpu() if host else out
 
 
+def _p2p_ops(*, tensor_send_prev: Optional[torch.Tensor], tensor_recv_prev: Optional[torch.Tensor],
+             tensor_send_next: Optional[torch.Tensor], tensor_recv_next: Optional[torch.Tensor],
+             group, prev_rank: int, next_rank: int) -> List[dist.Work]:
+    """Post the four possible messages in Megatron's order and return their requests.
+
+    Even pipeline ranks send to the next stage before they receive from the previous one; odd
+    ranks do the opposite. So between two neighbours one side's send always meets the other
+    side's receive first, and neither blocks the other."""
+    def send_next():
+        return dist.isend(tensor_send_next, next_rank, group, tag=ACTIVATION_TAG)
+
+    def recv_prev():
+        return dist.irecv(tensor_recv_prev, prev_rank, group, tag=ACTIVATION_TAG)
+
+    def send_prev():
+        return dist.isend(tensor_send_prev, prev_rank, group, tag=GRADIENT_TAG)
+
+    def recv_next():
+        return dist.irecv(tensor_recv_next, next_rank, group, tag=GRADIENT_TAG)
+
+    posts = [(tensor_send_next, send_next), (tensor_recv_prev, recv_prev),
+             (tensor_send_prev, send_prev), (tensor_recv_next, recv_next)]
+    if ps.get_pipeline_model_parallel_rank() % 2 == 1:
+        posts = [posts[1], posts[0], posts[3], posts[2]]
+    return [post() for tensor, post in posts if tensor is not None]
+
+
 def communicate(*, tensor_send_next: Optional[torch.Tensor] = None,
                 tensor_send_prev: Optional[torch.Tensor] = None,
                 recv_prev: bool = False, recv_next: bool = False,
                 tensor_shape: Sequence[int], dtype: torch.dtype = torch.float32
                 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Send to / receive from the neighbouring pipeline ranks in one batch; return
+    """Send to / receive from the neighbouring pipeline ranks; return
     ``(tensor_recv_prev, tensor_recv_next)`` (Megatron's ``_communicate``).
 
     ``tensor_send_next``: activation for the next rank; ``tensor_send_prev``: gradient for the
@@ -62,53 +89,27 @@ def communicate(*, tensor_send_next: Optional[torch.Tensor] = None,
     ``dtype``. A no-op returning ``(None, None)`` when nothing is asked.
     """
     group = ps.get_pipeline_model_parallel_group()
-    next_rank = ps.get_pipeline_model_parallel_next_rank()
-    prev_rank = ps.get_pipeline_model_parallel_prev_rank()
     device = distributed.get_device()
     host = _stage_through_host(group)
     buffer_device = torch.device("cpu") if host else device
     shape = tuple(int(d) for d in tensor_shape)
 
-    ops: List[dist.P2POp] = []
-    recv_prev_buf = recv_next_buf = None
-    # Activations first, then gradients: with two stages next == prev, and both ranks must
-    # post the messages between them in the same order (see order.Boundary).
-    if tensor_send_next is not None:
-        out = _outgoing(tensor_send_next, shape, dtype, host)
-        comm._record("send", group, out)
-        ops.append(dist.P2POp(dist.isend, out, next_rank, group, ACTIVATION_TAG))
-    if recv_prev:
-        recv_prev_buf = torch.empty(shape, dtype=dtype, device=buffer_device)
-        comm._record("recv", group, recv_prev_buf)
-        ops.append(dist.P2POp(dist.irecv, recv_prev_buf, prev_rank, group, ACTIVATION_TAG))
-    if tensor_send_prev is not None:
-        out = _outgoing(tensor_send_prev, shape, dtype, host)
-        comm._record("send", group, out)
-        ops.append(dist.P2POp(dist.isend, out, prev_rank, group, GRADIENT_TAG))
-    if recv_next:
-        recv_next_buf = torch.empty(shape, dtype=dtype, device=buffer_device)
-        comm._record("recv", group, recv_next_buf)
-        ops.append(dist.P2POp(dist.irecv, recv_next_buf, next_rank, group, GRADIENT_TAG))
-    if not ops:
-        return None, None
-
-    def post_and_wait():
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        if device.type == "cuda" and not host:
-            # Megatron does the same: the received buffers must be complete before the next
-            # kernel reads them on another stream.
-            torch.cuda.synchronize()
-
-    # Timed as one "p2p" call when a comm.CommTimer is active: the time includes waiting for
-    # the peer to reach the matching call (the pipeline bubble), not only the transfer.
-    comm._timed("p2p", group, ops[0].tensor, post_and_wait)
+    send_next = _outgoing(tensor_send_next, shape, dtype, host) if tensor_send_next is not None else None
+    send_prev = _outgoing(tensor_send_prev, shape, dtype, host) if tensor_send_prev is not None else None
+    tensor_recv_prev = torch.empty(shape, dtype=dtype, device=buffer_device) if recv_prev else None
+    tensor_recv_next = torch.empty(shape, dtype=dtype, device=buffer_device) if recv_next else None
+    requests = _p2p_ops(tensor_send_prev=send_prev, tensor_recv_prev=tensor_recv_prev,
+                        tensor_send_next=send_next, tensor_recv_next=tensor_recv_next,
+                        group=group, prev_rank=ps.get_pipeline_model_parallel_prev_rank(),
+                        next_rank=ps.get_pipeline_model_parallel_next_rank())
+    for request in requests:
+        request.wait()
     if host:
-        recv_prev_buf = recv_prev_buf.to(device) if recv_prev_buf is not None else None
-        recv_next_buf = recv_next_buf.to(device) if recv_next_buf is not None else None
-    if recv_prev_buf is not None:
-        recv_prev_buf.requires_grad_(True)
-    return recv_prev_buf, recv_next_buf
+        tensor_recv_prev = tensor_recv_prev.to(device) if tensor_recv_prev is not None else None
+        tensor_recv_next = tensor_recv_next.to(device) if tensor_recv_next is not None else None
+    if tensor_recv_prev is not None:
+        tensor_recv_prev.requires_grad_(True)
+    return tensor_recv_prev, tensor_recv_next
 
 
 # --------------------------------------------------------------------------- Megatron's names
@@ -171,7 +172,7 @@ def send_backward_recv_backward(input_tensor_grad, recv_next: bool, tensor_shape
 
 def send_forward_backward_recv_forward_backward(output_tensor, input_tensor_grad, recv_prev: bool,
                                                 recv_next: bool, tensor_shape, dtype=torch.float32):
-    """Interleaved steady state: all four messages of a forward+backward step in one batch;
+    """Interleaved steady state: all four messages of a forward+backward step at once;
     returns ``(input_tensor, output_tensor_grad)``."""
     return communicate(tensor_send_next=output_tensor, tensor_send_prev=input_tensor_grad,
                        recv_prev=recv_prev, recv_next=recv_next,

@@ -1,4 +1,5 @@
-"""Forward and backward passes over micro-batches through the pipeline, with Megatron's API.
+"""Forward and backward passes over micro-batches through the pipeline, after Megatron-core's
+``pipeline_parallel/schedules.py``.
 
     forward_backward_func = get_forward_backward_func()          # or (schedule="gpipe")
     losses_reduced = forward_backward_func(
@@ -13,109 +14,55 @@ list of ``reduced_dict`` — one per micro-batch on the last stage, ``[]`` on th
 ``model`` is one module, or a list of ``v`` model chunks for the interleaved schedule (then
 ``data_iterator`` is a list too, one per chunk). A stage receives its input through
 ``model.set_input_tensor([tensor])`` (``[None]`` on the first stage), Megatron's convention.
+Optional keywords: ``tensor_shape`` overrides ``(s, b, h)``; ``dtype`` of the messages
+(default ``config.pipeline_dtype`` / ``params_dtype`` / fp32); ``grad_scale_func`` scales the
+last stage's loss before its backward (fp16 loss scaling, Megatron's ``config.grad_scale_func``).
 
-The schedules (Narayanan et al. 2021, §2.2; GPipe: Huang et al. 2019) are all one loop:
-:func:`~mpu_lab.pipeline_parallel.order.schedule_steps` says which forwards and backwards this
-rank runs and in which order, :func:`~mpu_lab.pipeline_parallel.order.communication_plan` what
-it sends and receives between them, and :func:`run_schedule` does both. So the logical
-timeline (:mod:`~mpu_lab.pipeline_parallel.timeline`) and a real run follow the same list.
-
-Every run leaves :class:`ScheduleStats` behind (:func:`get_last_schedule_stats`): a timeline of
-``(kind, microbatch, chunk, start, end)`` wall-clock records and the peak number of micro-batch
-activations held at once — the memory cost that 1F1B bounds by ``p`` and GPipe does not.
+The schedules (Narayanan et al. 2021, §2.2; GPipe: Huang et al. 2019), each written out as
+its loops: :func:`forward_backward_pipelining_gpipe` (all forwards, then all backwards),
+:func:`forward_backward_pipelining_without_interleaving` (1F1B: warm-up, steady state,
+cool-down) and :func:`forward_backward_pipelining_with_interleaving` (1F1B over ``v`` model
+chunks per stage). :mod:`~mpu_lab.pipeline_parallel.order` plans the same op orders on paper
+(and checks their messages for deadlocks); a test holds the two together. Nothing here
+measures: to see when each forward and backward ran, hook the model chunks from outside, as
+:mod:`mpu_lab.perf.pipeline_timeline` does.
 """
 from __future__ import annotations
 
-import dataclasses
-import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from mpu_lab import comm, distributed
 from mpu_lab import parallel_state as ps
 from mpu_lab.pipeline_parallel import p2p_communication as p2p
-from mpu_lab.pipeline_parallel.order import (
-    communication_plan,
-    schedule_steps,
-    virtual_stage,
+from mpu_lab.pipeline_parallel.partition import canonical_schedule, default_schedule
+from mpu_lab.pipeline_parallel.utils import (
+    chunks_and_iterators,
+    message_shape_and_dtype,
+    unwrap_model,
 )
-from mpu_lab.pipeline_parallel.partition import canonical_schedule, check_schedule, default_schedule
 
 
-@dataclasses.dataclass
-class ScheduleStats:
-    """What the last schedule run on this rank did."""
-    schedule: str
-    pipeline_parallel_rank: int
-    pipeline_parallel_size: int
-    num_microbatches: int
-    num_model_chunks: int
-    forward_only: bool
-    records: List[tuple]             # (kind, microbatch, chunk, start_s, end_s), time.time()
-    peak_in_flight: int              # most (micro-batch, chunk) activations held at once
-    messages_sent: int
-    messages_received: int
-
-    def as_dict(self) -> Dict[str, Any]:
-        """JSON-able (for ``mpu_lab.launcher.report``)."""
-        out = dataclasses.asdict(self)
-        out["records"] = [list(r) for r in self.records]
-        return out
-
-
-_LAST_STATS: List[Optional[ScheduleStats]] = [None]
-
-
-def get_last_schedule_stats() -> Optional[ScheduleStats]:
-    """Timeline and peak in-flight activations of the last schedule run on this rank."""
-    return _LAST_STATS[0]
-
-
-# --------------------------------------------------------------------------- model helpers
-def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DDP-style wrappers (``.module``), where ``set_input_tensor`` lives."""
-    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-        module = module.module
-    return module
-
-
-def model_chunks_of(model) -> List[torch.nn.Module]:
-    """``[model]``, or the chunks of a list / ``ModuleList`` of pipeline model chunks (the
-    one place that says what a "model" argument may be: a module or this rank's chunks)."""
-    if isinstance(model, (list, tuple, torch.nn.ModuleList)):
-        return list(model)
-    return [model]
-
-
-def get_tensor_shape(model_chunk: torch.nn.Module, seq_length: int, micro_batch_size: int):
-    """``(s, b, h)`` of the activations between stages, from ``model.config.hidden_size``
-    (``s/t`` with sequence parallelism: each tensor-parallel rank holds its block of tokens)."""
-    config = getattr(unwrap_model(model_chunk), "config", None)
-    hidden = getattr(config, "hidden_size", None)
-    if hidden is None:
-        raise ValueError("cannot tell the hidden size of the messages between stages: give the "
-                         "model chunk a .config with hidden_size, or pass tensor_shape=(s, b, h)")
-    s = seq_length
-    if getattr(config, "sequence_parallel", False):
-        s //= ps.get_tensor_model_parallel_world_size()
-    return (s, micro_batch_size, hidden)
-
-
-def _pipeline_dtype(model_chunk: torch.nn.Module) -> torch.dtype:
-    config = getattr(unwrap_model(model_chunk), "config", None)
-    return getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None) \
-        or torch.float32
-
-
-def _set_input_tensor(model_chunk, input_tensor):
-    target = unwrap_model(model_chunk)
+# --------------------------------------------------------------------------- one micro-batch
+def forward_step(forward_step_func: Callable, data_iterator, model: torch.nn.Module,
+                 num_microbatches: int, input_tensor: Optional[torch.Tensor],
+                 forward_data_store: List[Any], forward_only: bool = False):
+    """One micro-batch through one model chunk (Megatron's ``forward_step``). On the last stage
+    the output is the micro-batch's loss divided by ``num_microbatches``."""
+    target = unwrap_model(model)
     if hasattr(target, "set_input_tensor"):
         target.set_input_tensor([input_tensor])
     elif input_tensor is not None:
         raise AttributeError(
             f"{type(target).__name__} has no set_input_tensor(): a pipeline stage other than the "
             f"first receives its input through model.set_input_tensor([tensor]) (Megatron)")
+    with torch.set_grad_enabled(not forward_only):
+        output_tensor, loss_func = forward_step_func(data_iterator, model)
+        if ps.is_pipeline_last_stage():
+            loss, reduced = _split_loss(loss_func(output_tensor))
+            output_tensor = loss / num_microbatches     # mean over micro-batches, as Megatron
+            forward_data_store.append(reduced)
+    return output_tensor
 
 
 def _split_loss(result):
@@ -128,165 +75,292 @@ def _split_loss(result):
                     f"{type(result).__name__}")
 
 
-# --------------------------------------------------------------------------- the one loop
-def run_schedule(schedule: str, *, forward_step_func: Callable, data_iterator, model,
-                 num_microbatches: int, seq_length: int, micro_batch_size: int,
-                 forward_only: bool = False, tensor_shape: Optional[Sequence[int]] = None,
-                 dtype: Optional[torch.dtype] = None, grad_scale_func: Optional[Callable] = None,
-                 record_timeline: bool = True) -> List[Any]:
-    """Run ``schedule`` on this rank. The public entry points are the ``forward_backward_*``
-    functions below (Megatron's names), which call this.
-
-    Extra keywords (all optional): ``tensor_shape`` overrides ``(s, b, h)``; ``dtype`` of the
-    messages (default ``config.pipeline_dtype`` / ``params_dtype`` / fp32); ``grad_scale_func``
-    scales the last stage's loss before backward (fp16 loss scaling, Megatron's
-    ``config.grad_scale_func``).
-    """
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    p = ps.get_pipeline_model_parallel_world_size()
-    r = ps.get_pipeline_model_parallel_rank()
-    v, m = len(chunks), num_microbatches
-    name = check_schedule(schedule, p, m, v)
-    declared = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    if declared != v:
-        # is_pipeline_first_stage()/last_stage() inside the model consult the declared size.
-        raise ValueError(f"{v} model chunk(s) given, but initialize_model_parallel was called with "
-                         f"virtual_pipeline_model_parallel_size "
-                         f"{ps.get_virtual_pipeline_model_parallel_world_size()}; they must agree")
-    if isinstance(data_iterator, (list, tuple)):
-        if len(data_iterator) != v:
-            raise ValueError(f"{len(data_iterator)} data iterators for {v} model chunks")
-        iterators = list(data_iterator)
-    elif v > 1:
-        raise ValueError(f"the interleaved schedule needs one data iterator per model chunk "
-                         f"(a list of {v}), as in Megatron")
+def backward_step(input_tensor: Optional[torch.Tensor], output_tensor: torch.Tensor,
+                  output_tensor_grad: Optional[torch.Tensor],
+                  grad_scale_func: Optional[Callable] = None) -> Optional[torch.Tensor]:
+    """Backward of one micro-batch through one model chunk (Megatron's ``backward_step``):
+    from the loss on the last stage, else from the gradient the next stage sent. Returns the
+    gradient of the stage's input, for the previous stage (``None`` on the first stage)."""
+    if output_tensor_grad is None:
+        if grad_scale_func is not None:
+            output_tensor = grad_scale_func(output_tensor)
+        torch.autograd.backward(output_tensor)
     else:
-        iterators = [data_iterator]
-    shape = tuple(tensor_shape) if tensor_shape is not None else \
-        get_tensor_shape(chunks[0], seq_length, micro_batch_size)
-    dtype = dtype or _pipeline_dtype(chunks[0])
-    steps = schedule_steps(name, p, r, m, v, forward_only)
-    plan = communication_plan(steps, p, r, v)
-    last_stage = p * v - 1
-    on_gpu = distributed.get_device().type == "cuda"
+        torch.autograd.backward(output_tensor,
+                                grad_tensors=output_tensor_grad.to(output_tensor.dtype))
+    if input_tensor is None:
+        return None
+    if input_tensor.grad is None:
+        raise RuntimeError("a stage's input got no gradient: the output must depend on the "
+                           "tensor given to set_input_tensor()")
+    return input_tensor.grad
 
-    def now():
-        if on_gpu:
-            torch.cuda.synchronize()   # a kernel's time, not its launch
-        return time.time()
 
-    # Per chunk, per micro-batch: the stage's input (leaf with requires_grad, or None on the
-    # first stage) and output (activation, or scaled loss on the last stage), kept from the
-    # forward until the backward — these are the "in-flight activations".
-    inputs: List[Dict[int, Optional[torch.Tensor]]] = [{} for _ in range(v)]
-    outputs: List[Dict[int, torch.Tensor]] = [{} for _ in range(v)]
-    received: Dict[tuple, torch.Tensor] = {}    # (kind, microbatch, chunk) -> message
-    produced: Dict[tuple, torch.Tensor] = {}    # (kind, microbatch, stage it enters) -> tensor
+# --------------------------------------------------------------------------- the schedules
+def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, num_microbatches,
+                                   seq_length=None, micro_batch_size=None, forward_only=False,
+                                   tensor_shape=None, dtype=None, grad_scale_func=None):
+    """One stage: forward and backward of each micro-batch in turn (gradient accumulation)."""
+    (model,), (data_iterator,) = chunks_and_iterators("no-pipelining", model, data_iterator,
+                                                      num_microbatches)
     forward_data_store: List[Any] = []
-    records: List[tuple] = []
-    held = peak = sent = got = 0
-
-    def exchange(boundary):
-        nonlocal sent, got
-        if not boundary.sends and not boundary.recvs:
-            return
-        send_next = send_prev = None
-        for msg in boundary.sends:
-            tensor = produced.pop((msg.kind, msg.microbatch, msg.to_stage))
-            if msg.kind == "F":
-                send_next = tensor
-            else:
-                send_prev = tensor
-        want = {msg.kind: msg for msg in boundary.recvs}
-        from_prev, from_next = p2p.communicate(
-            tensor_send_next=send_next, tensor_send_prev=send_prev,
-            recv_prev="F" in want, recv_next="B" in want, tensor_shape=shape, dtype=dtype)
-        for kind, tensor in (("F", from_prev), ("B", from_next)):
-            if kind in want:
-                msg = want[kind]
-                chunk = (msg.to_stage - r) // p
-                received[(kind, msg.microbatch, chunk)] = tensor
-        sent += len(boundary.sends)
-        got += len(boundary.recvs)
-
-    def forward(mb, chunk):
-        nonlocal held, peak
-        stage = virtual_stage(chunk, r, p)
-        ps.set_virtual_pipeline_model_parallel_rank(chunk)
-        input_tensor = received.pop(("F", mb, chunk)) if stage > 0 else None
-        _set_input_tensor(chunks[chunk], input_tensor)
-        output_tensor, loss_func = forward_step_func(iterators[chunk], chunks[chunk])
-        if stage == last_stage:
-            loss, reduced = _split_loss(loss_func(output_tensor))
-            output_tensor = loss / m      # mean over micro-batches, as Megatron
-            forward_data_store.append(reduced)
-        else:
-            produced[("F", mb, stage + 1)] = output_tensor
+    for _ in range(num_microbatches):
+        output_tensor = forward_step(forward_step_func, data_iterator, model, num_microbatches,
+                                     None, forward_data_store, forward_only)
         if not forward_only:
-            inputs[chunk][mb], outputs[chunk][mb] = input_tensor, output_tensor
-            held += 1
-            peak = max(peak, held)
-
-    def backward(mb, chunk):
-        nonlocal held
-        stage = virtual_stage(chunk, r, p)
-        ps.set_virtual_pipeline_model_parallel_rank(chunk)
-        input_tensor, output_tensor = inputs[chunk].pop(mb), outputs[chunk].pop(mb)
-        held -= 1
-        if stage == last_stage:
-            if grad_scale_func is not None:
-                output_tensor = grad_scale_func(output_tensor)
-            torch.autograd.backward(output_tensor)
-        else:
-            grad = received.pop(("B", mb, chunk))
-            torch.autograd.backward(output_tensor, grad_tensors=grad.to(output_tensor.dtype))
-        # A layer's backward-region tag (comm.tag_backward_output) must not label the sends
-        # that follow.
-        comm.clear_backward_tag()
-        if stage > 0:
-            if input_tensor.grad is None:
-                raise RuntimeError(f"stage {stage}: its input got no gradient in micro-batch "
-                                   f"{mb}; the output must depend on the tensor given to "
-                                   f"set_input_tensor()")
-            produced[("B", mb, stage - 1)] = input_tensor.grad
-
-    try:
-        with torch.set_grad_enabled(not forward_only):
-            for i, step in enumerate(steps):
-                exchange(plan[i])
-                for op in step:
-                    start = now() if record_timeline else 0.0
-                    (forward if op.kind == "F" else backward)(op.microbatch, op.chunk)
-                    if record_timeline:
-                        records.append((op.kind, op.microbatch, op.chunk, start, now()))
-            exchange(plan[len(steps)])
-    finally:
-        ps.set_virtual_pipeline_model_parallel_rank(0)
-    _LAST_STATS[0] = ScheduleStats(name, r, p, m, v, forward_only, records, peak, sent, got)
+            backward_step(None, output_tensor, None, grad_scale_func)
     return forward_data_store
 
 
-# --------------------------------------------------------------------------- Megatron's names
-def forward_backward_no_pipelining(**kwargs) -> List[Any]:
-    """One stage: forward and backward of each micro-batch in turn (gradient accumulation)."""
-    return run_schedule("no-pipelining", **kwargs)
+def forward_backward_pipelining_gpipe(*, forward_step_func, data_iterator, model, num_microbatches,
+                                      seq_length, micro_batch_size, forward_only=False,
+                                      tensor_shape=None, dtype=None, grad_scale_func=None):
+    """All forwards, then all backwards (Huang et al. 2019, GPipe): every stage holds the
+    activations of all ``m`` micro-batches at the turn."""
+    (model,), (data_iterator,) = chunks_and_iterators("gpipe", model, data_iterator,
+                                                      num_microbatches)
+    shape, dtype = message_shape_and_dtype(model, seq_length, micro_batch_size, tensor_shape, dtype)
+    input_tensors, output_tensors, forward_data_store = [], [], []
+
+    # Run all forward passes.
+    for _ in range(num_microbatches):
+        input_tensor = p2p.recv_forward(shape, dtype)
+        output_tensor = forward_step(forward_step_func, data_iterator, model, num_microbatches,
+                                     input_tensor, forward_data_store, forward_only)
+        p2p.send_forward(output_tensor, shape, dtype)
+        if not forward_only:
+            input_tensors.append(input_tensor)
+            output_tensors.append(output_tensor)
+
+    # Run all backward passes, in the same micro-batch order.
+    for _ in range(len(output_tensors)):
+        output_tensor_grad = p2p.recv_backward(shape, dtype)
+        input_tensor_grad = backward_step(input_tensors.pop(0), output_tensors.pop(0),
+                                          output_tensor_grad, grad_scale_func)
+        p2p.send_backward(input_tensor_grad, shape, dtype)
+    return forward_data_store
 
 
-def forward_backward_pipelining_gpipe(**kwargs) -> List[Any]:
-    """All forwards, then all backwards (Huang et al. 2019, GPipe): ``m`` activations held."""
-    return run_schedule("gpipe", **kwargs)
+def forward_backward_pipelining_without_interleaving(
+        *, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+        micro_batch_size, forward_only=False, tensor_shape=None, dtype=None,
+        grad_scale_func=None):
+    """1F1B, PipeDream-Flush (Narayanan et al. 2021, §2.2.1): a few warm-up forwards, then one
+    forward and one backward in turn, then the cool-down backwards. The bubble is GPipe's, but
+    stage ``r`` holds at most ``p - r`` micro-batches' activations instead of ``m``."""
+    (model,), (data_iterator,) = chunks_and_iterators("1f1b", model, data_iterator,
+                                                      num_microbatches)
+    shape, dtype = message_shape_and_dtype(model, seq_length, micro_batch_size, tensor_shape, dtype)
+
+    def forward(input_tensor):
+        return forward_step(forward_step_func, data_iterator, model, num_microbatches,
+                            input_tensor, forward_data_store, forward_only)
+
+    # Compute number of warmup microbatches: stage r runs p - r - 1 forwards before its first
+    # backward, just enough to fill the stages after it; the last stage runs none.
+    num_warmup_microbatches = min(ps.get_pipeline_model_parallel_world_size()
+                                  - ps.get_pipeline_model_parallel_rank() - 1, num_microbatches)
+    num_microbatches_remaining = num_microbatches - num_warmup_microbatches
+    # Input and output of every micro-batch in flight, oldest first, until its backward.
+    input_tensors, output_tensors, forward_data_store = [], [], []
+
+    # Run warmup forward passes.
+    for _ in range(num_warmup_microbatches):
+        input_tensor = p2p.recv_forward(shape, dtype)
+        output_tensor = forward(input_tensor)
+        p2p.send_forward(output_tensor, shape, dtype)
+        if not forward_only:
+            input_tensors.append(input_tensor)
+            output_tensors.append(output_tensor)
+
+    # Before running 1F1B, need to receive first forward tensor.
+    if num_microbatches_remaining > 0:
+        input_tensor = p2p.recv_forward(shape, dtype)
+
+    # Run 1F1B in steady state.
+    for i in range(num_microbatches_remaining):
+        last_iteration = i == num_microbatches_remaining - 1
+        output_tensor = forward(input_tensor)
+        if forward_only:
+            p2p.send_forward(output_tensor, shape, dtype)
+            if not last_iteration:
+                input_tensor = p2p.recv_forward(shape, dtype)
+            continue
+        output_tensor_grad = p2p.send_forward_recv_backward(output_tensor, shape, dtype)
+        input_tensors.append(input_tensor)
+        output_tensors.append(output_tensor)
+        # Backward of the oldest micro-batch in flight.
+        input_tensor_grad = backward_step(input_tensors.pop(0), output_tensors.pop(0),
+                                          output_tensor_grad, grad_scale_func)
+        if last_iteration:
+            p2p.send_backward(input_tensor_grad, shape, dtype)
+        else:
+            input_tensor = p2p.send_backward_recv_forward(input_tensor_grad, shape, dtype)
+
+    # Run cooldown backward passes.
+    if not forward_only:
+        for _ in range(num_warmup_microbatches):
+            output_tensor_grad = p2p.recv_backward(shape, dtype)
+            input_tensor_grad = backward_step(input_tensors.pop(0), output_tensors.pop(0),
+                                              output_tensor_grad, grad_scale_func)
+            p2p.send_backward(input_tensor_grad, shape, dtype)
+    return forward_data_store
 
 
-def forward_backward_pipelining_without_interleaving(**kwargs) -> List[Any]:
-    """1F1B / PipeDream-Flush (Narayanan et al. 2021, §2.2.1): at most ``p - r`` held."""
-    return run_schedule("1f1b", **kwargs)
+def forward_backward_pipelining_with_interleaving(
+        *, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+        micro_batch_size, forward_only=False, tensor_shape=None, dtype=None,
+        grad_scale_func=None):
+    """Interleaved 1F1B (Narayanan et al. 2021, §2.2.2): each stage holds ``v`` model chunks,
+    chunk ``k`` of rank ``r`` being virtual stage ``k·p + r``. Micro-batches go through the
+    chunks in groups of ``p``: the bubble shrinks by ``v`` for ``v`` times the messages."""
+    chunks, iterators = chunks_and_iterators("interleaved", model, data_iterator, num_microbatches)
+    shape, dtype = message_shape_and_dtype(chunks[0], seq_length, micro_batch_size,
+                                           tensor_shape, dtype)
+    p, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    num_model_chunks = len(chunks)
+    total_num_microbatches = num_microbatches * num_model_chunks
+    all_warmup_microbatches = False
+    if forward_only:
+        num_warmup_microbatches = total_num_microbatches
+    elif num_microbatches == p:
+        # As many micro-batches as stages: run all forward passes, then all backward passes.
+        num_warmup_microbatches = total_num_microbatches
+        all_warmup_microbatches = True
+    else:
+        # Narayanan et al. 2021, §2.2.2: every stage first runs the (v - 1)·p chunk forwards of
+        # the chunks before the last, then 2 more per stage after it, so that the last stage
+        # can start 1F1B at once: (p - rank - 1)·2 + (v - 1)·p, at most m·v.
+        num_warmup_microbatches = (p - rank - 1) * 2 + (num_model_chunks - 1) * p
+        num_warmup_microbatches = min(num_warmup_microbatches, total_num_microbatches)
+    num_microbatches_remaining = total_num_microbatches - num_warmup_microbatches
+
+    def get_model_chunk_id(k, forward):
+        """Chunk of the k-th forward (or backward) of this stage: p micro-batches go through
+        chunk 0, then the same p through chunk 1, ...; backwards visit the chunks in reverse."""
+        chunk = (k % (p * num_model_chunks)) // p
+        return chunk if forward else num_model_chunks - chunk - 1
+
+    # Per chunk, oldest first: inputs received (or None on the first stage) and outputs of
+    # the forwards not yet run backward, and gradients received for their backwards.
+    input_tensors = [[] for _ in chunks]
+    output_tensors = [[] for _ in chunks]
+    output_tensor_grads = [[] for _ in chunks]
+    forward_data_store: List[Any] = []
+
+    def forward_step_helper(k):
+        chunk = get_model_chunk_id(k, forward=True)
+        ps.set_virtual_pipeline_model_parallel_rank(chunk)
+        if ps.is_pipeline_first_stage() and len(input_tensors[chunk]) == len(output_tensors[chunk]):
+            input_tensors[chunk].append(None)
+        output_tensor = forward_step(forward_step_func, iterators[chunk], chunks[chunk],
+                                     num_microbatches, input_tensors[chunk][-1],
+                                     forward_data_store, forward_only)
+        output_tensors[chunk].append(output_tensor)
+        if forward_only:   # nothing to keep for a backward
+            input_tensors[chunk].pop()
+            output_tensors[chunk].pop()
+        return output_tensor
+
+    def backward_step_helper(k):
+        chunk = get_model_chunk_id(k, forward=False)
+        ps.set_virtual_pipeline_model_parallel_rank(chunk)
+        if ps.is_pipeline_last_stage() and not output_tensor_grads[chunk]:
+            output_tensor_grads[chunk].append(None)
+        return backward_step(input_tensors[chunk].pop(0), output_tensors[chunk].pop(0),
+                             output_tensor_grads[chunk].pop(0), grad_scale_func)
+
+    # Run warmup forward passes.
+    ps.set_virtual_pipeline_model_parallel_rank(0)
+    input_tensors[0].append(p2p.recv_forward(shape, dtype))
+    for k in range(num_warmup_microbatches):
+        output_tensor = forward_step_helper(k)
+        # Receive the next forward's input, except where the next chunk is the first one on
+        # the first stage (it reads data) and after the last forward.
+        next_forward_model_chunk_id = get_model_chunk_id(k + 1, forward=True)
+        recv_prev = not (ps.is_pipeline_first_stage(ignore_virtual=True)
+                         and next_forward_model_chunk_id == 0)
+        if k == total_num_microbatches - 1:
+            recv_prev = False
+        if ps.is_pipeline_last_stage():   # the loss goes nowhere
+            output_tensor = None
+        if k == num_warmup_microbatches - 1 and not forward_only and not all_warmup_microbatches:
+            # The last warm-up forward also receives the gradient of the first backward.
+            recv_next = not ps.is_pipeline_last_stage(ignore_virtual=True)
+            input_tensor, output_tensor_grad = p2p.send_forward_backward_recv_forward_backward(
+                output_tensor, None, recv_prev=recv_prev, recv_next=recv_next,
+                tensor_shape=shape, dtype=dtype)
+            output_tensor_grads[num_model_chunks - 1].append(output_tensor_grad)
+        else:
+            input_tensor = p2p.send_forward_recv_forward(output_tensor, recv_prev=recv_prev,
+                                                         tensor_shape=shape, dtype=dtype)
+        input_tensors[next_forward_model_chunk_id].append(input_tensor)
+
+    # Run 1F1B in steady state: one forward and one backward, then all four messages at once.
+    for k in range(num_microbatches_remaining):
+        forward_k = k + num_warmup_microbatches
+        output_tensor = forward_step_helper(forward_k)
+        backward_k = k
+        input_tensor_grad = backward_step_helper(backward_k)
+
+        # Nothing to send from the last virtual stage's forward or the first one's backward.
+        ps.set_virtual_pipeline_model_parallel_rank(get_model_chunk_id(forward_k, forward=True))
+        if ps.is_pipeline_last_stage():
+            output_tensor = None
+        ps.set_virtual_pipeline_model_parallel_rank(get_model_chunk_id(backward_k, forward=False))
+        if ps.is_pipeline_first_stage():
+            input_tensor_grad = None
+
+        # Which chunk the arriving activation is for: on the first stage it comes from the last
+        # stage, which is p - 1 forwards behind; elsewhere it is the next forward's.
+        recv_prev = True
+        if ps.is_pipeline_first_stage(ignore_virtual=True):
+            next_forward_model_chunk_id = get_model_chunk_id(forward_k - (p - 1), forward=True)
+            if next_forward_model_chunk_id == num_model_chunks - 1:
+                recv_prev = False
+            next_forward_model_chunk_id += 1
+        else:
+            next_forward_model_chunk_id = get_model_chunk_id(forward_k + 1, forward=True)
+        # Likewise the arriving gradient: on the last stage it comes from the first stage.
+        recv_next = True
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            next_backward_model_chunk_id = get_model_chunk_id(backward_k - (p - 1), forward=False)
+            if next_backward_model_chunk_id == 0:
+                recv_next = False
+            next_backward_model_chunk_id -= 1
+        else:
+            next_backward_model_chunk_id = get_model_chunk_id(backward_k + 1, forward=False)
+        if k == num_microbatches_remaining - 1:   # the last forward's input came already
+            recv_prev = False
+
+        input_tensor, output_tensor_grad = p2p.send_forward_backward_recv_forward_backward(
+            output_tensor, input_tensor_grad, recv_prev=recv_prev, recv_next=recv_next,
+            tensor_shape=shape, dtype=dtype)
+        if recv_prev:
+            input_tensors[next_forward_model_chunk_id].append(input_tensor)
+        if recv_next:
+            output_tensor_grads[next_backward_model_chunk_id].append(output_tensor_grad)
+
+    # Run cooldown backward passes (flush out pipeline).
+    if not forward_only:
+        if all_warmup_microbatches:
+            ps.set_virtual_pipeline_model_parallel_rank(num_model_chunks - 1)
+            output_tensor_grads[num_model_chunks - 1].append(p2p.recv_backward(shape, dtype))
+        for k in range(num_microbatches_remaining, total_num_microbatches):
+            input_tensor_grad = backward_step_helper(k)
+            next_backward_model_chunk_id = get_model_chunk_id(k + 1, forward=False)
+            recv_next = not (ps.is_pipeline_last_stage(ignore_virtual=True)
+                             and next_backward_model_chunk_id == num_model_chunks - 1)
+            if k == total_num_microbatches - 1:
+                recv_next = False
+            output_tensor_grads[next_backward_model_chunk_id].append(
+                p2p.send_backward_recv_backward(input_tensor_grad, recv_next=recv_next,
+                                                tensor_shape=shape, dtype=dtype))
+    ps.set_virtual_pipeline_model_parallel_rank(0)
+    return forward_data_store
 
 
-def forward_backward_pipelining_with_interleaving(**kwargs) -> List[Any]:
-    """Interleaved 1F1B over ``v`` model chunks per stage (Narayanan et al. 2021, §2.2.2)."""
-    return run_schedule("interleaved", **kwargs)
-
-
+# --------------------------------------------------------------------------- Megatron's entry
 _BY_NAME = {
     "no-pipelining": forward_backward_no_pipelining,
     "gpipe": forward_backward_pipelining_gpipe,

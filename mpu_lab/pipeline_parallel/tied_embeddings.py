@@ -22,7 +22,7 @@ import torch
 
 from mpu_lab import comm
 from mpu_lab import parallel_state as ps
-from mpu_lab.pipeline_parallel.schedules import unwrap_model
+from mpu_lab.pipeline_parallel.utils import unwrap_model
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 

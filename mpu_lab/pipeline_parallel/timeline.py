@@ -1,4 +1,4 @@
-"""The pipeline bubble, three ways: the formula, the logical schedule, and a real run's clock.
+"""The pipeline bubble on paper: the formula and the logical schedule.
 
 * :func:`analytic_bubble` — Narayanan et al. 2021, §2.2.1: with ``p`` stages and ``m``
   micro-batches the bubble lasts ``(p-1)`` forward+backward slots, so bubble time / ideal time
@@ -6,22 +6,22 @@
   slot ``v`` times shorter: ``(p-1)/(v·m)``. As a share of the whole iteration that is
   ``(p-1)/(v·m + p-1)``.
 * :func:`simulate` — the *logical* timeline: every stage runs the op list of
-  :func:`~mpu_lab.pipeline_parallel.order.schedule_order` (the list the real schedules
-  execute), each forward and backward of a whole stage takes one unit (``1/v`` for a chunk),
-  and an op starts as soon as its stage is free and its input exists. Times are exact
-  fractions, so the test can demand ``(p-1)/(m+p-1)`` exactly.
-* :func:`measured_bubble` — the same share from the ``(kind, microbatch, chunk, start, end)``
-  records each rank takes during a real run (see
-  :func:`~mpu_lab.pipeline_parallel.schedules.get_last_schedule_stats`). On an oversubscribed
-  CPU the ranks also wait for cores, so that number is only indicative.
-* :func:`plot_gantt` — the Gantt chart of either; :func:`pipeline_records` picks one
-  pipeline's records out of a ``train_gpt.py --record-timeline`` job's reports.
+  :func:`~mpu_lab.pipeline_parallel.order.schedule_order` (the order the real schedules
+  execute, a test checks), each forward and backward of a whole stage takes one unit
+  (``1/v`` for a chunk), and an op starts as soon as its stage is free and its input exists.
+  Times are exact fractions, so the test can demand ``(p-1)/(m+p-1)`` exactly.
+* :func:`bubble_share` — the idle share of any set of ``(kind, microbatch, chunk, start, end)``
+  records, logical or measured.
+
+A real run's clock is read from outside the mirror: :mod:`mpu_lab.perf.pipeline_timeline`
+records each rank's forwards and backwards with hooks and measures its bubble, and
+:mod:`mpu_lab.labkit.viz.pipeline` draws either timeline as a Gantt chart.
 """
 from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from mpu_lab.pipeline_parallel.order import Op, schedule_order, virtual_stage
 from mpu_lab.pipeline_parallel.partition import canonical_schedule
@@ -121,104 +121,3 @@ def bubble_share(records: Sequence[Sequence[Record]]) -> float:
     span = max(ends) - min(starts)
     busy = sum(r[4] - r[3] for recs in records for r in recs)
     return 1 - busy / (len(records) * span)
-
-
-def measured_bubble(records: Sequence[Sequence[Record]], num_microbatches: int,
-                    num_model_chunks: int = 1) -> Dict[str, float]:
-    """The measured idle share of a real run beside the analytic one.
-
-    ``records[r]`` are rank ``r``'s wall-clock records (one pipeline: ranks in stage order).
-    Time spent waiting for a message or for a CPU core counts as idle, so on an oversubscribed
-    machine the measured share is larger than the formula's — indicative only.
-    """
-    p = len(records)
-    analytic = analytic_bubble(p, num_microbatches, num_model_chunks)
-    return dict(measured_share=float(bubble_share(records)),
-                analytic_share=float(analytic["share"]),
-                analytic_relative=float(analytic["relative"]))
-
-
-def pipeline_records(reports: Sequence[Optional[Dict]], data_parallel_rank: int = 0,
-                     tensor_parallel_rank: int = 0) -> Dict:
-    """One pipeline's wall-clock records out of a real run's per-rank reports.
-
-    ``reports``: what the ranks reported, in rank order — e.g. ``job.results`` of
-    ``mpu_lab.launcher.run("train_gpt.py", [..., "--record-timeline"], nproc=...)``, where each
-    rank's result holds ``"timeline"`` (:func:`mpu_lab.training.schedule_timeline_report`);
-    a report may also be that dict itself. Returns ``dict(records, num_microbatches,
-    num_model_chunks, schedule, ranks)`` with ``records[k]`` the records of pipeline stage
-    ``k`` (ready for :func:`plot_gantt` and :func:`measured_bubble`) and ``ranks[k]`` its
-    global rank.
-    """
-    stages = {}
-    for rank, report in enumerate(reports):
-        entry = (report or {}).get("timeline", report) if isinstance(report, dict) else None
-        if not entry or "stats" not in entry:
-            continue
-        if (entry["data_parallel_rank"], entry["tensor_parallel_rank"]) != \
-                (data_parallel_rank, tensor_parallel_rank):
-            continue
-        stages[entry["pipeline_parallel_rank"]] = (rank, entry["stats"])
-    if not stages:
-        raise ValueError(f"no timeline for data-parallel rank {data_parallel_rank}, tensor-"
-                         f"parallel rank {tensor_parallel_rank} in these reports: run with "
-                         f"--record-timeline and --pipeline-model-parallel-size > 1")
-    p = stages[min(stages)][1]["pipeline_parallel_size"]
-    if sorted(stages) != list(range(p)):
-        raise ValueError(f"timelines of pipeline stages {sorted(stages)} found, expected 0..{p - 1}")
-    first = stages[0][1]
-    return dict(records=[[tuple(r) for r in stages[k][1]["records"]] for k in range(p)],
-                ranks=[stages[k][0] for k in range(p)], schedule=first["schedule"],
-                num_microbatches=first["num_microbatches"],
-                num_model_chunks=first["num_model_chunks"])
-
-
-# --------------------------------------------------------------------------- the picture
-_COLORS = {("F", 0): "#4C72B0", ("F", 1): "#8DA9D6", ("B", 0): "#DD8452", ("B", 1): "#F2B994"}
-
-
-def plot_gantt(records: Sequence[Sequence[Record]], title: Optional[str] = None, ax=None,
-               time_unit: str = "units", label_microbatches: bool = True):
-    """Gantt chart: one row per pipeline stage (stage 0 on top), forwards blue, backwards
-    orange, odd model chunks lighter; the number in a box is its micro-batch.
-
-    ``records`` come from :func:`simulate` (``.records``) or from the ranks of a real run
-    (times in seconds are shifted to start at 0; pass ``time_unit="s"`` or ``"ms"``, which
-    scales them by 1000). Returns the matplotlib ``Figure`` (drawn into ``ax`` when given).
-    """
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    fig = None
-    if ax is None:
-        fig = Figure(figsize=(10, 0.55 * len(records) + 1.3), dpi=100)
-        ax = fig.add_subplot(1, 1, 1)
-    else:
-        fig = ax.figure
-    factor = 1000.0 if time_unit == "ms" else 1.0
-    t0 = min(float(r[3]) for recs in records for r in recs)
-    span = (max(float(r[4]) for recs in records for r in recs) - t0) * factor
-    for stage, recs in enumerate(records):
-        y = len(records) - 1 - stage
-        for kind, mb, chunk, start, end in recs:
-            x, w = (float(start) - t0) * factor, (float(end) - float(start)) * factor
-            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=_COLORS[(kind, chunk % 2)],
-                           edgecolor="white", linewidth=0.5)
-            if label_microbatches and w > span / 60:
-                ax.text(x + w / 2, y, str(mb), ha="center", va="center", fontsize=7,
-                        color="white" if chunk % 2 == 0 else "black")
-    ax.set_yticks(range(len(records)))
-    ax.set_yticklabels([f"stage {len(records) - 1 - i}" for i in range(len(records))])
-    ax.set_xlim(0, span)
-    ax.set_xlabel(f"time ({time_unit})")
-    handles = [Patch(color=_COLORS[("F", 0)], label="forward"),
-               Patch(color=_COLORS[("B", 0)], label="backward")]
-    if any(r[2] % 2 for recs in records for r in recs):
-        handles += [Patch(color=_COLORS[("F", 1)], label="forward, odd chunk"),
-                    Patch(color=_COLORS[("B", 1)], label="backward, odd chunk")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(records) < 4 else -0.2),
-              ncol=len(handles), frameon=False, fontsize=8)
-    share = bubble_share(records)
-    ax.set_title((title + " — " if title else "") + f"idle share {float(share):.1%}")
-    fig.tight_layout()
-    return fig

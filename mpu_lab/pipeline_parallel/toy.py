@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mpu_lab.pipeline_parallel.partition import stage_layers
-from mpu_lab.pipeline_parallel.schedules import unwrap_model
+from mpu_lab.pipeline_parallel.utils import unwrap_model
 
 
 @dataclasses.dataclass

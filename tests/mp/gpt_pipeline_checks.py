@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from mpu_lab import checkpointing, distributed, launcher, parallel_state, training
 from mpu_lab.models import PlainGPT, build_model_chunks
+from mpu_lab.perf.pipeline_timeline import ScheduleRecorder
 from mpu_lab.tensor_parallel import model_parallel_manual_seed
 
 ITERS = 10
@@ -89,13 +90,17 @@ def training_equality(out, metrics_file):
         out["seconds"][name + "_setup"] = round(time.perf_counter() - t0, 2)
         out["same_initial_weights"][name] = same(weights, reference_weights)
         out["embedding_copies_equal"][name] = _embedding_copies_equal(state)
+        # The timeline of the last iteration, watched from outside with hooks on the chunks.
+        recorder = ScheduleRecorder(state.model_chunks, args.num_micro_batches,
+                                    args.pipeline_schedule)
         metrics = training.train(state, log=lambda s: None)
+        recorder.remove()
         out["losses"][name] = [m["lm_loss"] for m in metrics]
         out["grad_norms"][name] = [m["grad_norm"] for m in metrics]
         out["setup"][name] = dict(where(state), dp=args.data_parallel_size,
                                   m=args.num_micro_batches, schedule=args.pipeline_schedule,
                                   vpp=args.virtual_pipeline_model_parallel_size)
-        out["timeline"][name] = training.schedule_timeline_report()
+        out["timeline"][name] = recorder.report()
         out["seconds"][name] = round(time.perf_counter() - t0, 2)
         out["metric_keys"] = sorted(metrics[0])
 

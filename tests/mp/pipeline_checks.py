@@ -3,19 +3,25 @@
     torchrun --standalone --nproc-per-node 4 tests/mp/pipeline_checks.py
 
 One 4-rank job (gloo). PP=4 (DP=1) with 8 micro-batches and PP=2 (DP=2) with 4 micro-batches
-per replica, each with GPipe, 1F1B and interleaved v=2: three SGD steps, comparing the loss and
-every gradient with ToyModel's at the same global batch. The groups are re-initialised in the
-same processes for each (PP, v). Every rank reports a dict; tests/test_pipeline_mp.py asserts.
+per replica, each with GPipe, 1F1B and interleaved v=2, and two edge cases at PP=4: interleaved
+with m = p (all forwards first) and 1F1B with m < p (micro-batches merged, so the global batch
+stays the same): three SGD steps, comparing the loss and every gradient with ToyModel's at the
+same global batch. The groups are re-initialised in the same processes for each (PP, v). A
+ScheduleRecorder hooked on the chunks records the order each rank ran. Every rank reports a
+dict; tests/test_pipeline_mp.py asserts.
 """
+from unittest import mock
+
 import torch
+import torch.distributed as dist
 
 from mpu_lab import comm, distributed, launcher
 from mpu_lab import parallel_state as ps
+from mpu_lab.perf.pipeline_timeline import ScheduleRecorder
 from mpu_lab.pipeline_parallel import (
     allreduce_embedding_grads,
     average_losses_across_microbatches,
     get_forward_backward_func,
-    get_last_schedule_stats,
     p2p_communication as p2p,
     sync_embedding_weights,
 )
@@ -23,8 +29,10 @@ from mpu_lab.pipeline_parallel.toy import ToyConfig, ToyModel, build_toy_model_c
 
 CONFIG = ToyConfig(num_layers=8, hidden_size=16, vocab_size=32)
 SEQ, MBS, GLOBAL_MICROBATCHES, ITERS, LR = 4, 2, 8, 3, 0.5
-RUNS = [(4, None, "gpipe"), (4, None, "1f1b"), (4, 2, "interleaved"),
-        (2, None, "gpipe"), (2, None, "1f1b"), (2, 2, "interleaved")]
+# (PP, v, schedule, micro-batches per replica; None: all of this replica's share of 8)
+RUNS = [(4, None, "gpipe", None), (4, None, "1f1b", None), (4, 2, "interleaved", None),
+        (2, None, "gpipe", None), (2, None, "1f1b", None), (2, 2, "interleaved", None),
+        (4, 2, "interleaved", 4), (4, None, "1f1b", 2)]
 
 
 def data(iteration):
@@ -53,6 +61,14 @@ def dense_reference():
     return losses, grads, eval_loss
 
 
+def merged(batches, m):
+    """``batches`` as ``m`` micro-batches: each group of equal size concatenated along the
+    batch dimension (the mean loss over the global batch stays the same)."""
+    k = len(batches) // m
+    return [{key: torch.cat([b[key] for b in batches[i * k:(i + 1) * k]], dim=1) for key in batches[0]}
+            for i in range(m)]
+
+
 def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -68,30 +84,34 @@ def chunk_grads(chunks):
     return out
 
 
-def run_pipeline(pp, vpp, schedule, reference):
+def run_pipeline(pp, vpp, schedule, microbatches, reference):
     """ITERS SGD steps with the pipeline; returns what the test asserts on."""
     dense_losses, dense_grads, dense_eval = reference
     device = distributed.get_device()
     r, dp, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_world_size(), \
         ps.get_data_parallel_rank()
-    m = GLOBAL_MICROBATCHES // dp
+    share = GLOBAL_MICROBATCHES // dp                       # this replica's micro-batches of MBS
+    m = microbatches or share
     chunks = build_toy_model_chunks(ToyModel(CONFIG), r, pp, vpp, device=device)
     sync_embedding_weights(chunks)
     emb_synced = all(rel(c.word_embeddings, ToyModel(CONFIG).word_embeddings.to(device)) == 0
                      for c in chunks if c.word_embeddings is not None)
     forward_backward = get_forward_backward_func(schedule)
+    # Watched from outside, with hooks on the chunks: the schedule itself records nothing.
+    recorder = ScheduleRecorder(chunks, m, schedule)
     out = dict(pp=pp, vpp=vpp, schedule=schedule, pp_rank=r, dp_rank=dp_rank, m=m,
                emb_synced=emb_synced, loss_rel=[], grad_rel=[], fn=forward_backward.__name__)
     params = [prm for c in chunks for prm in c.parameters()]
     for it in range(ITERS):
         for prm in params:
             prm.grad = None
-        mine = data(it)[dp_rank * m:(dp_rank + 1) * m]       # this replica's micro-batches
+        mine = merged(data(it)[dp_rank * share:(dp_rank + 1) * share], m)
         iterators = [iter(mine) for _ in chunks]
         store = forward_backward(forward_step_func=toy_forward_step,
                                  data_iterator=iterators if vpp else iterators[0],
                                  model=chunks if vpp else chunks[0], num_microbatches=m,
-                                 seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
+                                 seq_length=SEQ, micro_batch_size=MBS * share // m,
+                                 forward_only=False)
         # Data parallelism: average the replicas' gradients (DDP's job in training).
         for prm in params:
             prm.grad = comm.all_reduce(prm.grad, group=ps.get_data_parallel_group()) / dp
@@ -107,18 +127,19 @@ def run_pipeline(pp, vpp, schedule, reference):
         with torch.no_grad():
             for prm in params:
                 prm -= LR * prm.grad
-    stats = get_last_schedule_stats()
-    out["stats"] = stats.as_dict()
+    out["records"] = [list(rec) for rec in recorder.records]         # the last iteration's
+    out["peak_in_flight"] = recorder.peak_in_flight
     # Evaluation: forward_only leaves no gradients and gives the dense model's loss.
     for prm in params:
         prm.grad = None
-    mine = data(ITERS)[dp_rank * m:(dp_rank + 1) * m]
+    mine = merged(data(ITERS)[dp_rank * share:(dp_rank + 1) * share], m)
     store = forward_backward(forward_step_func=toy_forward_step,
                              data_iterator=[iter(mine) for _ in chunks] if vpp else iter(mine),
                              model=chunks if vpp else chunks[0], num_microbatches=m,
-                             seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
+                             seq_length=SEQ, micro_batch_size=MBS * share // m, forward_only=True)
     out["eval_no_grads"] = all(prm.grad is None for prm in params)
-    out["eval_order"] = [list(rec[:3]) for rec in get_last_schedule_stats().records]
+    out["eval_order"] = [list(rec[:3]) for rec in recorder.records]
+    recorder.remove()
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         loss = torch.tensor([average_losses_across_microbatches(store)["lm loss"]], device=device)
         loss = comm.all_reduce(loss, group=ps.get_data_parallel_group()) / dp
@@ -133,7 +154,9 @@ def p2p_checks(pp):
     r, shape = ps.get_pipeline_model_parallel_rank(), (2, 3, 4)
     weight = torch.full(shape, float(r + 2), device=device, requires_grad=True)
     out = {}
-    with comm.CommCounter() as counter:
+    # The messages are counted from outside: torch.distributed's isend / irecv, wrapped.
+    with mock.patch.object(dist, "isend", wraps=dist.isend) as isend, \
+            mock.patch.object(dist, "irecv", wraps=dist.irecv) as irecv:
         x = p2p.recv_forward(shape)                                   # None on the first stage
         x = x if x is not None else torch.ones(shape, device=device, requires_grad=True)
         y = x * weight
@@ -143,7 +166,7 @@ def p2p_checks(pp):
         p2p.send_backward(x.grad, shape)
     out["forward_value"] = float(x.detach().flatten()[0])            # product of (k+2), k < r
     out["weight_grad"] = float(weight.grad.flatten()[0])
-    out["sends"], out["recvs"] = counter.count("send"), counter.count("recv")
+    out["sends"], out["recvs"] = isend.call_count, irecv.call_count
     nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
     act = torch.full(shape, 100.0 + r, device=device)
     grad = torch.full(shape, 200.0 + r, device=device)
@@ -175,14 +198,14 @@ def checks():
     reference = dense_reference()
     report = {"runs": [], "p2p": {}}
     current = None
-    for pp, vpp, schedule in RUNS:
+    for pp, vpp, schedule, microbatches in RUNS:
         if current != (pp, vpp):
             ps.initialize_model_parallel(pipeline_model_parallel_size=pp,
                                          virtual_pipeline_model_parallel_size=vpp)
             current = (pp, vpp)
-            if vpp is None:
+            if vpp is None and str(pp) not in report["p2p"]:
                 report["p2p"][str(pp)] = p2p_checks(pp)
-        report["runs"].append(run_pipeline(pp, vpp, schedule, reference))
+        report["runs"].append(run_pipeline(pp, vpp, schedule, microbatches, reference))
     return report
 
 

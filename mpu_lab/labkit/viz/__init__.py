@@ -14,6 +14,7 @@ compares). Every public name is importable from here (``viz.plot_rank_grid``).
   collective, the collectives job's logs;
 * lab 05, :mod:`~mpu_lab.labkit.viz.layer` — a transformer layer's collectives, its
   activation memory;
+* lab 06, :mod:`~mpu_lab.labkit.viz.pipeline` — a pipeline's Gantt chart;
 * lab 07, :mod:`~mpu_lab.labkit.viz.losses` — loss curves, a live loss plot;
 * lab 08, :mod:`~mpu_lab.labkit.viz.performance` — utilisation, kernel timelines, step
   breakdowns, bandwidth, the cost model;
@@ -43,6 +44,7 @@ from mpu_lab.labkit.viz.performance import (
     plot_step_breakdown,
     plot_utilisation,
 )
+from mpu_lab.labkit.viz.pipeline import GANTT_COLORS, plot_gantt
 from mpu_lab.labkit.viz.rank_groups import (
     FAMILY_NAMES,
     SHOWN_FAMILIES,
@@ -76,6 +78,7 @@ __all__ = [
     "COLLECTIVE_LAYOUTS", "plot_collective", "collective_views", "show_collective",
     "print_log_section", "print_test_log", "print_parallel_linear",
     "plot_transformer_layer", "plot_activation_memory",
+    "GANTT_COLORS", "plot_gantt",
     "plot_loss_curves", "LiveLossPlot",
     "BREAKDOWN_COLORS", "plot_utilisation", "plot_kernel_timeline", "plot_step_breakdown",
     "plot_bandwidth", "plot_published_runs", "plot_exploration",
