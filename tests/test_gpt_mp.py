@@ -182,7 +182,8 @@ def test_train_gpt_script_writes_metrics_saves_and_resumes_at_another_tp_and_pp(
     assert [m["iteration"] for m in resumed.results[0]["metrics"]] == [16]
     assert [m["lm_loss"] for r in resumed.results for m in r["metrics"]] == \
         [resumed.results[1]["metrics"][0]["lm_loss"]] * 2    # stage 0 got the last stage's loss
-    from mpu_lab.pipeline_parallel import pipeline_records, schedule_order
+    from mpu_lab.perf.pipeline_timeline import pipeline_records
+    from mpu_lab.pipeline_parallel import schedule_order
     timeline = pipeline_records(resumed.results)
     assert (timeline["schedule"], timeline["num_microbatches"], timeline["ranks"]) == ("1f1b", 2, [0, 1])
     assert [[list(r[:3]) for r in recs] for recs in timeline["records"]] == \
