@@ -12,11 +12,11 @@ Flags other than ``--steps``, ``--warmup``, ``--bucket-size``, ``--modes`` and
 ``train_gpt.py``'s parser (the model and the batch). For each set of flags among the modes
 (``dp_overlap.MODES``: all-reduce, distributed optimizer) every rank sets the model up once,
 runs the warm-up steps, then the timed steps of its modes, overlap off and on alternating step
-by step (one after the other under the profiler). Per step it records when backward started
-and ended (hooks on the model's output and on every parameter's gradient) and, from
-``ddp.sync_log``, when each bucket's reduction was issued, done (its future completed) and
-waited for. Rank 0 prints one line per mode; every rank reports ``{"rank", "d", "device",
-"modes": {mode: record}}``.
+by step (one after the other under the profiler). Per step it records, from outside the
+mirror, when backward started and ended (hooks on the model's output and on every parameter's
+gradient) and (:class:`mpu_lab.perf.comm_timing.CommTimer`) when each bucket's reduction was
+issued, done (its future completed) and waited for. Rank 0 prints one line per mode; every
+rank reports ``{"rank", "d", "device", "modes": {mode: record}}``.
 """
 import sys
 import time
@@ -25,17 +25,17 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed, launcher, training
+from mpu_lab import distributed, launcher, training
 from mpu_lab.perf import dp_overlap
-from mpu_lab.timers import StepTimer
+from mpu_lab.perf.comm_timing import CommCall, CommTimer
+from mpu_lab.perf.step_timer import StepTimer
 
 PRECHECK = "mpu_lab.perf.dp_overlap:check_args"
 
 
 class Probe:
     """Hooks timing one step's backward on this rank: its start (the gradient reaches the
-    model's output) and its end (the last parameter's gradient is accumulated). When each
-    bucket's reduction was done is in ``ddp.sync_log`` (``completed_s``)."""
+    model's output) and its end (the last parameter's gradient is accumulated)."""
 
     def __init__(self, ddp_chunks):
         self.chunks = ddp_chunks
@@ -67,25 +67,67 @@ class Probe:
             h.remove()
 
 
-def step_record(probe: Probe, chunks, step_s: float) -> dict:
+def bucket_of(call: CommCall, chunks) -> Optional[tuple]:
+    """``(chunk, bucket index)`` when ``call`` reduced a bucket of a chunk's gradient buffer
+    (its tensor is that bucket's slice), else ``None``."""
+    for c, ddp in enumerate(chunks):
+        for b in ddp.buffer.buckets:
+            if call.is_async and call.data_ptr == b.grad_data.data_ptr():
+                return c, b.index
+    return None
+
+
+def in_param_buffer(call: CommCall, chunks) -> bool:
+    """Whether ``call``'s tensor lies in a chunk's parameter buffer (the distributed
+    optimizer's all-gather of the updated parameters)."""
+    for ddp in chunks:
+        start = ddp.buffer.param_data.data_ptr()
+        if start <= call.data_ptr < start + ddp.buffer.param_data.numel() * 4:
+            return True
+    return False
+
+
+def step_record(probe: Probe, chunks, calls: List[CommCall], step_s: float) -> dict:
     """One timed step: ``t0_s`` (backward's start, perf_counter: one clock for the ranks of a
     host), then ms from it: backward's end, each bucket's issue / done / waited-for, and the
-    exposed communication (last bucket waited for minus backward's end)."""
+    exposed communication (last bucket waited for minus backward's end). A bucket started
+    during backward when it was issued before backward's last gradient."""
     t0 = probe.start
     ms = lambda t: round(1e3 * (t - t0), 3)  # noqa: E731
     syncs = []
-    for c, ddp in enumerate(chunks):
-        for e in ddp.sync_log:
-            done = e["completed_s"]   # when the backend finished it (comm.Pending)
-            syncs.append(dict(chunk=c, bucket=e["bucket"], kind=e["kind"], nbytes=e["nbytes"],
-                              started_in_backward=e["started_in_backward"],
-                              start_ms=ms(e["start_s"]), done_ms=ms(min(done, e["end_s"])),
-                              end_ms=ms(e["end_s"])))
+    for call in calls:
+        where = bucket_of(call, chunks)
+        if where is None:
+            continue
+        end = call.done_s if call.done_s is not None else time.perf_counter()
+        done = min(call.completed_s if call.completed_s is not None else end, end)
+        syncs.append(dict(chunk=where[0], bucket=where[1], kind=call.kind, nbytes=call.nbytes,
+                          started_in_backward=call.issued_s <= probe.end,
+                          start_ms=ms(call.issued_s), done_ms=ms(done), end_ms=ms(end)))
     backward_ms = ms(probe.end)
     last = max((s["end_ms"] for s in syncs), default=backward_ms)
     return dict(t0_s=t0, step_ms=round(1e3 * step_s, 3), backward_ms=backward_ms,
                 syncs=sorted(syncs, key=lambda s: s["start_ms"]),
                 exposed_ms=round(max(0.0, last - backward_ms), 3))
+
+
+def volume(calls: List[CommCall], chunks, steps: int) -> List[dict]:
+    """The data-parallel payload per step: the gradient buckets' reductions
+    (``dp_overlap.GRAD_TAG``) and the all-gathers of the parameter buffer
+    (``dp_overlap.PARAM_TAG``), each by kind: calls and bytes of the callers' tensors."""
+    table: Dict[tuple, List[float]] = {}
+    for call in calls:
+        if bucket_of(call, chunks) is not None:
+            key = (dp_overlap.GRAD_TAG, call.kind)
+        elif call.kind == "all_gather" and in_param_buffer(call, chunks):
+            key = (dp_overlap.PARAM_TAG, call.kind)
+        else:
+            continue
+        entry = table.setdefault(key, [0, 0])
+        entry[0] += 1
+        entry[1] += call.nbytes
+    return [dict(tag=tag, kind=kind, calls=n / steps, bytes=b / steps)
+            for (tag, kind), (n, b) in sorted(table.items())]
 
 
 def schedule(group: List[str], steps: int, interleave: bool) -> List[str]:
@@ -100,7 +142,7 @@ def schedule(group: List[str], steps: int, interleave: bool) -> List[str]:
 def measure(train_argv: Sequence[str], modes: Sequence[str], steps: int, warmup: int = 1,
             profile_dir: Optional[str] = None) -> Dict[str, dict]:
     """Per mode: the buckets, one :func:`step_record` per timed step, the data-parallel
-    payload per step as ``mpu_lab.comm`` counted it, and lab 08's StepTimer breakdown."""
+    payload per step (:func:`volume`), and lab 08's StepTimer breakdown."""
     groups: Dict[tuple, List[str]] = {}
     for m in modes:
         groups.setdefault(tuple(dp_overlap.MODES[m][0]), []).append(m)
@@ -115,7 +157,7 @@ def measure(train_argv: Sequence[str], modes: Sequence[str], steps: int, warmup:
         probe = Probe(state.ddp_chunks)
         timers = {m: StepTimer(distributed.get_device(), skip=0, profile_dir=profile_dir and
                                f"{profile_dir}/{list(modes).index(m)}") for m in group}
-        counters = {m: comm.CommCounter() for m in group}
+        calls: Dict[str, List[CommCall]] = {m: [] for m in group}
         records: Dict[str, list] = {m: [] for m in group}
         breakdowns = {}
         order = schedule(group, steps, interleave=profile_dir is None)
@@ -123,9 +165,11 @@ def measure(train_argv: Sequence[str], modes: Sequence[str], steps: int, warmup:
             for ddp in state.ddp_chunks:
                 ddp.overlap_grad_reduce = dp_overlap.MODES[m][1]
             probe.reset()
-            with counters[m]:
+            with CommTimer() as timer:
                 timers[m].time_step(training.train_step, state)
-            records[m].append(step_record(probe, state.ddp_chunks, timers[m].step_seconds[-1]))
+            calls[m] += timer.calls
+            records[m].append(step_record(probe, state.ddp_chunks, timer.calls,
+                                          timers[m].step_seconds[-1]))
             if m not in order[k + 1:]:        # its last step: stop its profiler, if any
                 breakdowns[m] = timers[m].report()
         probe.remove()
@@ -134,11 +178,9 @@ def measure(train_argv: Sequence[str], modes: Sequence[str], steps: int, warmup:
                    for c, ddp in enumerate(state.ddp_chunks)
                    for row, b in zip(ddp.buffer.table(), ddp.buffer.buckets)]
         for m in group:
-            volume = [dict(tag=tag, kind=kind, calls=n / steps, bytes=b / steps)
-                      for (tag, kind), (n, b) in sorted(counters[m].summary().items(), key=str)
-                      if tag in (dp_overlap.GRAD_TAG, dp_overlap.PARAM_TAG)]
             out[m] = dict(mode=m, flags=list(flags), overlap=dp_overlap.MODES[m][1],
-                          buckets=buckets, volume=volume, breakdown=breakdowns[m],
+                          buckets=buckets, volume=volume(calls[m], state.ddp_chunks, steps),
+                          breakdown=breakdowns[m],
                           grad_numel=sum(d.buffer.numel_unpadded for d in state.ddp_chunks),
                           grad_numel_padded=sum(d.buffer.numel for d in state.ddp_chunks),
                           steps=records[m], wall_s=round(time.perf_counter() - began, 3))

@@ -6,7 +6,8 @@ with every collective finished before the next GEMM starts (:mod:`mpu_lab.perf.l
         --hidden 256 --steps 10
 
 Every rank is one tensor-parallel rank (t = the number of ranks). For each mode ("overlap":
-``mpu_lab.tensor_parallel.linear_autograd`` as it is; "serial": inside ``comm.no_overlap()``)
+``mpu_lab.tensor_parallel.linear_autograd`` as it is; "serial": inside
+``mpu_lab.perf.comm_timing.no_overlap()``, which waits for each async collective at once)
 it times ``--steps`` forward + backward steps and records one backward pass step by step.
 Rank 0 prints the table; every rank reports ``{"rank", "t", "device", "modes": {mode:
 {"step_ms", "backward_ms", "events"}}}``, event times in ms from the start of that backward.
@@ -15,7 +16,8 @@ import sys
 
 import torch
 
-from mpu_lab import comm, distributed, launcher, parallel_state
+from mpu_lab import distributed, launcher, parallel_state
+from mpu_lab.perf.comm_timing import no_overlap
 from mpu_lab.perf.linear_overlap import check_args, measure
 from mpu_lab.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -37,7 +39,7 @@ def main(argv=None):
     x = torch.randn(a.seq // t, a.batch, a.hidden, device=device, requires_grad=True)
     dy = torch.randn(a.seq // t, a.batch, a.hidden, device=device)
     modes = {"overlap": measure(col, row, x, dy, a.steps)}
-    with comm.no_overlap():
+    with no_overlap():
         modes["serial"] = measure(col, row, x, dy, a.steps)
     lines = launcher.gather_lines(f"{modes['overlap']['step_ms']} {modes['serial']['step_ms']}")
     if lines is not None and not a.quiet:

@@ -5,9 +5,7 @@ import math
 
 import pytest
 
-from mpu_lab.perf import bandwidth, breakdown, runs, utilisation
-
-from mpu_lab import timers
+from mpu_lab.perf import bandwidth, breakdown, runs, step_timer, utilisation
 
 
 # --------------------------------------------------------------------------- formulas
@@ -48,16 +46,18 @@ def test_sizes_and_tensor_shapes_of_the_benchmark():
     assert bandwidth.collective_numel("broadcast", 2, 3, 4) == (1, 4)
 
 
-def test_categories_follow_the_group_and_tag():
+def test_categories_follow_the_group_and_the_size():
     families = {"tp": [0, 1], "dp": [0, 2], "pp": [0, 4]}
-    assert timers.categorize("all_reduce", (0, 1), "layer0.forward", families) == "tp all_reduce"
-    assert timers.categorize("all_reduce", (0, 2), "grads.data_parallel", families) == "dp all_reduce"
-    assert timers.categorize("p2p", (0, 4), None, families) == "pp p2p"
-    assert timers.categorize("all_reduce", (0, 1), "grads.norm", families) == "other"
-    assert timers.categorize("broadcast", (0, 4), "logging", families) == "other"
-    assert timers.categorize("all_reduce", (0, 1, 2, 3), None, families) == "other"
-    # tp and mp groups with the same ranks are one group: tp wins
-    assert timers.categorize("all_gather", (0, 1), None, {"tp": [0, 1], "dp": [0]}) == "tp all_gather"
+    cat = step_timer.categorize
+    assert cat("all_reduce", (0, 1), 4096, families) == "tp all_reduce"       # a layer's output
+    assert cat("all_reduce", (0, 2), 30080, families) == "dp all_reduce"      # the gradients
+    assert cat("p2p", (0, 4), 4096, families) == "pp p2p"
+    assert cat("all_reduce", (0, 1), 1, families) == "other"      # one number: the grad norm
+    assert cat("broadcast", (0, 4), 1, families) == "other"       # the loss for the log line
+    assert cat("all_reduce", (0, 4), 4096, families) == "other"   # tied embedding: no family
+    assert cat("all_reduce", (0, 1, 2, 3), 4096, families) == "other"
+    # tp and dp groups with the same ranks are one group: tp wins
+    assert cat("all_gather", (0, 1), 64, {"tp": [0, 1], "dp": [0, 1]}) == "tp all_gather"
 
 
 # --------------------------------------------------------------------------- the 4-rank job

@@ -1,9 +1,9 @@
 """Where a training step's time goes: the per-rank breakdowns of ``train_gpt.py --breakdown``.
 
-Each rank's :class:`mpu_lab.timers.StepTimer` (on top of :class:`mpu_lab.comm.CommTimer`)
-reports the seconds of an iteration spent in each kind of collective — tensor-parallel
-all-reduce / all-gather / reduce-scatter / broadcast, data-parallel all-reduce, pipeline p2p —
-and the rest, which is computation. This module collects those reports (:func:`breakdowns`),
+Each rank's :class:`mpu_lab.perf.step_timer.StepTimer` (on top of
+:class:`mpu_lab.perf.comm_timing.CommTimer`) reports the seconds of an iteration spent in each
+kind of collective — tensor-parallel all-reduce / all-gather / reduce-scatter / broadcast,
+data-parallel all-reduce, pipeline p2p — and the rest, which is computation. This module collects those reports (:func:`breakdowns`),
 orders their categories (:func:`categories`), tabulates them (:func:`format_breakdown`) and
 finds the timed window (:func:`training_window`).
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from mpu_lab.timers import CATEGORY_ORDER
+from mpu_lab.perf.step_timer import CATEGORY_ORDER
 
 __all__ = ["breakdowns", "categories", "format_breakdown", "training_window"]
 

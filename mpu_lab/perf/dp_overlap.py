@@ -6,7 +6,7 @@ What lab 10 calls (one torchrun job of ``launch/dp_overlap.py``)::
     result = run_dp_overlap(nproc=4, num_layers=4, hidden_size=128)
     print(format_buckets(result))          # the buffer's buckets, last layer first
     print(format_overlap_table(result))    # backward and exposed communication, per rank
-    print(format_volume_table(result))     # bytes per step: counted by mpu_lab.comm vs formula
+    print(format_volume_table(result))     # bytes per step: counted vs formula
     print(format_saving(result))           # step and exposed communication, overlap off / on
     viz.plot_dp_timeline(result)           # mpu_lab.labkit.viz.dp_overlap
     # run_dp_overlap(..., profile=True): lab 08's traces of the same steps
@@ -17,7 +17,8 @@ The job trains the small GPT of ``train_gpt.py`` at DP = ``nproc`` with the mirr
 each of :data:`MODES`: the all-reduce, the distributed optimizer's reduce-scatter, each with and
 without overlap (overlap off and on alternate step by step on one set-up model, so a change of
 load on the machine hits both alike). Per rank and timed step it records when backward started and ended (hooks on
-the model's output and on every parameter's gradient) and, from ``ddp.sync_log``, when each
+the model's output and on every parameter's gradient) and, from a
+:class:`~mpu_lab.perf.comm_timing.CommTimer` (installed from outside the mirror), when each
 bucket's reduction was issued, when it was done, and when ``finish_grad_sync`` had waited for
 it. **Exposed communication** is the time from the end of backward until the last bucket was
 waited for: what the step pays for data parallelism on top of its compute.
@@ -39,7 +40,7 @@ https://arxiv.org/abs/1910.02054):
 * reduce-scatter: ``(d - 1) / d * G``; all-gather: ``(d - 1) / d * G``.
 
 So the distributed optimizer (reduce-scatter of the gradients, all-gather of the updated
-parameters) moves exactly what the all-reduce does. ``mpu_lab.comm`` counts each call's input
+parameters) moves exactly what the all-reduce does. The job counts each call's input
 payload: ``G`` for the all-reduce and the reduce-scatter, ``G / d`` (a rank's shard) for the
 all-gather; :func:`ring_bytes_sent` turns a counted payload into the bytes a rank sends.
 """
@@ -70,7 +71,7 @@ DEFAULT_BUCKET_SIZE = 100_000
 
 def ring_bytes_sent(kind: str, counted_bytes: float, d: int) -> float:
     """Bytes one rank sends in a ring ``kind`` over ``d`` ranks, from the payload
-    ``mpu_lab.comm`` counts (the rank's input): all-reduce ``2 (d-1)/d`` of it, reduce-scatter
+    the job counts (the rank's input): all-reduce ``2 (d-1)/d`` of it, reduce-scatter
     ``(d-1)/d`` of it, all-gather ``(d-1)`` times it (its input is one shard, ``G / d``)."""
     if d < 1:
         raise ValueError(f"d must be >= 1 ranks, got {d}")
@@ -259,7 +260,7 @@ def format_overlap_table(result: DPOverlapResult) -> str:
 
 def volume_rows(result: DPOverlapResult) -> List[dict]:
     """Per mode and data-parallel collective (rank 0's count; all ranks send the same):
-    calls and payload per step as ``mpu_lab.comm`` counted them, and the bytes a rank sends
+    calls and payload per step as the job's CommTimer counted them, and the bytes a rank sends
     by the ring formula (:func:`ring_bytes_sent`)."""
     rows = []
     for mode in result.modes:

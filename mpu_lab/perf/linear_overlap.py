@@ -1,23 +1,28 @@
 """What Megatron's linear does in backward, timed (``launch/linear_overlap.py`` runs it): a
 sequence-parallel MLP, column- then row-parallel (Korthikanti et al. 2022 §4.2.2), with its
 collectives overlapped by the gradient GEMMs, against the same layers inside
-``comm.no_overlap()`` (every collective finished before the next GEMM starts).
+:func:`mpu_lab.perf.comm_timing.no_overlap` (every collective finished before the next GEMM
+starts).
 
 :func:`parser` and :func:`check_args` (the script's ``PRECHECK``: sizes refused before any
 process starts), :func:`measure` (runs inside a rank: median step time, and one backward pass
-recorded step by step by ``linear_autograd.record_backward``).
+recorded step by step by :func:`record_backward`, from outside the layers: the GEMMs through a
+``TorchDispatchMode`` that sees every ``aten.mm``, the collectives through
+:class:`~mpu_lab.perf.comm_timing.CommTimer`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from typing import Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpu_lab.tensor_parallel.linear_autograd import record_backward
+from mpu_lab.perf.comm_timing import CommTimer
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,6 +51,48 @@ def check_args(argv: Sequence[str], world_size: int, cwd=None) -> argparse.Names
     if bad:
         raise ValueError("linear_overlap.py: " + "; ".join(bad))
     return a
+
+
+class GemmRecorder(TorchDispatchMode):
+    """Records ``(start, end)`` (``time.perf_counter``) of every matrix product (``aten.mm``)
+    that runs while it is active, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.gemms: List[Tuple[float, float]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is not torch.ops.aten.mm.default:
+            return func(*args, **(kwargs or {}))
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.gemms.append((start, time.perf_counter()))
+        return out
+
+
+# What linear_autograd's backward calls each of its collectives, by kind.
+COLLECTIVE_NAMES = {"all_gather": "all-gather X", "reduce_scatter": "reduce-scatter dX",
+                    "all_reduce": "all-reduce dX"}
+
+
+@contextlib.contextmanager
+def record_backward():
+    """``with record_backward() as events:`` collects ``(what, start, end)`` (``time.perf_counter``
+    seconds) of each step of the linear layers' backward: the GEMMs (each layer's backward runs
+    two, ``dX = dY W`` first, then ``dW = dY^T X``: the order of
+    ``linear_autograd``'s steps 2 and 5), and each asynchronous collective from the moment it
+    was issued to the moment its ``wait()`` returned (it was in flight meanwhile). Filled in
+    when the block ends, in order of start."""
+    events: List[Tuple[str, float, float]] = []
+    with GemmRecorder():            # the first op under a dispatch mode pays its set-up (seconds)
+        torch.mm(torch.ones(1, 1), torch.ones(1, 1))
+    with CommTimer() as timer, GemmRecorder() as gemms:
+        yield events
+    events += [("dX = dY W" if k % 2 == 0 else "dW = dY^T X", start, end)
+               for k, (start, end) in enumerate(gemms.gemms)]
+    events += [(COLLECTIVE_NAMES[c.kind], c.issued_s, c.done_s) for c in timer.calls
+               if c.is_async and c.done_s is not None]
+    events.sort(key=lambda e: e[1])
 
 
 def _step(col, row, x, dy) -> None:

@@ -1,10 +1,11 @@
 """Time a training step and the collectives inside it, on one rank (``--breakdown``).
 
-The mirror of Megatron-core's ``core/timers.py`` role, kept small: :class:`StepTimer` times
-whole steps and, through :class:`mpu_lab.comm.CommTimer`, every collective and p2p call
-inside them; :func:`categorize` books each call under its group family (``tp all_reduce``,
-``dp all_reduce``, ``pp p2p``, ...). The lab kit and :mod:`mpu_lab.perf` read the reports;
-:mod:`mpu_lab.training` runs the timer.
+Megatron's ``core/timers.py`` role, kept small and outside the mirror: :class:`StepTimer` times
+whole steps and, through :class:`mpu_lab.perf.comm_timing.CommTimer`, every collective and p2p
+call inside them; :func:`categorize` books each call under its group family (``tp all_reduce``,
+``dp all_reduce``, ``pp p2p``, ...). :func:`timing_train_steps` installs a timer around
+``mpu_lab.training``'s ``train_step`` from outside (``launch/train_gpt.py --breakdown``); the
+lab kit and :mod:`mpu_lab.perf` read the reports.
 
 What "waiting" means: every collective is synchronous, so a rank's time inside one is the
 transfer *plus* the wait for the slowest member of its group (for p2p, the neighbouring
@@ -13,6 +14,7 @@ stage: the pipeline bubble). ``barrier=True`` puts a barrier before each call an
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -21,32 +23,32 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from mpu_lab import comm
+from mpu_lab import distributed
 from mpu_lab import parallel_state as ps
+from mpu_lab.perf.comm_timing import CommTimer
+from mpu_lab.training import training
 
 COMPUTE = "compute"
 WAIT = "wait (barrier)"
 OTHER = "other"
-# Bookkeeping collectives that are not the model's: the gradient norm over the model-parallel
-# group, the fp16 overflow vote, the tied-embedding sum, the loss for the log line.
-_OTHER_TAGS = ("logging", "grads.norm", "grads.overflow", "grads.embedding")
 # Drawing order (and the order of the printed columns); absent categories are left out.
 CATEGORY_ORDER = (COMPUTE, "tp all_reduce", "tp all_gather", "tp reduce_scatter", "tp broadcast",
                   "dp all_reduce", "pp p2p", OTHER, WAIT)
 
 
-def categorize(kind: str, ranks: Sequence[int], tag: Optional[str],
+def categorize(kind: str, ranks: Sequence[int], numel: int,
                families: Dict[str, Optional[Sequence[int]]]) -> str:
-    """The breakdown category of one timed call: ``"pp p2p"`` for pipeline messages,
-    ``"other"`` for bookkeeping (tags in ``_OTHER_TAGS``) and groups of no family, else
-    ``"<family> <kind>"`` with the family (``tp``, ``dp``, ``pp``; in that order, since
-    groups with the same ranks are one group) whose ranks equal the call's group."""
+    """The breakdown category of one timed call: ``"pp p2p"`` for pipeline messages;
+    ``"other"`` for bookkeeping, i.e. a single number (the loss for the log line, the gradient
+    norm, the fp16 overflow vote), and for groups of no family (the tied embedding's first and
+    last stage); else ``"<family> <kind>"`` with the family (``tp`` or ``dp``; in that order,
+    since groups with the same ranks are one group) whose ranks equal the call's group."""
     if kind == "p2p":
         return "pp p2p"
-    if tag in _OTHER_TAGS:
+    if numel <= 1:
         return OTHER
     ranks = tuple(ranks)
-    for family in ("tp", "dp", "pp"):
+    for family in ("tp", "dp"):
         members = families.get(family)
         if members is not None and len(members) > 1 and tuple(members) == ranks:
             return f"{family} {kind}"
@@ -56,8 +58,9 @@ def categorize(kind: str, ranks: Sequence[int], tag: Optional[str],
 class StepTimer:
     """Times whole training steps and the collectives inside them, on one rank.
 
-    ``time_step(fn, *args)`` runs one step under a :class:`mpu_lab.comm.CommTimer`; the first
-    ``skip`` steps run untimed (first-call allocations and warm-up). On CUDA the device is
+    ``time_step(fn, *args)`` runs one step under a
+    :class:`~mpu_lab.perf.comm_timing.CommTimer`; the first ``skip`` steps run untimed
+    (first-call allocations and warm-up). On CUDA the device is
     synchronised before and after each step. :meth:`report` gives the per-step means, JSON-able.
     With ``profile_dir`` the timed steps also run under ``torch.profiler`` (CPU, and CUDA on a
     GPU): :meth:`report` writes this rank's Chrome trace (``rank<r>.trace.json``, for
@@ -72,7 +75,7 @@ class StepTimer:
         self.device = device
         self.barrier = barrier
         self.skip = skip
-        self.comm_timer = comm.CommTimer(barrier=barrier)
+        self.comm_timer = CommTimer(barrier=barrier)
         self.step_seconds: List[float] = []
         self.window: List[Optional[float]] = [None, None]   # time.time() of first start, last end
         self._seen = 0
@@ -135,12 +138,12 @@ class StepTimer:
         calls: Dict[str, float] = {}
         nbytes: Dict[str, float] = {}
         wait = 0.0
-        for (kind, ranks, tag), (count, sec, wait_s, b) in self.comm_timer.totals.items():
-            cat = categorize(kind, ranks, tag, families)
-            seconds[cat] = seconds.get(cat, 0.0) + sec
-            calls[cat] = calls.get(cat, 0) + count
-            nbytes[cat] = nbytes.get(cat, 0) + b
-            wait += wait_s
+        for call in self.comm_timer.calls:
+            cat = categorize(call.kind, call.ranks, call.numel, families)
+            seconds[cat] = seconds.get(cat, 0.0) + call.seconds
+            calls[cat] = calls.get(cat, 0) + 1
+            nbytes[cat] = nbytes.get(cat, 0) + call.nbytes
+            wait += call.barrier_s
         total = sum(self.step_seconds)
         parts = {COMPUTE: total - sum(seconds.values()) - wait, **seconds}
         if self.barrier:
@@ -160,3 +163,29 @@ class StepTimer:
             tp_rank=ps.get_tensor_model_parallel_rank(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank())
+
+
+def step_timer_for(args) -> Optional[StepTimer]:
+    """The timer ``train_gpt.py``'s ``--breakdown``, ``--breakdown-barrier`` or
+    ``--breakdown-profile DIR`` asks for (``None`` without them); the first step is not timed."""
+    barrier, profile_dir = getattr(args, "breakdown_barrier", False), \
+        getattr(args, "breakdown_profile", None)
+    if not (getattr(args, "breakdown", False) or barrier or profile_dir):
+        return None
+    return StepTimer(distributed.get_device(), barrier=barrier, profile_dir=profile_dir)
+
+
+@contextlib.contextmanager
+def timing_train_steps(timer: StepTimer):
+    """Inside the block, every ``train_step`` that ``mpu_lab.training``'s loop runs goes
+    through ``timer.time_step``: the timer is installed from outside, the loop is unchanged."""
+    original = training.train_step
+
+    def timed_train_step(state, *args, **kwargs):
+        return timer.time_step(original, state, *args, **kwargs)
+
+    training.train_step = timed_train_step
+    try:
+        yield timer
+    finally:
+        training.train_step = original

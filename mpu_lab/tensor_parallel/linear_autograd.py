@@ -28,38 +28,12 @@ Backward, step by step (``X`` the input, ``W`` the weight shard, ``dY`` the outp
 """
 from __future__ import annotations
 
-import contextlib
-import time
-from typing import List, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from mpu_lab import comm, parallel_state
-
-
-_RECORDERS: List[List[Tuple[str, float, float]]] = []
-
-
-@contextlib.contextmanager
-def record_backward():
-    """``with record_backward() as events:`` collects ``(what, start, end)`` (``time.perf_counter``
-    seconds) for each step of this function's backward: the GEMMs, and each collective from the
-    moment it was issued to the moment its ``wait()`` returned (it was in flight meanwhile).
-    For timelines (``launch/linear_overlap.py``)."""
-    events: List[Tuple[str, float, float]] = []
-    _RECORDERS.append(events)
-    try:
-        yield events
-    finally:
-        _RECORDERS.remove(events)
-
-
-def _mark(what: str, start: float, end: Optional[float] = None) -> None:
-    if _RECORDERS:
-        end = end if end is not None else time.perf_counter()
-        for events in _RECORDERS:
-            events.append((what, start, end))
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -99,19 +73,15 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         group = ctx.group
         gather = (comm.all_gather_async(input_, group=group, dim=0)    # 1. re-gather, async
                   if ctx.sequence_parallel else None)
-        start = time.perf_counter()
         grad_input = grad_output.matmul(weight)                          # 2. while it runs
-        _mark("dX = dY W", start)
         total_input = input_
         if gather is not None:                                           # 3.
             total_input = gather.wait()
-            _mark("all-gather X", gather.issued_at, gather.done_at)
         reduce: Optional[comm.Pending] = None                            # 4. reduce dX, async
         if ctx.sequence_parallel:
             reduce = comm.reduce_scatter_async(grad_input, group=group, dim=0)
         elif ctx.allreduce_dgrad:
             reduce = comm.all_reduce_async(grad_input, group=group)
-        start = time.perf_counter()
         dy = grad_output.reshape(-1, grad_output.shape[-1])              # 5. dW while it runs
         x = total_input.reshape(-1, total_input.shape[-1])
         if ctx.fusion:
@@ -120,10 +90,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         else:
             grad_weight = dy.t().matmul(x).to(saved_weight.dtype)
         grad_bias = dy.sum(dim=0).to(ctx.bias_dtype) if ctx.use_bias else None
-        _mark("dW = dY^T X", start)
         if reduce is not None:                                           # 6.
             grad_input = reduce.wait()
-            _mark(f"{reduce.kind.replace('_', '-')} dX", reduce.issued_at, reduce.done_at)
         return (grad_input.to(saved_input.dtype), grad_weight, grad_bias,
                 None, None, None, None)
 
