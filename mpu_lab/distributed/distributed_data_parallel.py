@@ -28,7 +28,6 @@ those gradients.
 """
 from __future__ import annotations
 
-import time
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -69,9 +68,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._pending: Dict[int, comm.Pending] = {}
         self._in_backward: Dict[int, bool] = {}
         self._bucket_of = {id(p): self.buffer.param_range(p)[0] for p in self.buffer.params}
-        # one entry per bucket reduction of the last step: bucket, kind, numel, nbytes,
-        # started_in_backward, and time.perf_counter() stamps: start_s (issued), completed_s
-        # (the backend finished it), end_s (finish_grad_sync had waited for it)
+        # one entry per bucket reduction of the last step: bucket, kind, numel, nbytes and
+        # whether it started during backward
         self.sync_log: List[Dict[str, object]] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook())
                        for p in self.buffer.params]
@@ -109,12 +107,11 @@ class DistributedDataParallel(torch.nn.Module):
         return all(self._counts[id(p)] >= self.num_micro_batches for p in bucket.params)
 
     def _start(self, bucket: Bucket, in_backward: bool) -> None:
-        """Start the bucket's reduction (asynchronously), tag ``grads.data_parallel``."""
-        with comm.comm_tag("grads.data_parallel"):
-            if self.use_distributed_optimizer:
-                pending = comm.reduce_scatter_async(bucket.grad_data, self.data_parallel_group)
-            else:
-                pending = comm.all_reduce_async(bucket.grad_data, self.data_parallel_group)
+        """Start the bucket's reduction (asynchronously)."""
+        if self.use_distributed_optimizer:
+            pending = comm.reduce_scatter_async(bucket.grad_data, self.data_parallel_group)
+        else:
+            pending = comm.all_reduce_async(bucket.grad_data, self.data_parallel_group)
         self._pending[bucket.index] = pending
         self._in_backward[bucket.index] = in_backward
 
@@ -130,10 +127,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.sync_log.append(dict(
             bucket=bucket.index, kind=pending.kind, numel=bucket.numel,
             nbytes=bucket.numel * bucket.grad_data.element_size(),
-            started_in_backward=self._in_backward[bucket.index],
-            start_s=pending.issued_at, end_s=pending.done_at or time.perf_counter(),
-            completed_s=min(pending.completed_at or pending.done_at or time.perf_counter(),
-                            pending.done_at or time.perf_counter())))
+            started_in_backward=self._in_backward[bucket.index]))
 
     def finish_grad_sync(self, late: bool = False) -> None:
         """Start the reductions of the buckets (``late``: the late ones) not started yet, then
