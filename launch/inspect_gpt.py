@@ -15,8 +15,8 @@ import sys
 import torch
 
 from mpu_lab import distributed, launcher, parallel_state, tensor_parallel
-from mpu_lab.models import (GPTModel, TransformerConfig, count_collectives, format_collectives,
-                            format_shape_table, per_layer_counts, shape_table)
+from mpu_lab.models import GPTModel, TransformerConfig, format_shape_table, shape_table
+from mpu_lab.perf.comm_counts import count_collectives, format_collectives, per_layer_counts
 
 
 def parse(argv):

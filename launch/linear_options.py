@@ -10,7 +10,8 @@ For every variant (``gather_output``, ``skip_bias_add``, a fused weight with ``s
 same master weight (``torch.manual_seed``), runs forward and backward on ``--steps`` random
 batches, and compares output, input gradient and weight gradient with the dense layer
 ``F.linear(x, W, b)`` on the master weight (tolerance 1e-6, relative above 1). It counts the
-collectives each pass issues through :mod:`mpu_lab.comm` and prints one line per variant:
+collectives each pass issues, from outside (torch's ``CommDebugMode``:
+:class:`mpu_lab.perf.comm_counts.CollectiveLog`), and prints one line per variant:
 shapes, counts and the verdict, nothing machine-dependent. Results go to
 :func:`mpu_lab.launcher.report`.
 """
@@ -20,9 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab import comm, distributed, launcher
+from mpu_lab import distributed, launcher
 from mpu_lab import parallel_state as ps
 from mpu_lab import tensor_parallel as tp
+from mpu_lab.perf.comm_counts import CollectiveLog
 
 TOL = 1e-6
 
@@ -43,7 +45,7 @@ def counts(counter):
     """``{"all_reduce": 1, ...}`` of one pass, sorted by name."""
     found = {}
     for event in counter.events:
-        found[event.kind] = found.get(event.kind, 0) + 1
+        found[event["kind"]] = found.get(event["kind"], 0) + 1
     return dict(sorted(found.items()))
 
 
@@ -69,11 +71,11 @@ def column_case(args, name, step, gather_output=True, skip_bias_add=False, strid
     dy = seeded((args.batch, out_size), args.seed + 300 + step, dev)
 
     x_tp = x.clone().requires_grad_()
-    with comm.CommCounter() as fwd:
+    with CollectiveLog() as fwd:
         y, returned_bias = layer(x_tp)                  # [b, out] or this rank's [b, out/t]
     total = y + returned_bias if skip_bias_add else y
     local_dy = dy if gather_output else dy[:, rows]
-    with comm.CommCounter() as bwd:
+    with CollectiveLog() as bwd:
         total.backward(local_dy)
 
     x_d = x.clone().requires_grad_()
@@ -109,10 +111,10 @@ def row_case(args, name, step, input_is_parallel=False, skip_bias_add=False):
     dy = seeded((args.batch, args.output_size), args.seed + 300 + step, dev)
 
     x_tp = (x[:, cols] if input_is_parallel else x).clone().requires_grad_()
-    with comm.CommCounter() as fwd:
+    with CollectiveLog() as fwd:
         y, returned_bias = layer(x_tp)                  # [b, out] on every rank
     total = y + returned_bias if skip_bias_add else y
-    with comm.CommCounter() as bwd:
+    with CollectiveLog() as bwd:
         total.backward(dy)
 
     x_d = x.clone().requires_grad_()
@@ -142,9 +144,9 @@ def mlp_case(args, name, step):
     dz = seeded((args.batch, h), args.seed + 300 + step, dev)
 
     x_tp = x.clone().requires_grad_()
-    with comm.CommCounter() as fwd:
+    with CollectiveLog() as fwd:
         z, _ = fc2(F.gelu(fc1(x_tp)[0]))                # f ... g
-    with comm.CommCounter() as bwd:
+    with CollectiveLog() as bwd:
         z.backward(dz)
 
     x_d = x.clone().requires_grad_()

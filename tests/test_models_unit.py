@@ -4,13 +4,13 @@ import math
 import pytest
 import torch
 
-from mpu_lab import comm, datasets, training
+from mpu_lab import datasets, training
 from mpu_lab.checkpointing import CheckpointError, find_checkpoint, gather_model_state_dict
 from mpu_lab.models import (GPTModel, ParallelAttention, ParallelTransformerLayer, PlainGPT,
-                            TransformerConfig, count_collectives, expected_layer_counts,
-                            format_shape_table, pad_vocab_size, shape_table)
+                            TransformerConfig, format_shape_table, pad_vocab_size, shape_table)
 from mpu_lab.models.attention import explicit_causal_attention
 from mpu_lab.models.gpt import _PlainLayer
+from mpu_lab.perf.comm_counts import count_collectives, expected_layer_counts
 
 
 pytestmark = pytest.mark.usefixtures("world")   # a one-rank world (tests/conftest.py)
@@ -93,26 +93,6 @@ def test_no_collectives_at_tp1():
     ids = torch.randint(0, 256, (2, 32))
     assert count_collectives(model, ids, ids) == []
     assert expected_layer_counts(False, 1) == {"forward": {}, "backward": {}}
-
-
-def test_backward_tags_label_collectives_issued_in_backward():
-    x = torch.randn(4, requires_grad=True)
-    y = comm.tag_backward_input(x, "region.backward")
-    seen = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            seen.append(comm.current_tag())
-            return g
-
-    z = comm.tag_backward_output(Probe.apply(y * 2), "region.backward")
-    z.sum().backward()
-    assert seen == ["region.backward"] and comm.current_tag() is None
 
 
 # --------------------------------------------------------------------------- validation

@@ -1,5 +1,7 @@
 """mpu_lab.tensor_parallel in one process: pure helpers, error messages, and a world of one
 rank (gloo over an in-memory store) where every layer must equal its plain torch twin."""
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -7,6 +9,7 @@ import torch.nn.functional as F
 
 from mpu_lab import parallel_state as ps
 from mpu_lab import tensor_parallel as tp
+from mpu_lab.perf.comm_counts import CollectiveLog
 from mpu_lab.tensor_parallel import mappings
 
 
@@ -59,7 +62,7 @@ def test_public_api_names_exist():
                  "broadcast_data", "split_tensor_along_last_dim", "split_tensor_into_1d_equal_chunks",
                  "gather_split_1d_tensor", "VocabUtility", "model_parallel_manual_seed",
                  "get_rng_tracker", "set_tensor_model_parallel_attributes"):
-        assert name in tp.__all__ and hasattr(tp, name), name
+        assert hasattr(tp, name), name
     assert tp.model_parallel_cuda_manual_seed is tp.model_parallel_manual_seed
     for cls in ("_CopyToModelParallelRegion", "_ReduceFromModelParallelRegion",
                 "_ScatterToModelParallelRegion", "_GatherFromModelParallelRegion",
@@ -143,21 +146,33 @@ def test_sequence_parallel_flag_conflicts_raise(world_of_one):
         tp.RowParallelLinear(8, 8, input_is_parallel=False, sequence_parallel=True)
 
 
-def test_mappings_are_no_ops_on_a_group_of_one(world_of_one):
-    x = torch.randn(4, 6)
-    for op in (tp.copy_to_tensor_model_parallel_region, tp.reduce_from_tensor_model_parallel_region,
-               tp.scatter_to_tensor_model_parallel_region, tp.gather_from_tensor_model_parallel_region,
-               tp.scatter_to_sequence_parallel_region, tp.gather_from_sequence_parallel_region,
-               tp.reduce_scatter_to_sequence_parallel_region):
-        assert op(x) is x, op.__name__
+def test_mappings_communicate_nothing_on_a_group_of_one(world_of_one):
+    x = torch.randn(4, 6, requires_grad=True)
+    with CollectiveLog() as log:
+        for op in (tp.copy_to_tensor_model_parallel_region,
+                   tp.reduce_from_tensor_model_parallel_region,
+                   tp.scatter_to_tensor_model_parallel_region,
+                   tp.gather_from_tensor_model_parallel_region,
+                   tp.scatter_to_sequence_parallel_region,
+                   tp.gather_from_sequence_parallel_region,
+                   tp.reduce_scatter_to_sequence_parallel_region):
+            y = op(x)
+            assert torch.equal(y, x), op.__name__
+            y.sum().backward()
+            assert torch.equal(x.grad, torch.ones(4, 6)), op.__name__
+            x.grad = None
+    assert log.events == []
 
 
-def test_copy_to_backward_called_directly_returns_a_tensor(world_of_one):
-    # Megatron's unit test calls _CopyToModelParallelRegion.backward(None, x) and compares tensors
+def test_backward_called_directly_takes_a_context_as_in_megatron_core(world_of_one):
+    # Megatron-core's tests/unit_tests/tensor_parallel/test_mappings.py: a stand-in context
+    # holding what forward would have stored, and the gradients tuple, None for the group.
+    ctx = types.SimpleNamespace(group=ps.get_tensor_model_parallel_group())
     x = torch.ones(1) * 3
-    out = mappings._CopyToModelParallelRegion.backward(None, x)
-    assert isinstance(out, torch.Tensor) and torch.equal(out, x)
-    assert torch.equal(mappings._CopyToModelParallelRegion.symbolic(None, x), x)
+    grad, none = mappings._CopyToModelParallelRegion.backward(ctx, x)
+    assert torch.equal(grad, x) and none is None
+    ctx.tensor_parallel_output_grad = False
+    assert mappings._GatherFromSequenceParallelRegion.backward(ctx, x)[1:] == (None, None)
 
 
 def test_column_parallel_at_tp1_equals_torch_linear(world_of_one):

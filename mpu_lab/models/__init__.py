@@ -9,8 +9,8 @@
 * :class:`GPTModel` — vocab-parallel embedding, layers, tied vocab-parallel output and loss;
   :func:`build_model_chunks` — one pipeline rank's stages of it, with the one-stage weights;
   :class:`PlainGPT` — its single-process ``torch.nn`` twin with the same parameter names;
-* :mod:`mpu_lab.models.introspection` — the lecture's shape table and the per-layer collective
-  count (the blocks report their tensors through :mod:`mpu_lab.models.activation_record`).
+* :mod:`mpu_lab.models.introspection` — the lecture's shape table (the blocks report their
+  tensors through :mod:`mpu_lab.models.activation_record`).
 """
 from mpu_lab.models.attention import ParallelAttention, SelfAttention
 from mpu_lab.models.gpt import (
@@ -21,12 +21,8 @@ from mpu_lab.models.gpt import (
     pad_vocab_size,
 )
 from mpu_lab.models.introspection import (
-    count_collectives,
-    expected_layer_counts,
-    format_collectives,
     format_shape_table,
     lecture_shapes,
-    per_layer_counts,
     shape_table,
 )
 from mpu_lab.models.mlp import MLP, ParallelMLP
@@ -44,6 +40,5 @@ __all__ = [
     "TransformerConfig", "MLP", "SelfAttention", "TransformerLayer", "TransformerBlock",
     "ParallelMLP", "ParallelAttention", "ParallelTransformerLayer", "ParallelTransformer",
     "GPTModel", "LanguageModelEmbedding", "PlainGPT", "build_model_chunks", "pad_vocab_size",
-    "finalize_model_grads", "shape_table", "format_shape_table", "count_collectives",
-    "per_layer_counts", "expected_layer_counts", "format_collectives",
+    "finalize_model_grads", "shape_table", "format_shape_table",
 ]

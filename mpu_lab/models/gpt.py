@@ -29,7 +29,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from mpu_lab import comm, distributed, parallel_state
+from mpu_lab import distributed, parallel_state
 from mpu_lab.models.transformer import TransformerBlock, TransformerLayer
 from mpu_lab.models.transformer_config import ACTIVATIONS, TransformerConfig
 from mpu_lab.pipeline_parallel.partition import stage_layers
@@ -169,9 +169,7 @@ class GPTModel(torch.nn.Module):
         if self.pre_process:
             if position_ids is None:   # [s], broadcast over the batch
                 position_ids = torch.arange(input_ids.size(1), device=input_ids.device)
-            with comm.comm_tag("embedding.forward"):
-                hidden = self.embedding(input_ids, position_ids)      # [s, b, D] (or [s/t, b, D])
-            hidden = comm.tag_backward_output(hidden, "embedding.backward")
+            hidden = self.embedding(input_ids, position_ids)      # [s, b, D] (or [s/t, b, D])
         else:
             hidden = decoder_input if decoder_input is not None else self.input_tensor
             if hidden is None:
@@ -183,27 +181,24 @@ class GPTModel(torch.nn.Module):
         return self._logits_and_loss(hidden, labels)
 
     def _logits_and_loss(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]):
-        hidden = comm.tag_backward_input(hidden, "output.backward")
-        with comm.comm_tag("output.forward"):
-            if self.config.sequence_parallel:
-                total = gather_from_sequence_parallel_region(hidden)  # [s, b, D]
-            else:
-                total = copy_to_tensor_model_parallel_region(hidden)  # f
-            logits = F.linear(total, self.output_weight())            # [s, b, V/t]
-            if labels is None:
-                if not self.parallel_output:
-                    logits = gather_from_tensor_model_parallel_region(logits)  # [s, b, V]
-                return logits.transpose(0, 1).contiguous()            # [b, s, V/t]
-            target = labels.transpose(0, 1)                           # [s, b]
-            if parallel_state.get_tensor_model_parallel_world_size() == 1:
-                # One rank holds the whole vocabulary: vocab_parallel_cross_entropy reduces to
-                # F.cross_entropy, which is fused and faster.
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
-                                       target.reshape(-1), reduction="none").view_as(target)
-            else:
-                loss = vocab_parallel_cross_entropy(logits.float(), target)  # [s, b]
-            loss = loss.transpose(0, 1).contiguous()                  # [b, s]
-        return comm.tag_backward_output(loss, "output.backward")
+        if self.config.sequence_parallel:
+            total = gather_from_sequence_parallel_region(hidden)  # [s, b, D]
+        else:
+            total = copy_to_tensor_model_parallel_region(hidden)  # f
+        logits = F.linear(total, self.output_weight())            # [s, b, V/t]
+        if labels is None:
+            if not self.parallel_output:
+                logits = gather_from_tensor_model_parallel_region(logits)  # [s, b, V]
+            return logits.transpose(0, 1).contiguous()            # [b, s, V/t]
+        target = labels.transpose(0, 1)                           # [s, b]
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            # One rank holds the whole vocabulary: vocab_parallel_cross_entropy reduces to
+            # F.cross_entropy, which is fused and faster.
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                                   target.reshape(-1), reduction="none").view_as(target)
+        else:
+            loss = vocab_parallel_cross_entropy(logits.float(), target)  # [s, b]
+        return loss.transpose(0, 1).contiguous()                  # [b, s]
 
 
 # --------------------------------------------------------------------------- pipeline stages

@@ -1,31 +1,27 @@
-"""What the labs show about a real forward/backward pass: the lecture's shape table and the
-per-layer collective count, measured on a :class:`~mpu_lab.models.transformer.TransformerLayer`
-(Megatron-core's ``core/transformer/transformer_layer.py``); the lab's own instruments, with no
-Megatron counterpart.
+"""What the labs show about a real forward pass: the lecture's shape table, measured on a
+:class:`~mpu_lab.models.transformer.TransformerLayer` (Megatron-core's
+``core/transformer/transformer_layer.py``); the lab's own instrument, with no Megatron
+counterpart.
 
 * :func:`shape_table` — the lecture's table (Q, K, V, Score, Z, Out, A, A', x') for given
   ``B, L, D, n_H, d_tp``, read off the live tensors of one ``TransformerLayer`` forward on this
   rank (the blocks call :func:`~mpu_lab.models.activation_record.record` at each step; it
   costs nothing when no recording is active).
-* :func:`count_collectives` — every collective of a training step, labelled by layer and
-  direction (``layer0.forward``, ``layer0.backward``, ``embedding.forward``, ...), with kind,
-  group and bytes; :func:`per_layer_counts` summarises it and :func:`expected_layer_counts`
-  is the analysis it should match (2 all-reduces forward and 2 backward per layer; with
-  sequence parallelism 2 all-gathers + 2 reduce-scatters each way).
 
-Both run inside a rank whose groups are initialised (a ``torchrun`` worker such as
-``launch/inspect_gpt.py``); at ``d_tp = 1`` they also run in the notebook's own process
-(:func:`mpu_lab.distributed.init_single_process`).
+It runs inside a rank whose groups are initialised (a ``torchrun`` worker such as
+``launch/inspect_gpt.py``); at ``d_tp = 1`` also in the notebook's own process
+(:func:`mpu_lab.distributed.init_single_process`). The per-layer collective counts are
+measured from outside the model: :mod:`mpu_lab.perf.comm_counts`.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
-from mpu_lab import comm, distributed, parallel_state
+from mpu_lab import distributed, parallel_state
 from mpu_lab.models.activation_record import record, record_activations  # noqa: F401  (re-exported)
-from mpu_lab.models.transformer import TransformerConfig, TransformerLayer, finalize_model_grads
+from mpu_lab.models.transformer import TransformerConfig, TransformerLayer
 
 def _batch_first(shape, dims, drop=()):
     """A recorded shape in the lecture's order: ``(B, L, product of the other dimensions)``;
@@ -134,77 +130,4 @@ def format_shape_table(rows: List[dict]) -> str:
     widths = [max(len(x[i]) for x in [header] + body) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [header] + body]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- collectives
-def count_collectives(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                      steps: int = 1) -> List[dict]:
-    """Run ``steps`` forward+backward passes (no optimizer step) and return every collective
-    issued through :mod:`mpu_lab.comm`: dicts with ``step``, ``tag``, ``kind``, ``group``
-    (global ranks), ``bytes``. The gradient all-reduce of sequence-parallel parameters
-    (:func:`~mpu_lab.models.transformer.finalize_model_grads`) is included, tagged
-    ``grads.sequence_parallel``."""
-    events = []
-    for step in range(steps):
-        comm.clear_backward_tag()
-        with comm.CommCounter() as counter:
-            loss = model(input_ids, labels=labels).mean()
-            loss.backward()
-            finalize_model_grads(model)
-        comm.clear_backward_tag()
-        model.zero_grad(set_to_none=True)
-        events += [dict(step=step, tag=e.tag, kind=e.kind, group=list(e.group_ranks),
-                        bytes=e.bytes) for e in counter.events]
-    return events
-
-
-def per_layer_counts(events: List[dict], step: int = 0) -> Dict[str, Dict[str, int]]:
-    """``{tag: {kind: count}}`` for one step, e.g. ``{"layer0.forward": {"all_reduce": 2}}``."""
-    table: Dict[str, Dict[str, int]] = {}
-    for e in events:
-        if e["step"] != step:
-            continue
-        kinds = table.setdefault(str(e["tag"]), {})
-        kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
-    return table
-
-
-def expected_layer_counts(sequence_parallel: bool, tensor_model_parallel_size: int
-                          ) -> Dict[str, Dict[str, int]]:
-    """The analysis: collectives of one transformer layer per step, by direction.
-
-    Without sequence parallelism: ``g`` after attention and after the MLP (forward), ``f``
-    before QKV and before fc1 (backward) — 2 all-reduces each way. With it, each ``g``
-    becomes a reduce-scatter and each ``f`` an all-gather, in both directions (the backward
-    of an all-gather is a reduce-scatter and vice versa); and in backward each of the two
-    column-parallel linears gathers its input again for its weight gradient, because it kept
-    only its ``[s/t, b, h]`` block (Korthikanti et al. 2022, §4.2.2; Megatron's
-    ``LinearWithGradAccumulationAndAsyncCommunication``): 2 more all-gathers. Nothing at TP=1.
-    """
-    if tensor_model_parallel_size == 1:
-        return {"forward": {}, "backward": {}}
-    if sequence_parallel:
-        return {"forward": {"all_gather": 2, "reduce_scatter": 2},
-                "backward": {"all_gather": 4, "reduce_scatter": 2}}
-    return {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
-
-
-def format_collectives(events: List[dict], step: int = 0) -> str:
-    """One line per (tag, kind): count and bytes of this rank's inputs, in order of first use."""
-    order, table = [], {}
-    for e in events:
-        if e["step"] != step:
-            continue
-        key = (str(e["tag"]), e["kind"], tuple(e["group"]))
-        if key not in table:
-            order.append(key)
-            table[key] = [0, 0]
-        table[key][0] += 1
-        table[key][1] += e["bytes"]
-    lines = [f"{'tag':<26}{'collective':<16}{'group':<16}{'count':>6}{'bytes':>12}"]
-    for key in order:
-        tag, kind, group = key
-        n, b = table[key]
-        lines.append(f"{tag:<26}{kind:<16}{str(list(group)):<16}{n:>6}{b:>12}")
     return "\n".join(lines)

@@ -60,8 +60,8 @@ def _hidden_dropout_context(config: TransformerConfig, training: bool):
 
 class TransformerLayer(torch.nn.Module):
     """Pre-LN GPT layer: ``x + attn(LN(x))`` then ``x + mlp(LN(x))``; ``[s, b, h]`` in and out
-    (``[s/t, b, h]`` with sequence parallelism). ``layer_number`` (0-based) names the layer in
-    the communication counter's tags: ``layer{n}.forward`` / ``layer{n}.backward``."""
+    (``[s/t, b, h]`` with sequence parallelism). ``layer_number`` (0-based) numbers the layer
+    across pipeline stages."""
 
     def __init__(self, config: TransformerConfig, layer_number: int = 0):
         super().__init__()
@@ -81,16 +81,13 @@ class TransformerLayer(torch.nn.Module):
         return residual + x
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        tag = f"layer{self.layer_number}"
-        hidden_states = comm.tag_backward_input(hidden_states, f"{tag}.backward")
-        with comm.comm_tag(f"{tag}.forward"):
-            ln = self.input_layernorm(hidden_states)
-            attn, attn_bias = self.self_attention(ln)
-            hidden_states = self._bias_dropout_add(attn, attn_bias, hidden_states)
-            ln = self.pre_mlp_layernorm(hidden_states)
-            mlp, mlp_bias = self.mlp(ln)
-            hidden_states = self._bias_dropout_add(mlp, mlp_bias, hidden_states)
-        return comm.tag_backward_output(hidden_states, f"{tag}.backward")
+        ln = self.input_layernorm(hidden_states)
+        attn, attn_bias = self.self_attention(ln)
+        hidden_states = self._bias_dropout_add(attn, attn_bias, hidden_states)
+        ln = self.pre_mlp_layernorm(hidden_states)
+        mlp, mlp_bias = self.mlp(ln)
+        hidden_states = self._bias_dropout_add(mlp, mlp_bias, hidden_states)
+        return hidden_states
 
 
 class TransformerBlock(torch.nn.Module):
@@ -137,8 +134,7 @@ def finalize_model_grads(model) -> None:
         return
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    with comm.comm_tag("grads.sequence_parallel"):
-        flat = comm.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    flat = comm.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
     offset = 0
     for g in grads:
         n = g.numel()

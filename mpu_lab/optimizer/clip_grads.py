@@ -26,8 +26,7 @@ def clip_grad_norm(parameters, max_norm: float, model_parallel_group=None) -> fl
         if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
             total += p.grad.detach().float().pow(2).sum()
     if model_parallel_group is not None and comm.group_size(model_parallel_group) > 1:
-        with comm.comm_tag("grads.norm"):
-            total = comm.all_reduce(total, group=model_parallel_group)
+        total = comm.all_reduce(total, group=model_parallel_group)
     norm = float(total.sqrt())
     if max_norm > 0:
         coeff = max_norm / (norm + 1e-6)

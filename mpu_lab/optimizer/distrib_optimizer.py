@@ -114,8 +114,7 @@ class DistributedOptimizer:
             r = ddp.data_parallel_rank
             for bucket in ddp.buffer.buckets:
                 lo, hi = bucket.shard_range(r)
-                with comm.comm_tag("params.data_parallel"):
-                    full = comm.all_gather(bucket.param_data[lo:hi], ddp.data_parallel_group)
+                full = comm.all_gather(bucket.param_data[lo:hi], ddp.data_parallel_group)
                 bucket.param_data.copy_(full)
 
     # ------------------------------------------------------------------ checkpoints

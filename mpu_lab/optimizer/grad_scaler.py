@@ -26,8 +26,7 @@ class DynamicLossScaler:
             g.mul_(1.0 / self.scale)
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         if group is not None and comm.group_size(group) > 1:
-            with comm.comm_tag("grads.overflow"):
-                found = comm.all_reduce(found, group=group, op=dist.ReduceOp.MAX)
+            found = comm.all_reduce(found, group=group, op=dist.ReduceOp.MAX)
         return bool(found.item() > 0)
 
     def update(self, found_inf: bool):

@@ -15,87 +15,24 @@ Modules, named as in Megatron-core's ``megatron.core.tensor_parallel``:
 * :mod:`~mpu_lab.tensor_parallel.random` — RNG streams for dropout inside/outside regions;
 * :mod:`~mpu_lab.tensor_parallel.utils` — divisibility, splits, vocab ranges.
 """
+# The package's names, as Megatron-core's ``megatron.core.tensor_parallel`` exports them.
 from mpu_lab.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mpu_lab.tensor_parallel.data import broadcast_data
 from mpu_lab.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    copy_tensor_model_parallel_attributes,
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
     param_is_not_tensor_parallel_duplicate,
-    set_defaults_if_not_set_tensor_model_parallel_attributes,
-    set_tensor_model_parallel_attributes,
-)
+    set_defaults_if_not_set_tensor_model_parallel_attributes, set_tensor_model_parallel_attributes)
 from mpu_lab.tensor_parallel.linear_autograd import (
     LinearWithGradAccumulationAndAsyncCommunication,
-    linear_with_grad_accumulation_and_async_allreduce,
-)
+    linear_with_grad_accumulation_and_async_allreduce)
 from mpu_lab.tensor_parallel.mappings import (
-    all_gather_last_dim_from_tensor_parallel_region,
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_last_dim_to_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region,
-)
+    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region)
 from mpu_lab.tensor_parallel.random import (
-    CudaRNGStatesTracker,
-    RNGStatesTracker,
-    checkpoint,
-    get_cuda_rng_tracker,
-    get_rng_tracker,
-    model_parallel_cuda_manual_seed,
-    model_parallel_manual_seed,
-)
+    CudaRNGStatesTracker, RNGStatesTracker, checkpoint, get_cuda_rng_tracker, get_rng_tracker,
+    model_parallel_cuda_manual_seed, model_parallel_manual_seed)
 from mpu_lab.tensor_parallel.utils import (
-    VocabUtility,
-    divide,
-    ensure_divisibility,
-    gather_split_1d_tensor,
-    split_tensor_along_last_dim,
-    split_tensor_into_1d_equal_chunks,
-)
-
-__all__ = [
-    # mappings
-    "copy_to_tensor_model_parallel_region",
-    "reduce_from_tensor_model_parallel_region",
-    "scatter_to_tensor_model_parallel_region",
-    "gather_from_tensor_model_parallel_region",
-    "scatter_to_sequence_parallel_region",
-    "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
-    "all_gather_last_dim_from_tensor_parallel_region",
-    "reduce_scatter_last_dim_to_tensor_parallel_region",
-    # layers
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "set_tensor_model_parallel_attributes",
-    "set_defaults_if_not_set_tensor_model_parallel_attributes",
-    "copy_tensor_model_parallel_attributes",
-    "param_is_not_tensor_parallel_duplicate",
-    "LinearWithGradAccumulationAndAsyncCommunication",
-    "linear_with_grad_accumulation_and_async_allreduce",
-    # cross entropy, data
-    "vocab_parallel_cross_entropy",
-    "broadcast_data",
-    # random
-    "model_parallel_manual_seed",
-    "model_parallel_cuda_manual_seed",
-    "get_rng_tracker",
-    "get_cuda_rng_tracker",
-    "RNGStatesTracker",
-    "CudaRNGStatesTracker",
-    "checkpoint",
-    # utils
-    "divide",
-    "ensure_divisibility",
-    "split_tensor_along_last_dim",
-    "split_tensor_into_1d_equal_chunks",
-    "gather_split_1d_tensor",
-    "VocabUtility",
-]
+    VocabUtility, divide, ensure_divisibility, gather_split_1d_tensor,
+    split_tensor_along_last_dim, split_tensor_into_1d_equal_chunks)

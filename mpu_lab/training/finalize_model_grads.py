@@ -22,8 +22,7 @@ def _ddp_counted_allreduce_hook(state, bucket):
     """DDP communication hook: average the bucket over the data-parallel group through
     :mod:`mpu_lab.comm` (counted, tag ``grads.data_parallel``) instead of DDP's own call."""
     group, size = state
-    with comm.comm_tag("grads.data_parallel"):
-        reduced = comm.all_reduce(bucket.buffer(), group=group)
+    reduced = comm.all_reduce(bucket.buffer(), group=group)
     reduced.div_(size)
     fut = torch.futures.Future()
     fut.set_result(reduced)
@@ -42,8 +41,7 @@ def allreduce_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    with comm.comm_tag("grads.data_parallel"):
-        flat = comm.all_reduce(flat, group=group)
+    flat = comm.all_reduce(flat, group=group)
     flat.div_(size)
     offset = 0
     for g in grads:
@@ -71,7 +69,6 @@ def finalize_grads(model, data_parallel_params: Optional[Sequence[torch.nn.Param
     if data_parallel_params is not None:
         allreduce_data_parallel_grads(data_parallel_params)
     allreduce_sequence_parallel_grads(model)
-    with comm.comm_tag("grads.embedding"):
-        allreduce_embedding_grads(model)
+    allreduce_embedding_grads(model)
     for ddp in ddp_chunks:
         ddp.finish_grad_sync(late=True)

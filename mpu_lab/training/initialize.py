@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mpu_lab import checkpointing, comm, datasets, distributed, parallel_state
+from mpu_lab import checkpointing, datasets, distributed, parallel_state
 from mpu_lab.distributed.distributed_data_parallel import DistributedDataParallel
 from mpu_lab.models.gpt import build_model_chunks
 from mpu_lab.models.transformer import sequence_parallel_params
@@ -164,8 +164,7 @@ def get_batch(state: TrainState, iteration: int, micro_batch: int) -> Dict[str, 
         batch["loss_mask"] = batch["loss_mask"].long()
         data = batch
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        with comm.comm_tag("data"):
-            out = broadcast_data(keys, data, torch.int64)
+        out = broadcast_data(keys, data, torch.int64)
     else:
         device = distributed.get_device()
         out = {k: data[k].to(device) for k in keys}

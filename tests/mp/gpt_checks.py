@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from mpu_lab import checkpointing, distributed, launcher, parallel_state, training
-from mpu_lab.models import PlainGPT, count_collectives, per_layer_counts, shape_table
+from mpu_lab.models import PlainGPT, shape_table
+from mpu_lab.perf.comm_counts import count_collectives, per_layer_counts
 
 BASE = ["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 32,
         "--micro-batch-size", 2, "--global-batch-size", 8, "--vocab-size", 256,

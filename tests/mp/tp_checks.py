@@ -16,6 +16,7 @@ then, so the test sees each check's result.
 import argparse
 import sys
 import traceback
+import types
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from mpu_lab import comm, distributed, launcher
 from mpu_lab import parallel_state as ps
 from mpu_lab import tensor_parallel as tp
+from mpu_lab.perf.comm_counts import CollectiveLog
 from mpu_lab.tensor_parallel import mappings
 
 LAYOUTS = ((4, 2), (2, 4))  # (tensor, pipeline) model-parallel sizes on 8 ranks
@@ -58,6 +60,12 @@ def filled(values, n):
     return torch.cat([torch.full((n,), float(v)) for v in values])
 
 
+def ctx(**saved):
+    """What an autograd Function's ``forward`` keeps for ``backward``: the tensor-parallel group
+    and ``saved`` (Megatron-core's tests call ``backward`` with such a stand-in)."""
+    return types.SimpleNamespace(group=ps.get_tensor_model_parallel_group(), **saved)
+
+
 def gather_tp(t):
     """Every tp rank's ``t`` stacked along a new dim 0 (no autograd)."""
     return comm.all_gather(t.detach().unsqueeze(0), group=ps.get_tensor_model_parallel_group())
@@ -69,10 +77,10 @@ def copy_to_backward():
     rank, _, _, group = me()
     x = torch.ones(1) * rank
     expected = torch.ones(1) * sum(group)            # 6 on ranks 0-3, 22 on 4-7 for tp=4
-    out = mappings._CopyToModelParallelRegion.backward(None, x)
+    out, none = mappings._CopyToModelParallelRegion.backward(ctx(), x)
     assert torch.equal(out, expected), f"backward gave {out.tolist()}, expected {expected.tolist()}"
+    assert none is None                               # no gradient for the group argument
     assert torch.equal(tp.copy_to_tensor_model_parallel_region(x), x)
-    assert torch.equal(mappings._CopyToModelParallelRegion.symbolic(None, x), x)
     leaf = torch.zeros(1, requires_grad=True)         # the same through autograd
     tp.copy_to_tensor_model_parallel_region(leaf).backward(x)
     assert torch.equal(leaf.grad, expected), f"autograd gave {leaf.grad.tolist()}"
@@ -85,7 +93,7 @@ def reduce_from_forward():
     x = torch.ones(1) * rank
     out = tp.reduce_from_tensor_model_parallel_region(x)
     assert torch.equal(out, torch.ones(1) * sum(group)), f"forward gave {out.tolist()}"
-    assert torch.equal(mappings._ReduceFromModelParallelRegion.backward(None, x), x)
+    assert torch.equal(mappings._ReduceFromModelParallelRegion.backward(ctx(), x)[0], x)
     leaf = torch.zeros(1, requires_grad=True)         # backward is the identity
     tp.reduce_from_tensor_model_parallel_region(leaf).backward(x)
     assert torch.equal(leaf.grad, x)
@@ -98,7 +106,7 @@ def scatter_keeps_own_column():
     x = torch.arange(8 * t, dtype=torch.float32).view(8, t) + 100 * rank   # x[i, j] = t*i + j + 100*rank
     out = tp.scatter_to_tensor_model_parallel_region(x)
     assert torch.equal(out, x[:, r:r + 1]), f"kept {out[:, 0].tolist()}"
-    back = mappings._ScatterToModelParallelRegion.backward(None, torch.ones(8) * rank)
+    back = mappings._ScatterToModelParallelRegion.backward(ctx(), torch.ones(8) * rank)[0]
     assert torch.equal(back, filled(group, 8)), "backward is not the all-gather of the group"
     return int(out[0, 0].item()) - 100 * rank                              # the column index kept
 
@@ -109,7 +117,7 @@ def gather_concatenates_group():
     out = tp.gather_from_tensor_model_parallel_region(torch.ones(8) * rank)
     assert torch.equal(out, filled(group, 8)), f"gathered {out[::8].tolist()}"
     y = torch.rand(8, t)
-    assert torch.equal(mappings._GatherFromModelParallelRegion.backward(None, y), y[:, r:r + 1])
+    assert torch.equal(mappings._GatherFromModelParallelRegion.backward(ctx(), y)[0], y[:, r:r + 1])
     return [int(v) for v in out[::8].tolist()]
 
 
@@ -119,22 +127,22 @@ def sequence_parallel_trio():
     # scatter: this rank's 2 rows of a (2t, 4) sequence; backward all-gathers dim 0
     x = torch.rand(2 * t, 4)
     assert torch.equal(tp.scatter_to_sequence_parallel_region(x), x[2 * r:2 * r + 2])
-    back = mappings._ScatterToSequenceParallelRegion.backward(None, torch.ones(4) * rank)
+    back = mappings._ScatterToSequenceParallelRegion.backward(ctx(), torch.ones(4) * rank)[0]
     assert torch.equal(back, filled(group, 4))
     # gather: concatenate along dim 0; backward reduce-scatters (or only splits)
     out = tp.gather_from_sequence_parallel_region(torch.ones(4) * rank)
     assert torch.equal(out, filled(group, 4)), f"gathered {out[::4].tolist()}"
     rows = torch.vstack([torch.ones(4) * i for i in range(t)])          # row i holds i
-    ctx = type("Ctx", (), {"tensor_parallel_output_grad": True})()        # as Megatron's test
-    grad = mappings._GatherFromSequenceParallelRegion.backward(ctx, rows)[0]
+    saved = ctx(tensor_parallel_output_grad=True)
+    grad = mappings._GatherFromSequenceParallelRegion.backward(saved, rows)[0]
     assert torch.equal(grad, torch.ones(1, 4) * t * r), f"reduce-scattered {grad.tolist()}"
-    ctx.tensor_parallel_output_grad = False
-    grad = mappings._GatherFromSequenceParallelRegion.backward(ctx, rows)[0]
+    saved.tensor_parallel_output_grad = False
+    grad = mappings._GatherFromSequenceParallelRegion.backward(saved, rows)[0]
     assert torch.equal(grad, torch.ones(1, 4) * r), f"split {grad.tolist()}"
     # reduce-scatter: sum over the group, keep row r; backward all-gathers
     out = tp.reduce_scatter_to_sequence_parallel_region(rows)
     assert torch.equal(out, torch.ones(1, 4) * t * r), f"reduce-scattered {out.tolist()}"
-    back = mappings._ReduceScatterToSequenceParallelRegion.backward(None, torch.ones(4) * rank)
+    back = mappings._ReduceScatterToSequenceParallelRegion.backward(ctx(), torch.ones(4) * rank)[0]
     assert torch.equal(back, filled(group, 4))
     return {"scatter_rows": [2 * r, 2 * r + 2], "reduce_scatter_value": out[0, 0].item()}
 
@@ -329,7 +337,7 @@ def sequence_parallel_column_keeps_only_its_block():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         y_local, _ = col(x_local)                                            # [s, b, out/t]
     dy = torch.randn(s, b, out)
-    with comm.CommCounter() as backward:
+    with CollectiveLog() as backward:
         y_local.backward(dy.chunk(t, dim=-1)[r])
     w = col.master_weight.clone().requires_grad_()
     x_d = x.clone().requires_grad_()
@@ -360,9 +368,9 @@ def mlp_uses_one_all_reduce_each_way():
     col = tp.ColumnParallelLinear(16, 32, gather_output=False)
     row = tp.RowParallelLinear(32, 16, input_is_parallel=True)
     x = torch.randn(3, 16, requires_grad=True)
-    with comm.CommCounter() as fwd:
+    with CollectiveLog() as fwd:
         y, _ = row(F.gelu(col(x)[0]))
-    with comm.CommCounter() as bwd:
+    with CollectiveLog() as bwd:
         y.sum().backward()
     counts = {"forward": fwd.count(), "forward_all_reduce": fwd.count("all_reduce"),
               "backward": bwd.count(), "backward_all_reduce": bwd.count("all_reduce")}

@@ -1,5 +1,5 @@
 """Lab 05's checks: the lecture's shape table on one rank, the tensor-parallel sizes a layer
-accepts, a layer's collectives per step (:func:`mpu_lab.models.expected_layer_counts`: with
+accepts, a layer's collectives per step (:func:`mpu_lab.perf.comm_counts.expected_layer_counts`: with
 sequence parallelism Megatron's re-gather of each column-parallel input in backward included),
 Korthikanti et al.'s activation memory, and the write-the-code exercise
 :data:`VOCAB_PARALLEL_CE` (the vocab-parallel cross entropy's three all-reduces, graded on a
@@ -12,24 +12,25 @@ import torch
 import torch.nn.functional as F
 
 from mpu_lab import distributed, parallel_state, tensor_parallel
-from mpu_lab.labkit.exercises.common import Verdict, _as_int_list, _unanswered, _verdict
+from mpu_lab.labkit.exercises.common import Verdict, as_int_list, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, show
-from mpu_lab.models import TransformerConfig, expected_layer_counts, lecture_shapes
+from mpu_lab.models import TransformerConfig, lecture_shapes
 from mpu_lab.perf import activation_memory_per_layer
+from mpu_lab.perf.comm_counts import expected_layer_counts
 
 
 def check_layer_shape(answer: Any, tensor: str, B: int, L: int, D: int, n_H: int,
                       d_tp: int) -> Verdict:
     """Shape of ``tensor`` (a row of the lecture's table, e.g. ``"A"``) on one rank."""
-    if _unanswered(answer, f"the shape of {tensor} on one rank, e.g. (B, L, something)"):
+    if unanswered(answer, f"the shape of {tensor} on one rank, e.g. (B, L, something)"):
         return Verdict(False)
     shapes = lecture_shapes(B, L, D, n_H, d_tp)
     if tensor not in shapes:
         raise ValueError(f"no tensor {tensor!r} in the lecture's table; it has {list(shapes)}")
     expected, per_rank = shapes[tensor]
-    given = _as_int_list(answer)
+    given = as_int_list(answer)
     many = f" (each rank holds {per_rank} of them)" if per_rank > 1 else ""
-    return _verdict(given is not None and tuple(given) == expected,
+    return verdict(given is not None and tuple(given) == expected,
                     f"{tensor} is {expected} on each of the {d_tp} ranks{many}.",
                     f"{answer!r} is not it. Hint: only the dimensions inside the tensor-parallel "
                     f"blocks (D/d_tp for Q, K, V, Z; 4D/d_tp for A, A') are cut; B and L never "
@@ -53,11 +54,11 @@ def valid_tensor_parallel_sizes(hidden_size: int, num_attention_heads: int) -> L
 
 def check_tensor_parallel_sizes(answer: Any, hidden_size: int, num_attention_heads: int) -> Verdict:
     """Every tensor-parallel size that can split a layer of ``num_attention_heads`` heads."""
-    if _unanswered(answer, "the list of every tensor-parallel size that works"):
+    if unanswered(answer, "the list of every tensor-parallel size that works"):
         return Verdict(False)
     expected = valid_tensor_parallel_sizes(hidden_size, num_attention_heads)
-    given = _as_int_list(answer)
-    return _verdict(given is not None and sorted(given) == expected,
+    given = as_int_list(answer)
+    return verdict(given is not None and sorted(given) == expected,
                     f"t in {expected}: each rank must hold whole heads, so t divides "
                     f"n_H = {num_attention_heads} (and so t <= n_H).",
                     f"{answer!r} is not it. Hint: a head is never cut, so n_H / t must be a "
@@ -71,13 +72,13 @@ def _collective_total(counts: dict, kind: str) -> int:
 def check_layer_collectives(answer: Any, sequence_parallel: bool, tp: int = 2) -> Verdict:
     """Collectives of one transformer layer per training step, forward plus backward:
     ``(all_reduces, all_gathers, reduce_scatters)``."""
-    if _unanswered(answer, "a triple (all_reduces, all_gathers, reduce_scatters)"):
+    if unanswered(answer, "a triple (all_reduces, all_gathers, reduce_scatters)"):
         return Verdict(False)
     counts = expected_layer_counts(sequence_parallel, tp)
     expected = [_collective_total(counts, k) for k in ("all_reduce", "all_gather", "reduce_scatter")]
-    given = _as_int_list(answer)
+    given = as_int_list(answer)
     mode = "with" if sequence_parallel else "without"
-    return _verdict(given == expected,
+    return verdict(given == expected,
                     f"{mode} sequence parallelism one layer issues {tuple(expected)} per step "
                     f"(all-reduces, all-gathers, reduce-scatters), forward and backward together.",
                     f"{answer!r} is not it. Hint: count the f and g of both blocks, forward and "
@@ -89,7 +90,7 @@ def check_layer_collectives(answer: Any, sequence_parallel: bool, tp: int = 2) -
 def check_activation_memory_mib(answer: Any, s: int, b: int, h: int, a: int, t: int = 1,
                                 sp: bool = False, rtol: float = 0.01) -> Verdict:
     """Korthikanti et al.'s activation memory of one layer, in MiB (within ``rtol``)."""
-    if _unanswered(answer, "a number of MiB"):
+    if unanswered(answer, "a number of MiB"):
         return Verdict(False)
     expected = activation_memory_per_layer(s, b, h, a, t, sp) / 2 ** 20
     try:
@@ -97,7 +98,7 @@ def check_activation_memory_mib(answer: Any, s: int, b: int, h: int, a: int, t: 
     except (TypeError, ValueError):
         value = None
     mode = f"t = {t}" + (" with sequence parallelism" if sp else "")
-    return _verdict(value is not None and abs(value - expected) <= rtol * expected,
+    return verdict(value is not None and abs(value - expected) <= rtol * expected,
                     f"{expected:.0f} MiB per layer at {mode}.",
                     f"{answer!r} is not it. Hint: sbh/t (34 + 5as/h) bytes with sequence "
                     f"parallelism, sbh (10 + 24/t + 5as/(ht)) without; 1 MiB = 2^20 bytes.")
