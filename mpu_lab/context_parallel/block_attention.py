@@ -9,7 +9,7 @@ attentions, but it is a weighted sum of them: with ``lse_X = log sum_{k in X} ex
     out = exp(lse_A - lse) * out_A + exp(lse_B - lse) * out_B
 
 This is the online softmax (Milakov & Gimelshein 2018) that FlashAttention (Dao et al. 2022)
-runs inside one GPU and ring attention (Liu et al. 2023, section 3) runs across devices: each
+runs inside one GPU and ring attention (Liu et al. 2023) runs across devices: each
 rank keeps ``(out, lse)`` for its queries and folds in one key/value block per ring step.
 TransformerEngine's ``AttnFuncWithCPAndKVP2P`` does the same with flash-attention kernels
 (``flash_attn_fwd_out_correction``); here the blocks are computed explicitly.
