@@ -156,9 +156,9 @@ def _is_slow(item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """Mark the notebook cells ``notebook`` and the slow items (above); then longest units first (a stable sort: each unit's
-    items keep their order). Runs before pytest's own ``-m`` selection (tryfirst), so the
-    marker counts there."""
+    """Mark the notebook cells ``notebook`` and the slow items (above); then longest units
+    first (a stable sort: each unit's items keep their order). Runs before pytest's own ``-m``
+    selection (tryfirst), so the markers count there."""
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.notebook)
@@ -169,8 +169,8 @@ def pytest_collection_modifyitems(items):
 
 # `-n auto` (pyproject addopts): one worker per core, at most MAX_WORKERS. A unit may start up
 # to 8 ranks that each import torch and then wait in collectives with timeouts of a few
-# seconds; more workers than that would start more jobs side by side than the cores can feed,
-# and a job past its timeout fails. 2 workers on the 2-core machine is what was measured.
+# seconds; more workers would start more jobs side by side than the cores can feed, and a job
+# past its timeout fails. Only 2 workers on the 2-core machine have been measured.
 MAX_WORKERS = 4
 
 
