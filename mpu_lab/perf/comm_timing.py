@@ -2,7 +2,7 @@
 
 The mirror carries no timer: while a :class:`CommTimer` is active (``with CommTimer() as
 timer:``), the functions of :mod:`mpu_lab.comm` (``all_reduce``, ``all_gather``,
-``reduce_scatter``, ``broadcast`` and the ``*_async`` ones) and
+``reduce_scatter``, ``broadcast``, ``all_to_all``, ``send_recv`` and the ``*_async`` ones) and
 ``pipeline_parallel.p2p_communication.communicate`` are replaced by timing wrappers, and put
 back when the last timer closes. Every caller in the package calls them as ``comm.all_reduce``
 (a lookup on the module at call time), so the wrappers see every call.
@@ -36,8 +36,11 @@ import torch.distributed as dist
 from mpu_lab import comm, parallel_state
 from mpu_lab.pipeline_parallel import p2p_communication
 
-BLOCKING = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-ASYNC = ("all_reduce_async", "all_gather_async", "reduce_scatter_async")
+# The functions of mpu_lab.comm that are wrapped (those this version of it has).
+BLOCKING = tuple(name for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                                   "all_to_all", "send_recv") if hasattr(comm, name))
+ASYNC = tuple(name for name in ("all_reduce_async", "all_gather_async", "reduce_scatter_async",
+                                "send_recv_async") if hasattr(comm, name))
 P2P = "communicate"     # the one function every p2p_communication call goes through
 
 
