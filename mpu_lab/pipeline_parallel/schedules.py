@@ -152,10 +152,6 @@ def forward_backward_pipelining_without_interleaving(
                                                       num_microbatches)
     shape, dtype = message_shape_and_dtype(model, seq_length, micro_batch_size, tensor_shape, dtype)
 
-    def forward(input_tensor):
-        return forward_step(forward_step_func, data_iterator, model, num_microbatches,
-                            input_tensor, forward_data_store, forward_only)
-
     # Compute number of warmup microbatches: stage r runs p - r - 1 forwards before its first
     # backward, just enough to fill the stages after it; the last stage runs none.
     num_warmup_microbatches = min(ps.get_pipeline_model_parallel_world_size()
@@ -163,6 +159,10 @@ def forward_backward_pipelining_without_interleaving(
     num_microbatches_remaining = num_microbatches - num_warmup_microbatches
     # Input and output of every micro-batch in flight, oldest first, until its backward.
     input_tensors, output_tensors, forward_data_store = [], [], []
+
+    def forward(input_tensor):
+        return forward_step(forward_step_func, data_iterator, model, num_microbatches,
+                            input_tensor, forward_data_store, forward_only)
 
     # Run warmup forward passes.
     for _ in range(num_warmup_microbatches):
