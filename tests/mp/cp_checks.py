@@ -15,7 +15,9 @@ Then, at 4 ranks, the world is re-initialised with tp = 2, cp = 2 (CP groups [0,
 [1, 3]: group ranks are not global ranks) and the checks run again, with the group passed
 explicitly. Also reported: the positions ``get_batch_on_this_cp_rank`` keeps, and the errors
 that bad inputs raise (before any collective: the job would hang otherwise).
-Every rank reports ``{"rank", "world", "attention": {...}, "batch": {...}, "bad_inputs": {...}}``.
+The messages each comm type sends (calls and elements per function of mpu_lab.comm, forward
+and backward) are counted by wrapping those functions from outside.
+Every rank reports ``{"rank", "world", "attention", "batch", "bad_inputs", "messages"}``.
 """
 import traceback
 
@@ -23,10 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab import context_parallel, distributed, launcher
+from mpu_lab import comm, context_parallel, distributed, launcher
 from mpu_lab import parallel_state as ps
 
-BATCH, HEADS, HEAD_DIM = 2, 4, 8
+BATCH, HEADS, HEAD_DIM = 2, 4, 8     # tests/test_context_parallel_mp.py counts with these
 CHUNK = 4                      # tokens per chunk: s = 2 * cp * CHUNK
 
 
@@ -78,6 +80,46 @@ def attention_checks(results, prefix, group):
                    lambda: attention_errors(comm_type, causal, cp_rank, cp_size, group, seed))
 
 
+def message_counts(cp_size):
+    """``{comm_type: {"forward"|"backward": {function: [calls, elements sent]}}}`` of one
+    causal attention call at s = 2*cp*CHUNK, counted by wrapping mpu_lab.comm's functions from
+    outside (a call made inside another counted one is not counted twice)."""
+    names = ("send_recv_async", "send_recv", "all_to_all", "all_gather", "reduce_scatter")
+    originals = {name: getattr(comm, name) for name in names}
+    tally, depth = {}, [0]
+
+    def counted(name):
+        def call(tensor, *args, **kwargs):
+            if depth[0] == 0:
+                entry = tally.setdefault(name, [0, 0])
+                entry[0] += 1
+                entry[1] += tensor.numel()
+            depth[0] += 1
+            try:
+                return originals[name](tensor, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    out = {}
+    try:
+        for name in names:
+            setattr(comm, name, counted(name))
+        for comm_type in context_parallel.COMM_TYPES:
+            q, k, v = (torch.randn(2 * CHUNK, BATCH, HEADS, HEAD_DIM, requires_grad=True)
+                       for _ in range(3))
+            tally.clear()
+            result = context_parallel.attention(q, k, v, comm_type=comm_type)
+            forward = {name: list(entry) for name, entry in tally.items()}
+            tally.clear()
+            result.sum().backward()
+            out[comm_type] = {"forward": forward, "backward": dict(tally)}
+    finally:
+        for name, fn in originals.items():
+            setattr(comm, name, fn)
+    return out
+
+
 def batch_checks():
     """Positions each key keeps: tokens = position ids = 0..s-1, labels = 100 + position."""
     positions = torch.arange(16).repeat(BATCH, 1)                      # [b, s]
@@ -122,7 +164,8 @@ def main():
     results = {}
     attention_checks(results, f"cp{world}", None)
     report = {"rank": dist.get_rank(), "world": world, "attention": results,
-              "batch": batch_checks(), "bad_inputs": bad_input_checks()}
+              "batch": batch_checks(), "bad_inputs": bad_input_checks(),
+              "messages": message_counts(world)}
     if world == 4:
         ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
         report["tp2_cp_group"] = ps.get_group_ranks("cp")
