@@ -103,8 +103,10 @@ def reduce_scatter_async(tensor: torch.Tensor, group=None, dim: int = 0) -> Pend
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """:func:`all_reduce_async`, waited for."""
-    return all_reduce_async(tensor, group, op).wait()
+    """Sum (or ``op``) of ``tensor`` over ``group``; every rank gets the result."""
+    work, device = _to_backend(tensor.detach().clone().contiguous(), group)
+    dist.all_reduce(work, op=op, group=group)
+    return _from_backend(work, device)
 
 
 def all_gather(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:

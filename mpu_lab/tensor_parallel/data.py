@@ -7,7 +7,9 @@ broadcasts the batch. It costs two broadcasts, whatever the number of keys: firs
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+import itertools
+import math
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,20 +47,12 @@ def _build_key_size_numel_dictionaries(keys: Sequence, data: Optional[Mapping]
     sizes_tensor = torch.tensor(sizes, dtype=torch.long, device=distributed.get_device())
     sizes_tensor = comm.broadcast(sizes_tensor, src, group=group).cpu().tolist()
 
-    key_size, key_numel, total_numel = {}, {}, 0
+    key_size, key_numel = {}, {}
     for i, key in enumerate(keys):
         slots = sizes_tensor[i * _MAX_DATA_DIM:(i + 1) * _MAX_DATA_DIM]
-        shape: List[int] = []
-        for s in slots:
-            if s == 0:
-                break
-            shape.append(s)
-        numel = 1
-        for s in shape:
-            numel *= s
-        key_size[key], key_numel[key] = shape, numel
-        total_numel += numel
-    return key_size, key_numel, total_numel
+        key_size[key] = list(itertools.takewhile(bool, slots))      # a 0 ends the shape
+        key_numel[key] = math.prod(key_size[key])
+    return key_size, key_numel, sum(key_numel.values())
 
 
 def broadcast_data(keys: Sequence, data: Optional[Mapping], datatype: torch.dtype

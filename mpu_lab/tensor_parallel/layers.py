@@ -19,29 +19,21 @@ over the *tensor-parallel* group (rank ``tp_rank`` of ``tp_size``), not over the
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from mpu_lab import distributed, parallel_state
+from mpu_lab.tensor_parallel.linear_autograd import linear_with_grad_accumulation_and_async_allreduce
 from mpu_lab.tensor_parallel.mappings import (
-    gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region,
-)
-from mpu_lab.tensor_parallel.linear_autograd import (
-    linear_with_grad_accumulation_and_async_allreduce,
-)
+    gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
 from mpu_lab.tensor_parallel.utils import VocabUtility, divide
 
-_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
-    "tensor_model_parallel": False,
-    "partition_dim": -1,
-    "partition_stride": 1,
-}
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1,
+                                      "partition_stride": 1}
 
 
 # --------------------------------------------------------------------------- parameter attributes
@@ -66,13 +58,6 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tenso
             setattr(tensor, attribute, value)
 
 
-def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor,
-                                          source_tensor: torch.Tensor) -> None:
-    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
-        if hasattr(source_tensor, attribute):
-            setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
-
-
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
     """True if ``param`` is split across the group, or this is tensor-parallel rank 0."""
     return bool(getattr(param, "tensor_model_parallel", False)) or \
@@ -80,29 +65,20 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
 
 
 # --------------------------------------------------------------------------- weight init
-def _tp_rank_and_size(who: str) -> Tuple[int, int]:
+def _per_partition(size: int, what: str, layer: str, stride: int = 1) -> int:
+    """``size / t`` for this layer's split dimension, with errors naming the numbers."""
     if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError(
-            f"{who} needs the tensor-parallel group: call "
-            f"mpu_lab.parallel_state.initialize_model_parallel(...) first (after "
-            f"mpu_lab.distributed.init())"
-        )
-    return (parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_world_size())
-
-
-def _per_partition(size: int, tp_size: int, what: str, layer: str) -> int:
+        raise RuntimeError(f"{layer} needs the tensor-parallel group: call "
+                           f"mpu_lab.parallel_state.initialize_model_parallel(...) first (after "
+                           f"mpu_lab.distributed.init())")
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     if size % tp_size:
-        raise ValueError(
-            f"{layer}: {what} {size} is not divisible by the tensor-parallel size {tp_size}"
-        )
-    return size // tp_size
-
-
-def _check_stride(per_partition: int, stride: int, layer: str) -> None:
-    if stride < 1 or per_partition % stride:
-        raise ValueError(f"{layer}: the per-partition size {per_partition} is not divisible by "
+        raise ValueError(f"{layer}: {what} {size} is not divisible by the tensor-parallel size "
+                         f"{tp_size}")
+    if stride < 1 or (size // tp_size) % stride:
+        raise ValueError(f"{layer}: the per-partition size {size // tp_size} is not divisible by "
                          f"stride {stride}")
+    return size // tp_size
 
 
 def _initialize_affine_weight_cpu(weight: torch.Tensor, output_size: int, input_size: int,
@@ -127,17 +103,11 @@ def _initialize_affine_weight_cpu(weight: torch.Tensor, output_size: int, input_
     init_method(master_weight)
     master_weight = master_weight.to(dtype=params_dtype)
 
-    per_partition_per_stride_size = divide(per_partition_size, stride)
-    pieces = torch.split(master_weight, per_partition_per_stride_size, dim=partition_dim)
+    pieces = torch.split(master_weight, divide(per_partition_size, stride), dim=partition_dim)
     mine = pieces[rank::tp_size]  # tensor-parallel rank / size, not the world's
     with torch.no_grad():
         weight.copy_(torch.cat(mine, dim=partition_dim))
     return master_weight if return_master_weight else None
-
-
-def _make_bias(size: int, dtype, device) -> Parameter:
-    # Megatron: "Always initialize bias to zero."
-    return Parameter(torch.zeros(size, dtype=dtype, device=device))
 
 
 # --------------------------------------------------------------------------- layers
@@ -158,18 +128,15 @@ class ColumnParallelLinear(torch.nn.Module):
                  params_dtype: torch.dtype = torch.float32, device=None,
                  gradient_accumulation_fusion: bool = False):
         super().__init__()
-        _, tp_size = _tp_rank_and_size("ColumnParallelLinear")
-        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.output_size_per_partition = _per_partition(output_size, "output_size",
+                                                        "ColumnParallelLinear", stride)
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
                              "sequence_parallel=True (the output stays split, as in Megatron)")
         self.input_size, self.output_size = input_size, output_size
-        self.gather_output = gather_output
-        self.skip_bias_add = skip_bias_add
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel
-        self.output_size_per_partition = _per_partition(output_size, tp_size, "output_size",
-                                                        "ColumnParallelLinear")
-        _check_stride(self.output_size_per_partition, stride, "ColumnParallelLinear")
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         device = device if device is not None else distributed.get_device()
 
         # (output_size / t, input_size): F.linear computes X W^T.
@@ -180,8 +147,10 @@ class ColumnParallelLinear(torch.nn.Module):
             stride=stride, return_master_weight=keep_master_weight_for_test,
             params_dtype=params_dtype)
         if bias:
-            self.bias = _make_bias(self.output_size_per_partition, params_dtype, device)
-            # Each rank holds a different slice of the bias: it is split like the weight.
+            # Megatron: "Always initialize bias to zero." Each rank holds a different slice of
+            # the bias: it is split like the weight.
+            self.bias = Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype,
+                                              device=device))
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
         else:
             self.register_parameter("bias", None)
@@ -204,10 +173,6 @@ class ColumnParallelLinear(torch.nn.Module):
             output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
 
-    def extra_repr(self) -> str:
-        return (f"input_size={self.input_size}, output_size={self.output_size} "
-                f"(per partition {self.output_size_per_partition}), bias={self.bias is not None}, "
-                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -226,18 +191,15 @@ class RowParallelLinear(torch.nn.Module):
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                  device=None, gradient_accumulation_fusion: bool = False):
         super().__init__()
-        _, tp_size = _tp_rank_and_size("RowParallelLinear")
-        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.input_size_per_partition = _per_partition(input_size, "input_size",
+                                                       "RowParallelLinear", stride)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs "
                              "input_is_parallel=True (as in Megatron)")
         self.input_size, self.output_size = input_size, output_size
-        self.input_is_parallel = input_is_parallel
-        self.skip_bias_add = skip_bias_add
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.sequence_parallel = sequence_parallel
-        self.input_size_per_partition = _per_partition(input_size, tp_size, "input_size",
-                                                       "RowParallelLinear")
-        _check_stride(self.input_size_per_partition, stride, "RowParallelLinear")
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         device = device if device is not None else distributed.get_device()
 
         # (output_size, input_size / t)
@@ -248,7 +210,7 @@ class RowParallelLinear(torch.nn.Module):
             stride=stride, return_master_weight=keep_master_weight_for_test,
             params_dtype=params_dtype)
         if bias:
-            self.bias = _make_bias(output_size, params_dtype, device)
+            self.bias = Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
             set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
             # With sequence parallelism each rank adds the bias to a different block of the
             # sequence, so its gradient differs across the group and must be all-reduced over
@@ -274,11 +236,6 @@ class RowParallelLinear(torch.nn.Module):
         output = output_ + self.bias if self.bias is not None else output_
         return output, None
 
-    def extra_repr(self) -> str:
-        return (f"input_size={self.input_size} (per partition {self.input_size_per_partition}), "
-                f"output_size={self.output_size}, bias={self.bias is not None}, "
-                f"input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -296,14 +253,14 @@ class VocabParallelEmbedding(torch.nn.Module):
                  keep_master_weight_for_test: bool = False, reduce_scatter_embeddings: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
-        rank, tp_size = _tp_rank_and_size("VocabParallelEmbedding")
+        per_partition = _per_partition(num_embeddings, "num_embeddings (vocab size)",
+                                       "VocabParallelEmbedding")
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.tensor_model_parallel_size = tp_size
-        per_partition = _per_partition(num_embeddings, tp_size, "num_embeddings (vocab size)",
-                                       "VocabParallelEmbedding")
-        self.vocab_start_index, self.vocab_end_index = \
-            VocabUtility.vocab_range_from_global_vocab_size(num_embeddings, rank, tp_size)
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, parallel_state.get_tensor_model_parallel_rank(), tp_size)
         self.num_embeddings_per_partition = per_partition
         device = device if device is not None else distributed.get_device()
 
@@ -328,7 +285,3 @@ class VocabParallelEmbedding(torch.nn.Module):
             output_parallel = output_parallel.transpose(0, 1).contiguous()  # [s, b, h]
             return reduce_scatter_to_sequence_parallel_region(output_parallel)  # [s/t, b, h]
         return reduce_from_tensor_model_parallel_region(output_parallel)  # g
-
-    def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start_index}, "
-                f"{self.vocab_end_index}) on this rank")
