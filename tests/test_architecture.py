@@ -30,9 +30,10 @@ MAX_LOCAL_IMPORTS = 10
 # torch.distributed only" for parallel_state).
 BOTTOM_LAYERS = {
     "mpu_lab.utils": set(),
-    "mpu_lab.parallel_state": set(),
+    "mpu_lab.parallel_state": {"mpu_lab.parallel_state_groups"},
+    "mpu_lab.parallel_state_groups": set(),
 }
-MIRROR = ("mpu_lab.parallel_state", "mpu_lab.distributed", "mpu_lab.comm", "mpu_lab.timers",
+MIRROR = ("mpu_lab.parallel_state", "mpu_lab.distributed", "mpu_lab.comm",
           "mpu_lab.tensor_parallel", "mpu_lab.models", "mpu_lab.pipeline_parallel",
           "mpu_lab.datasets", "mpu_lab.optimizer", "mpu_lab.checkpointing", "mpu_lab.training",
           "mpu_lab.context_parallel")
@@ -248,6 +249,65 @@ def test_the_stale_path_check_finds_a_missing_module_and_passes_real_ones():
     assert not names_a_missing_module("mpu_lab.perf.cost_model.predict_iteration")
     assert not names_a_missing_module("mpu_lab.launcher.run")
     assert not names_a_missing_module("mpu_lab.tensor_parallel.ColumnParallelLinear")
+
+
+# Where no module reaches into another's underscore names (the rest of the package follows).
+PRIVATE_NAMES_CLEAN = ("mpu_lab.launcher", "mpu_lab.labkit", "mpu_lab.parallel_state",
+                       "mpu_lab.datasets", "mpu_lab.utils")
+
+
+def private_names_used(path: pathlib.Path) -> List[Tuple[int, str, str]]:
+    """``(line, module, name)`` for each underscore name of another ``mpu_lab`` module that
+    ``path`` uses: ``from mpu_lab.x import _name``, or ``x._name`` / ``x.Class._name`` where
+    ``x`` (or ``Class``) was imported from ``mpu_lab``."""
+    tree = ast.parse(path.read_text())
+    private = lambda name: name.startswith("_") and not name.startswith("__")   # noqa: E731
+    bound: Dict[str, str] = {}      # local name -> the mpu_lab module it came from
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mpu_lab"):
+            for alias in node.names:
+                if private(alias.name):
+                    found.append((node.lineno, node.module, alias.name))
+                elif module_file(f"{node.module}.{alias.name}"):
+                    bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                else:
+                    bound[alias.asname or alias.name] = node.module
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("mpu_lab"):
+                    bound[alias.asname or "mpu_lab"] = alias.name if alias.asname else "mpu_lab"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in bound:
+                found.append((node.lineno, bound[base.id], node.attr))
+    return sorted(found)
+
+
+def test_no_module_uses_another_modules_underscore_names():
+    """A name another module needs is public; ``_name`` stays inside its own module."""
+    files = [*ROOT.glob("mpu_lab/**/*.py"), *ROOT.glob("launch/*.py"), *ROOT.glob("tests/**/*.py")]
+    offenders = []
+    for path in files:
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for line, module, attr in private_names_used(path):
+            if name.startswith(PRIVATE_NAMES_CLEAN) or module.startswith(PRIVATE_NAMES_CLEAN):
+                offenders.append(f"{path.relative_to(ROOT)}:{line}: {module} {attr}")
+    assert offenders == []
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text("from mpu_lab.launcher.diagnosis import _hidden, diagnose\n"
+                      "from mpu_lab.launcher import runner\n"
+                      "import mpu_lab.labkit.megatron_core as mc\n"
+                      "runner._step()\nmc.Filter._inner\ndiagnose._cache\nself._fine\n")
+    assert private_names_used(source) == [
+        (1, "mpu_lab.launcher.diagnosis", "_hidden"), (4, "mpu_lab.launcher.runner", "_step"),
+        (5, "mpu_lab.labkit.megatron_core", "_inner"), (6, "mpu_lab.launcher.diagnosis", "_cache")]
 
 
 def test_nothing_points_outside_the_repository():

@@ -80,13 +80,13 @@ def test_the_cases_are_the_dense_layer_cut_by_rows():
     case = lab03.ROW_FORWARD.cases[0]
     assert case.params["input_size"] == 1024 and case.params["output_size"] == 512
     tp = 2
-    master, bias, x, _ = lab03._row_inputs(case.params, tp, 0, 0)
+    master, bias, x, _ = lab03.row_inputs(case.params, tp, 0, 0)
     dense = x @ master.t() + bias
     blocks = zip(x.chunk(tp, dim=-1), master.chunk(tp, dim=1))
     by_rows = sum(x_i @ a_i.t() for x_i, a_i in blocks) + bias
     assert torch.allclose(by_rows, dense, atol=1e-5)
     assert bias.abs().min() > 0.1        # a bias added t times cannot hide
-    other_replica = lab03._row_inputs(case.params, tp, 0, 1)[2]
+    other_replica = lab03.row_inputs(case.params, tp, 0, 1)[2]
     assert not torch.equal(x, other_replica)   # each data-parallel replica has its own X
 
 

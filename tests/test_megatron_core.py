@@ -83,7 +83,7 @@ def test_without_megatron_core_the_kit_says_how_to_install_it(monkeypatch):
 
 
 def test_the_no_cuda_runtime_notice_filter_drops_only_that_notice():
-    keep = mc._NoCudaRuntimeNotice().filter
+    keep = mc.NoCudaRuntimeNotice().filter
     record = logging.LogRecord("torch.utils.cpp_extension", logging.WARNING, __file__, 1,
                                "No CUDA runtime is found, using CUDA_HOME='%s'", ("/usr",), None)
     assert not keep(record)
@@ -97,7 +97,7 @@ def test_the_kit_imports_megatron_core_without_the_no_cuda_runtime_notice(tmp_pa
     """A CUDA build of torch on a machine with no GPU (what a fresh install gets on a laptop,
     and CI's newest-torch leg) logs "No CUDA runtime is found" when torch.utils.cpp_extension
     is imported, which megatron-core does; the kit imports it inside
-    ``_without_cuda_runtime_notice`` and lab 01 stays clean. Shown by re-executing
+    ``without_cuda_runtime_notice`` and lab 01 stays clean. Shown by re-executing
     cpp_extension (``importlib.reload``) with CUDA_HOME at an existing folder: bare, and
     inside the kit's guard."""
     import torch.utils.cpp_extension as cpp
@@ -112,11 +112,11 @@ def test_the_kit_imports_megatron_core_without_the_no_cuda_runtime_notice(tmp_pa
         importlib.reload(cpp)
         assert any(m.startswith("No CUDA runtime is found") for m in seen), seen
         seen.clear()
-        with mc._without_cuda_runtime_notice():
+        with mc.without_cuda_runtime_notice():
             importlib.reload(cpp)
         assert not any(m.startswith("No CUDA runtime is found") for m in seen), seen
     finally:
         log.removeHandler(catch)
         monkeypatch.undo()
-        with mc._without_cuda_runtime_notice():
+        with mc.without_cuda_runtime_notice():
             importlib.reload(cpp)   # back to this machine's CUDA_HOME

@@ -71,7 +71,7 @@ def available() -> bool:
         return False
 
 
-class _NoCudaRuntimeNotice(logging.Filter):
+class NoCudaRuntimeNotice(logging.Filter):
     """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." notice, which
     ``torch.utils.cpp_extension`` logs on import (megatron-core imports it) wherever a CUDA
     toolkit is present but no GPU is: a CUDA build of torch on a laptop, the build a fresh
@@ -86,7 +86,7 @@ def _megatron():
     :data:`INSTALL_HINT`."""
     if not available():
         raise ImportError(INSTALL_HINT)
-    with _without_cuda_runtime_notice(), warnings.catch_warnings():
+    with without_cuda_runtime_notice(), warnings.catch_warnings():
         # on import it warns that Transformer Engine / Apex are absent: expected here
         warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
         # megatron-core is optional (and slow to import): imported only where it is used.
@@ -95,10 +95,10 @@ def _megatron():
 
 
 @contextlib.contextmanager
-def _without_cuda_runtime_notice():
+def without_cuda_runtime_notice():
     """While inside, ``torch.utils.cpp_extension``'s logger drops the notice
-    (:class:`_NoCudaRuntimeNotice`)."""
-    log, notice = logging.getLogger("torch.utils.cpp_extension"), _NoCudaRuntimeNotice()
+    (:class:`NoCudaRuntimeNotice`)."""
+    log, notice = logging.getLogger("torch.utils.cpp_extension"), NoCudaRuntimeNotice()
     log.addFilter(notice)
     try:
         yield

@@ -34,19 +34,19 @@ class Verdict:
         pass
 
 
-def _verdict(ok: bool, right: str, wrong: str) -> Verdict:
+def verdict(ok: bool, right: str, wrong: str) -> Verdict:
     print(f"{RIGHT} {right}" if ok else f"{WRONG} {wrong}")
     return Verdict(ok)
 
 
-def _unanswered(answer: Any, what: str) -> bool:
+def unanswered(answer: Any, what: str) -> bool:
     if answer is None or answer is Ellipsis:
         print(f"{EMPTY} replace None with {what}.")
         return True
     return False
 
 
-def _as_int_list(answer: Any) -> Optional[List[int]]:
+def as_int_list(answer: Any) -> Optional[List[int]]:
     """``answer`` as a list of ints (from a list, tuple, torch.Size, range or tensor), or None."""
     if hasattr(answer, "tolist") and not isinstance(answer, (list, tuple)):
         answer = answer.tolist()
@@ -68,7 +68,7 @@ def _as_int_list(answer: Any) -> Optional[List[int]]:
     return out
 
 
-def _as_int(answer: Any) -> Optional[int]:
+def as_int(answer: Any) -> Optional[int]:
     if isinstance(answer, bool):
         return None
     try:
@@ -78,7 +78,7 @@ def _as_int(answer: Any) -> Optional[int]:
     return value if value == answer else None
 
 
-def _as_floats(answer: Any) -> Optional[List[float]]:
+def as_floats(answer: Any) -> Optional[List[float]]:
     """A number, a (nested) list or a tensor, flattened to floats; None if it is not numbers."""
     if hasattr(answer, "tolist"):
         answer = answer.tolist()
@@ -103,7 +103,7 @@ def summarize(results: Iterable[bool]) -> str:
     return f"{sum(bool(r) for r in results)} of {len(results)} right"
 
 
-def _tp_group_of(rank: int, world_size: int, tp: int, pp: int = 1) -> List[int]:
+def tp_group_of(rank: int, world_size: int, tp: int, pp: int = 1) -> List[int]:
     """The tensor-parallel group (global ranks, Megatron's order) that holds ``rank``."""
     (group,) = [g for g in parallel_state.generate_rank_groups(world_size, tp, pp)["tp"]
                 if rank in g]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mpu_lab import distributed, parallel_state
-from mpu_lab.labkit.exercises.common import Verdict, _as_int_list, _unanswered, _verdict
+from mpu_lab.labkit.exercises.common import Verdict, as_int_list, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, show
 from mpu_lab.tensor_parallel.layers import RowParallelLinear
 from mpu_lab.labkit.viz.splits import shard_shapes
@@ -19,15 +19,15 @@ from mpu_lab.labkit.viz.splits import shard_shapes
 
 def check_row_weight_shape(answer: Any, input_size: int, output_size: int, tp: int) -> Verdict:
     """Shape of one rank's ``RowParallelLinear(input_size, output_size).weight`` at ``tp``."""
-    if _unanswered(answer, "a shape such as (rows, cols)"):
+    if unanswered(answer, "a shape such as (rows, cols)"):
         return Verdict(False)
     (rows, cols) = shard_shapes("row", input_size, output_size, tp)[0]  # A_i: [in/t, out]
     expected = (cols, rows)
-    given = _as_int_list(answer)
+    given = as_int_list(answer)
     if given is not None and tuple(given) == (rows, cols) and rows != cols:
-        return _verdict(False, "", f"{(rows, cols)} is A_i = [in/t, out]; the Parameter stores "
+        return verdict(False, "", f"{(rows, cols)} is A_i = [in/t, out]; the Parameter stores "
                                    f"W_i = A_i^T because F.linear computes X W^T.")
-    return _verdict(given is not None and tuple(given) == expected,
+    return verdict(given is not None and tuple(given) == expected,
                     f"each rank stores weight {expected}: A_i = [{rows}, {cols}] transposed, "
                     f"the rows of A cut by the tensor-parallel size {tp}.",
                     f"{answer!r} is not it. Hint: the rows of A (input_size) are cut into t "
@@ -41,11 +41,11 @@ MLP_ALL_REDUCES = {"forward": 1, "backward": 1}
 
 def check_mlp_all_reduces(answer: Any) -> Verdict:
     """All-reduces of one tensor-parallel MLP (Megatron-LM §3): ``(forward, backward)``."""
-    if _unanswered(answer, "a pair (forward, backward) of counts"):
+    if unanswered(answer, "a pair (forward, backward) of counts"):
         return Verdict(False)
-    given = _as_int_list(answer)
+    given = as_int_list(answer)
     expected = [MLP_ALL_REDUCES["forward"], MLP_ALL_REDUCES["backward"]]
-    return _verdict(given == expected,
+    return verdict(given == expected,
                     "one all-reduce forward (g after the row-parallel layer) and one backward "
                     "(f before the column-parallel layer).",
                     f"{answer!r} is not it. Hint: with gather_output=False and "
@@ -79,7 +79,7 @@ def _row_sizes(params: Dict[str, Any], tp: int) -> Tuple[int, int]:
     return params.get("input_size") or params["input_per_rank"] * tp, params["output_size"]
 
 
-def _row_inputs(params: Dict[str, Any], tp: int, tp_rank: int, dp_rank: int):
+def row_inputs(params: Dict[str, Any], tp: int, tp_rank: int, dp_rank: int):
     """CPU tensors of one case: the master weight [out, in] and bias [out] (the same on every
     rank), this replica's X (the whole [..., in], or this rank's block of it) and dL/dY."""
     input_size, output_size = _row_sizes(params, tp)
@@ -121,7 +121,7 @@ def run_row_forward(learner: Callable, case: Case) -> Outcome:
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     device = distributed.get_device()
     p = case.params
-    master, bias, x, grad_y = _row_inputs(p, tp, tp_rank, parallel_state.get_data_parallel_rank())
+    master, bias, x, grad_y = row_inputs(p, tp, tp_rank, parallel_state.get_data_parallel_rank())
     bias, x, grad_y = (None if bias is None else bias.to(device)), x.to(device), grad_y.to(device)
     layer = RowParallelLinear(*_row_sizes(p, tp), bias=bias is not None,
                               input_is_parallel=p["input_is_parallel"],

@@ -15,10 +15,10 @@ from mpu_lab import distributed
 from mpu_lab.labkit.collective_layouts import COLLECTIVE_LAYOUTS
 from mpu_lab.labkit.exercises.common import (
     Verdict,
-    _as_int,
-    _tp_group_of,
-    _unanswered,
-    _verdict,
+    as_int,
+    tp_group_of,
+    unanswered,
+    verdict,
 )
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
 from mpu_lab.tensor_parallel import mappings
@@ -27,13 +27,13 @@ from mpu_lab.tensor_parallel import mappings
 def group_sum_of_ranks(rank: int, world_size: int, tp: int, pp: int = 1) -> int:
     """What an all-reduce of each rank's own rank number gives on ``rank`` over its TP group —
     Megatron's copy-to test: 6 on ranks 0-3 and 22 on ranks 4-7 for 8 ranks at tp=4."""
-    return sum(_tp_group_of(rank, world_size, tp, pp))
+    return sum(tp_group_of(rank, world_size, tp, pp))
 
 
 def gather_split_expected(rank: int, world_size: int, tp: int, pp: int = 1,
                           shape: Sequence[int] = (2, 4)) -> List[float]:
     """``gather_split_1d_tensor`` of tensors filled with their rank, as seen on ``rank``."""
-    group = _tp_group_of(rank, world_size, tp, pp)
+    group = tp_group_of(rank, world_size, tp, pp)
     numel = 1
     for s in shape:
         numel *= s
@@ -42,10 +42,10 @@ def gather_split_expected(rank: int, world_size: int, tp: int, pp: int = 1,
 
 def check_all_reduce_of_ranks(answer: Any, rank: int, world_size: int, tp: int, pp: int = 1) -> Verdict:
     """Predict the all-reduce (sum over the TP group) of the rank numbers, seen on ``rank``."""
-    if _unanswered(answer, f"the number rank {rank} holds after the all-reduce"):
+    if unanswered(answer, f"the number rank {rank} holds after the all-reduce"):
         return Verdict(False)
     expected = group_sum_of_ranks(rank, world_size, tp, pp)
-    return _verdict(_as_int(answer) == expected,
+    return verdict(as_int(answer) == expected,
                     f"rank {rank}'s tensor-parallel group sums to {expected}.",
                     f"{answer!r} is not it. Hint: only the ranks of rank {rank}'s tensor-parallel "
                     f"group take part; add up their rank numbers.")
@@ -54,7 +54,7 @@ def check_all_reduce_of_ranks(answer: Any, rank: int, world_size: int, tp: int, 
 def check_gather_split(answer: Any, rank: int, world_size: int, tp: int, pp: int = 1,
                        shape: Sequence[int] = (2, 4)) -> Verdict:
     """Predict ``gather_split_1d_tensor`` on ``rank`` when every rank holds ``ones(shape) * rank``."""
-    if _unanswered(answer, f"the 1-D list of values rank {rank} ends up with"):
+    if unanswered(answer, f"the 1-D list of values rank {rank} ends up with"):
         return Verdict(False)
     expected = gather_split_expected(rank, world_size, tp, pp, shape)
     given = answer.tolist() if hasattr(answer, "tolist") else answer
@@ -62,8 +62,8 @@ def check_gather_split(answer: Any, rank: int, world_size: int, tp: int, pp: int
         given = [float(v) for v in given]
     except (TypeError, ValueError):
         given = None
-    group = _tp_group_of(rank, world_size, tp, pp)
-    return _verdict(given == expected,
+    group = tp_group_of(rank, world_size, tp, pp)
+    return verdict(given == expected,
                     f"{len(expected)} values: each of the ranks {group} contributes its "
                     f"{len(expected) // len(group)} flattened elements, in group order.",
                     f"that is not it ({len(given) if given else 0} values given, "
@@ -79,7 +79,7 @@ def _ranges(by_value: dict) -> str:
 def _megatron_expectation(name: str, rank: int, got: dict, world_size: int) -> bool:
     """Megatron's unit-test assertion for test ``name`` on ``rank`` (layouts of COLLECTIVE_LAYOUTS)."""
     tp, pp = COLLECTIVE_LAYOUTS[name]
-    group = _tp_group_of(rank, world_size, tp, pp)
+    group = tp_group_of(rank, world_size, tp, pp)
     pos = group.index(rank)
     if name == "broadcast":
         return got["src"] == group[0] and got["means"] == [0.0, 1.0]
@@ -118,7 +118,7 @@ def check_megatron_expectations(results: Sequence[dict]) -> Verdict:
         tp, pp = COLLECTIVE_LAYOUTS[name]
         print(f"{name:<12} (tp={tp}, pp={pp}) {'as Megatron expects' if ok else 'DIFFERS from Megatron'}"
               f"{detail}")
-    return _verdict(ok_all, f"all {world} ranks agree with Megatron's unit tests.",
+    return verdict(ok_all, f"all {world} ranks agree with Megatron's unit tests.",
                     "some values differ from Megatron's unit tests (see above).")
 
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mpu_lab.labkit.exercises.common import Verdict, _as_floats, _as_int, _unanswered, _verdict
+from mpu_lab.labkit.exercises.common import Verdict, as_floats, as_int, unanswered, verdict
 from mpu_lab.labkit.gpt_runs import derived
 from mpu_lab.models import pad_vocab_size
 
 
 def check_micro_batches(answer: Any, gpt_args: str, world_size: int) -> Verdict:
     """Micro-batches each data-parallel replica runs per iteration for a launch line."""
-    if _unanswered(answer, "the number of micro-batches per iteration"):
+    if unanswered(answer, "the number of micro-batches per iteration"):
         return Verdict(False)
     d = derived(gpt_args, world_size)
-    return _verdict(_as_int(answer) == d["num_micro_batches"],
+    return verdict(as_int(answer) == d["num_micro_batches"],
                     f"DP = {world_size} / (TP x PP) = {d['data_parallel_size']}, so "
                     f"{d['num_micro_batches']} micro-batch(es) = global batch / (micro batch x DP).",
                     f"{answer!r} is not it. Hint: first DP = world size / (TP x PP); then "
@@ -24,10 +24,10 @@ def check_micro_batches(answer: Any, gpt_args: str, world_size: int) -> Verdict:
 
 def check_padded_vocab(answer: Any, vocab_size: int, divisible_by: int, tp: int) -> Verdict:
     """The vocabulary Megatron pads ``vocab_size`` to at tensor-parallel size ``tp``."""
-    if _unanswered(answer, "the padded vocabulary size"):
+    if unanswered(answer, "the padded vocabulary size"):
         return Verdict(False)
     expected = pad_vocab_size(vocab_size, divisible_by, tp)
-    return _verdict(_as_int(answer) == expected,
+    return verdict(as_int(answer) == expected,
                     f"{expected} = the next multiple of {divisible_by} x {tp} = "
                     f"{divisible_by * tp}; each rank holds {expected // tp} rows of the embedding.",
                     f"{answer!r} is not it. Hint: round {vocab_size} up to a multiple of "
@@ -39,12 +39,12 @@ def check_padded_vocab(answer: Any, vocab_size: int, divisible_by: int, tp: int)
 def check_initial_loss(answer: Any, padded_vocab_size: int, rtol: float = 0.02) -> Verdict:
     """The loss at iteration 1 of a GPT whose softmax runs over ``padded_vocab_size`` ids: a
     freshly initialised model gives every id about the same logit, so ``ln V``."""
-    if _unanswered(answer, "the loss you expect at iteration 1 (a number)"):
+    if unanswered(answer, "the loss you expect at iteration 1 (a number)"):
         return Verdict(False)
-    values = _as_floats(answer)
+    values = as_floats(answer)
     expected = math.log(padded_vocab_size)
     ok = values is not None and len(values) == 1 and abs(values[0] - expected) <= rtol * expected
-    return _verdict(ok, f"ln {padded_vocab_size} = {expected:.3f}: small random weights give "
+    return verdict(ok, f"ln {padded_vocab_size} = {expected:.3f}: small random weights give "
                         f"every one of the {padded_vocab_size} ids (dummies included) about the "
                         f"same logit, so the model guesses uniformly and the loss is -ln(1/V).",
                     f"{answer!r} is not it. Hint: at iteration 1 the weights are small and random, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpu_lab.labkit.exercises.common import Verdict, _as_int, _as_int_list, _unanswered, _verdict
+from mpu_lab.labkit.exercises.common import Verdict, as_int, as_int_list, unanswered, verdict
 from mpu_lab.perf import bubble_fraction, explore, predict_iteration
 
 
@@ -12,11 +12,11 @@ def check_best_config(answer: Any, model, cluster, num_gpus: int, global_batch_s
                       tol: float = 0.05) -> Verdict:
     """A ``(t, p)`` whose best configuration (over the micro-batch sizes) fits in memory and is
     predicted within ``tol`` of the fastest one :func:`mpu_lab.perf.explore` finds."""
-    if _unanswered(answer, "a pair (t, p): tensor- and pipeline-parallel sizes"):
+    if unanswered(answer, "a pair (t, p): tensor- and pipeline-parallel sizes"):
         return Verdict(False)
     result = explore(model, cluster, num_gpus, global_batch_size)
     best = result.best
-    pair = _as_int_list(answer)
+    pair = as_int_list(answer)
     mine = [c for c in result.candidates
             if pair is not None and len(pair) == 2 and (c.config.tp, c.config.pp) == tuple(pair)]
     chosen = min(mine, key=lambda c: (not c.fits, c.prediction.total_s)) if mine else None
@@ -30,7 +30,7 @@ def check_best_config(answer: Any, model, cluster, num_gpus: int, global_batch_s
         mine = (f"(t={chosen.config.tp}, p={chosen.config.pp}): at best "
                 f"{chosen.prediction.total_s:.2f} s per iteration"
                 f"{'' if chosen.fits else ', and it does not fit in memory'}.")
-    return _verdict(fast,
+    return verdict(fast,
                     f"{mine} That is within {tol:.0%} of the fastest, t={b.tp}, p={b.pp}, "
                     f"d={b.dp}, b={b.b}: {fastest:.2f} s.",
                     f"{mine} The fastest takes {fastest:.2f} s. Hint: keep t within a node "
@@ -41,12 +41,12 @@ def check_best_config(answer: Any, model, cluster, num_gpus: int, global_batch_s
 def check_min_microbatches(answer: Any, p: int, max_bubble: float, v: int = 1) -> Verdict:
     """The fewest micro-batches m for which the bubble, relative to the ideal time
     ((p-1)/(v·m), :func:`mpu_lab.perf.bubble_fraction`), is at most ``max_bubble``."""
-    if _unanswered(answer, "a number of micro-batches"):
+    if unanswered(answer, "a number of micro-batches"):
         return Verdict(False)
     m = 1
     while bubble_fraction(p, m, v) > max_bubble + 1e-12:
         m += 1
-    return _verdict(_as_int(answer) == m,
+    return verdict(as_int(answer) == m,
                     f"m = {m}: the bubble is (p-1)/(v m) = {p - 1}/({v}·{m}) = "
                     f"{bubble_fraction(p, m, v):.4f} of the ideal time (m = {m - 1} gives "
                     f"{bubble_fraction(p, max(m - 1, 1), v):.4f}).",
@@ -62,14 +62,14 @@ def check_dominant_communication(answer: Any, model, config, cluster) -> Verdict
     """Which communication the cost model puts the most time on for ``config``: ``"tp"``
     (tensor-parallel collectives), ``"pp"`` (pipeline send/recv) or ``"dp"`` (the exposed
     data-parallel gradient all-reduce) — from :func:`mpu_lab.perf.predict_iteration`."""
-    if _unanswered(answer, '"tp", "pp" or "dp"'):
+    if unanswered(answer, '"tp", "pp" or "dp"'):
         return Verdict(False)
     pred = predict_iteration(model, config, cluster)
     times = {"tp": pred.tp_comm_s, "pp": pred.pp_p2p_s, "dp": pred.dp_comm_s}
     expected = max(times, key=times.get)
     given = _COMM_NAMES.get(str(answer).strip().lower().split()[0] if str(answer).strip() else "")
     shares = ", ".join(f"{k} {v / pred.total_s:.1%}" for k, v in times.items())
-    return _verdict(given == expected,
+    return verdict(given == expected,
                     f"{expected}: {shares} of the iteration.",
                     f"{answer!r} is not it. Hint: with t = {config.tp}, p = {config.pp}, "
                     f"d = {config.dp}, which groups exist at all, and which of them moves the "

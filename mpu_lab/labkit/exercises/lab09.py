@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from mpu_lab import distributed, parallel_state
-from mpu_lab.labkit.exercises.common import Verdict, _as_int, _unanswered, _verdict
+from mpu_lab.labkit.exercises.common import Verdict, as_int, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, show
 from mpu_lab.labkit.faults import FAULT_KINDS
 
@@ -41,14 +41,14 @@ def print_suspects() -> None:
 def check_cause(answer: Any, kind: str) -> Verdict:
     """The letter (see :func:`print_suspects`) of the cause behind the fault ``kind``."""
     letters = suspects()
-    if _unanswered(answer, f"a letter {', '.join(letters)} from the list of causes"):
+    if unanswered(answer, f"a letter {', '.join(letters)} from the list of causes"):
         return Verdict(False)
     expected = letter_of(kind)
     given = str(answer).strip().upper().rstrip(".")
     if given not in letters:
         print(f"Not yet: {answer!r} is not one of the letters {', '.join(letters)}.")
         return Verdict(False)
-    return _verdict(given == expected,
+    return verdict(given == expected,
                     f"{expected}. {letters[expected]}",
                     f"{given} ({letters[given]}) does not fit this report. Hint: "
                     f"{FAULT_KINDS[kind]['what']} Which ranks waited, in which call, and "
@@ -58,13 +58,13 @@ def check_cause(answer: Any, kind: str) -> Verdict:
 def check_culprit(answer: Any, fault: str) -> Verdict:
     """The rank to look at first: the one the fault ``fault`` (``"KIND:RANK[:ITERATION]"``,
     as given to ``--inject-fault``) was injected into."""
-    if _unanswered(answer, "a rank number"):
+    if unanswered(answer, "a rank number"):
         return Verdict(False)
     parts = fault.split(":")
     if len(parts) < 2 or not parts[1].isdigit():
         raise ValueError(f"fault {fault!r} names no rank: write it KIND:RANK[:ITERATION]")
     expected = int(parts[1])
-    return _verdict(_as_int(answer) == expected,
+    return verdict(as_int(answer) == expected,
                     f"rank {expected} is the one that misbehaved; the ranks that raised first "
                     f"only timed out waiting for it.",
                     f"{answer!r} is not it. Hint: the rank that raised first waited in a "

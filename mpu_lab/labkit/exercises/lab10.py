@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mpu_lab import comm, distributed, parallel_state
-from mpu_lab.labkit.exercises.common import Verdict, _unanswered, _verdict
+from mpu_lab.labkit.exercises.common import Verdict, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
 from mpu_lab.perf.bandwidth import bus_factor
 from mpu_lab.perf.cost_model.counts import BYTES_PER_PARAM_ADAM
@@ -49,7 +49,7 @@ def check_optimizer_state_gb(answer: Any, num_params: float, d: int,
                              rtol: float = 0.01) -> Verdict:
     """GB (1e9 bytes) of optimizer state on each data-parallel rank
     (:func:`optimizer_state_bytes`)."""
-    if _unanswered(answer, "a number of GB"):
+    if unanswered(answer, "a number of GB"):
         return Verdict(False)
     expected = optimizer_state_bytes(num_params, d, distributed_optimizer, weight_bytes) / 1e9
     per_param = BYTES_PER_PARAM_ADAM - 2 * weight_bytes
@@ -57,7 +57,7 @@ def check_optimizer_state_gb(answer: Any, num_params: float, d: int,
     who = "the distributed optimizer" if distributed_optimizer else "the plain optimizer"
     how = (f"{per_param} bytes per parameter (fp32 main weight, Adam's m and v) x "
            f"{num_params:,.0f} parameters" + (f" / d = {d}" if distributed_optimizer else ""))
-    return _verdict(given is not None and abs(given - expected) <= rtol * expected,
+    return verdict(given is not None and abs(given - expected) <= rtol * expected,
                     f"{expected:g} GB per rank: {how}.",
                     f"{answer!r} is not it. Hint: which of the 16 bytes per parameter belong to "
                     f"the optimizer, and does {who} split them over the {d} data-parallel "
@@ -74,11 +74,11 @@ def ring_all_reduce_bytes(grad_bytes: float, d: int) -> float:
 def check_ring_all_reduce_mb(answer: Any, grad_mb: float, d: int, rtol: float = 0.01) -> Verdict:
     """MB each rank sends per step when a ring all-reduces ``grad_mb`` MB of gradients over
     ``d`` data-parallel ranks."""
-    if _unanswered(answer, "a number of MB"):
+    if unanswered(answer, "a number of MB"):
         return Verdict(False)
     expected = ring_all_reduce_bytes(grad_mb, d)
     given = _as_number(answer)
-    return _verdict(given is not None and abs(given - expected) <= rtol * expected,
+    return verdict(given is not None and abs(given - expected) <= rtol * expected,
                     f"{expected:g} MB: a ring all-reduce is a reduce-scatter ((d-1)/d of the "
                     f"array) then an all-gather (again (d-1)/d): 2 x {d - 1}/{d} x {grad_mb:g} MB.",
                     f"{answer!r} is not it. Hint: cut the array into d = {d} chunks; in the "

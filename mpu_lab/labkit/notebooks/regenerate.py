@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.labkit.notebooks.selection import check_param_sections, params_for
-from mpu_lab.labkit.notebooks.structure import REVEAL, _output_problems
+from mpu_lab.labkit.notebooks.structure import REVEAL, output_problems
 from mpu_lab.labkit.notebooks.watchdog import DEFAULT_STALL_S, execute_watched
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
@@ -92,7 +92,7 @@ def run_notebooks(paths: Sequence[pathlib.Path], params: Optional[Dict[str, dict
         try:
             nb = execute(path, values, kernel=kernel, timeout_s=timeout_s, stall_s=stall_s,
                          out=out, **watch)
-            problems = [p for p in _output_problems(nb)]
+            problems = [p for p in output_problems(nb)]
             if problems:
                 raise RuntimeError("; ".join(problems))
         except Exception as exc:  # papermill's errors, a stall that came back

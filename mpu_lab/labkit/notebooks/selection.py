@@ -71,10 +71,11 @@ def declared_parameters(nb) -> List[str]:
     """Names assigned in the cell tagged ``parameters`` (what papermill may override)."""
     import papermill
 
-    return list(papermill.inspect_notebook(nb).keys()) if _parameter_cells(nb) else []
+    return list(papermill.inspect_notebook(nb).keys()) if parameter_cells(nb) else []
 
 
-def _parameter_cells(nb) -> List[int]:
+def parameter_cells(nb) -> List[int]:
+    """Indices of the cells tagged ``parameters`` (papermill's)."""
     return [i for i, c in enumerate(nb.cells) if "parameters" in c.get("metadata", {}).get("tags", [])]
 
 

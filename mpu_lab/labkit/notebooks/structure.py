@@ -7,7 +7,7 @@ import re
 from typing import List
 
 from mpu_lab.labkit import REPO_ROOT
-from mpu_lab.labkit.notebooks.selection import _parameter_cells, notebook_paths
+from mpu_lab.labkit.notebooks.selection import parameter_cells, notebook_paths
 
 # A notebook cell holds at most a few lines of logic: longer code belongs in mpu_lab, where the
 # tests reach it and a learner reads it as one named function.
@@ -60,7 +60,8 @@ def lesson_problems(nb, lab_number: str = "") -> List[str]:
     return problems
 
 
-def _output_problems(nb) -> List[str]:
+def output_problems(nb) -> List[str]:
+    """What an executed notebook must not store: an error output, or a printed traceback."""
     problems = []
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
@@ -130,10 +131,10 @@ def structure_problems(root=REPO_ROOT) -> List[str]:
             problems.append(f"{name}: papermill metadata left in (run it through clean())")
         if nb.metadata.get("kernelspec", {}).get("name") != "python3":
             problems.append(f"{name}: kernelspec is not python3")
-        problems += [f"{name}: {p}" for p in _output_problems(nb)]
+        problems += [f"{name}: {p}" for p in output_problems(nb)]
         is_lab = path.parent.name == "labs"
         problems += [f"{name}: {p}" for p in lesson_problems(nb, path.name[:2] if is_lab else "")]
-        params = _parameter_cells(nb)
+        params = parameter_cells(nb)
         if is_lab and len(params) != 1:
             problems.append(f"{name}: {len(params)} cells tagged 'parameters' (need exactly one)")
         code_seen = False

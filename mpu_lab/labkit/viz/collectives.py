@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 
 from mpu_lab import parallel_state
 from mpu_lab.labkit.collective_layouts import COLLECTIVE_LAYOUTS
-from mpu_lab.labkit.viz.style import _display, _figure, _styled, group_colors
+from mpu_lab.labkit.viz.style import display_figure, group_colors, new_figure, styled
 
 
 def _as_2d(values) -> Optional[np.ndarray]:
@@ -51,7 +51,7 @@ def _summary(arr: np.ndarray) -> str:
     return shape
 
 
-@_styled
+@styled
 def plot_collective(title: str, before: Sequence, after: Sequence,
                     groups: Optional[Sequence[Sequence[int]]] = None,
                     labels: Sequence[str] = ("before", "after")) -> Figure:
@@ -72,7 +72,7 @@ def plot_collective(title: str, before: Sequence, after: Sequence,
     vmin, vmax = float(values.min()), float(values.max())
     if vmin == vmax:
         vmin, vmax = vmin - 1, vmax + 1
-    fig = _figure(max(6.0, 1.25 * n + 1.0), 3.3)
+    fig = new_figure(max(6.0, 1.25 * n + 1.0), 3.3)
     axes = fig.subplots(2, n, squeeze=False)
     group_of = {}
     if groups:
@@ -176,7 +176,7 @@ def show_collective(name: str, results: Sequence[dict]) -> List[Figure]:
     figs = [plot_collective(title, before, after, groups)
             for title, before, after, groups in collective_views(name, results)]
     for fig in figs:
-        _display(fig)
+        display_figure(fig)
     return figs
 
 

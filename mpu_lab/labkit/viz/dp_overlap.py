@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 from matplotlib.figure import Figure
 
 from mpu_lab.labkit.viz.performance import BREAKDOWN_COLORS
-from mpu_lab.labkit.viz.style import _figure, _styled
+from mpu_lab.labkit.viz.style import new_figure, styled
 
 _COMPUTE, _COMM = BREAKDOWN_COLORS["compute"], BREAKDOWN_COLORS["dp all_reduce"]
 
@@ -41,7 +41,7 @@ def timeline_rows(result, mode: str, step: int = -1, ranks: Optional[Sequence[in
     return rows
 
 
-@_styled
+@styled
 def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = -1,
                      ranks: Optional[Sequence[int]] = None, title: str = "") -> Figure:
     """One panel per mode (default: every mode of ``result``, top to bottom, one time axis):
@@ -57,7 +57,7 @@ def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = 
         raise ValueError(f"ranks {ranks} must be a non-empty subset of 0..{result.d - 1}")
     per_mode = {m: timeline_rows(result, m, step, ranks) for m in modes}
     n_rows = max(len(rows) for rows in per_mode.values())
-    fig = _figure(9.5, 1.0 + len(modes) * (0.1 * n_rows + 0.45))
+    fig = new_figure(9.5, 1.0 + len(modes) * (0.1 * n_rows + 0.45))
     fig.set_layout_engine("constrained")
     axes = fig.subplots(len(modes), 1, sharex=True, squeeze=False)[:, 0]
     for ax, mode in zip(axes, modes):

@@ -11,7 +11,7 @@ from typing import Sequence
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 
-from mpu_lab.labkit.viz.style import _arrow, _block, _figure, _styled, rank_colors
+from mpu_lab.labkit.viz.style import draw_arrow, draw_block, new_figure, rank_colors, styled
 from mpu_lab.perf.activation_memory import config_name
 from mpu_lab.perf.cost_model.activations import CATEGORIES, total
 
@@ -42,25 +42,25 @@ def _layer_block(ax, tp: int, sequence_parallel: bool, block: str) -> None:
                      else ("f", "fwd: identity\nbwd: all-reduce"))
     g_name, g_sub = (("RS", "reduce-scatter along s\nbwd: all-gather") if sequence_parallel
                      else ("g", "fwd: all-reduce\nbwd: identity"))
-    _block(ax, 0.0, mid - 0.3, 1.0, 0.6, "#d9d9d9", f"x\n[{rows}, b, h]", fontsize=8)
-    _arrow(ax, (1.0, mid), (1.3, mid))
-    _block(ax, 1.3, mid - 0.3, 0.9, 0.6, "#e8e8e8", f"LayerNorm\n[{rows}, b, h]", fontsize=7.5)
-    _arrow(ax, (2.2, mid), (2.5, mid))
+    draw_block(ax, 0.0, mid - 0.3, 1.0, 0.6, "#d9d9d9", f"x\n[{rows}, b, h]", fontsize=8)
+    draw_arrow(ax, (1.0, mid), (1.3, mid))
+    draw_block(ax, 1.3, mid - 0.3, 0.9, 0.6, "#e8e8e8", f"LayerNorm\n[{rows}, b, h]", fontsize=7.5)
+    draw_arrow(ax, (2.2, mid), (2.5, mid))
     _op(ax, 2.9, mid, f_name, f_sub)
     for r in range(tp):
         y = top - (r + 0.5) * lane
-        _arrow(ax, (3.3, mid), (3.7, y))
+        draw_arrow(ax, (3.3, mid), (3.7, y))
         x = 3.7
         for k, (text, sub) in enumerate(lanes):
             label = text.replace("{i}", str(r))
-            _block(ax, x, y - 0.27, 1.9, 0.54, colors[r], f"{label}\n{sub}", fontsize=7)
+            draw_block(ax, x, y - 0.27, 1.9, 0.54, colors[r], f"{label}\n{sub}", fontsize=7)
             if k < len(lanes) - 1:
-                _arrow(ax, (x + 1.9, y), (x + 2.15, y))
+                draw_arrow(ax, (x + 1.9, y), (x + 2.15, y))
             x += 2.15
-        _arrow(ax, (x - 0.25, y), (10.35, mid))
+        draw_arrow(ax, (x - 0.25, y), (10.35, mid))
     _op(ax, 10.75, mid, g_name, g_sub)
-    _arrow(ax, (11.15, mid), (11.45, mid))
-    _block(ax, 11.45, mid - 0.3, 1.0, 0.6, "#d9d9d9", f"+ x\n[{rows}, b, h]", fontsize=8)
+    draw_arrow(ax, (11.15, mid), (11.45, mid))
+    draw_block(ax, 11.45, mid - 0.3, 1.0, 0.6, "#d9d9d9", f"+ x\n[{rows}, b, h]", fontsize=8)
     ax.set_xlim(-0.1, 12.55)
     ax.set_ylim(_layer_block_bottom(tp), top + 0.05)
     ax.set_aspect("equal")
@@ -72,14 +72,14 @@ def _layer_block_bottom(tp: int) -> float:
     return min(0.0, 0.4 * tp - 0.9) - 0.05
 
 
-@_styled
+@styled
 def plot_transformer_layer(tp: int = 2, sequence_parallel: bool = False) -> Figure:
     """One GPT layer under tensor parallelism (Megatron-LM Fig. 3; Korthikanti et al. Fig. 5
     with ``sequence_parallel``): the attention block and the MLP block, one lane per
     tensor-parallel rank, with the two collectives of each block (under sequence parallelism the
     all-gather's backward also gathers the layer's input again, §4.2.2)."""
     panel = 0.8 * tp + 0.05 - _layer_block_bottom(tp)       # drawing units; ~0.93 inch each
-    fig = _figure(12.5, 2 * (0.93 * panel + 0.4))
+    fig = new_figure(12.5, 2 * (0.93 * panel + 0.4))
     axes = fig.subplots(2, 1)
     for ax, block in zip(axes, ("attention", "mlp")):
         _layer_block(ax, tp, sequence_parallel, block)
@@ -102,13 +102,13 @@ def plot_transformer_layer(tp: int = 2, sequence_parallel: bool = False) -> Figu
 _CATEGORY_COLORS = ("#c44e52", "#4c72b0", "#dd8452", "#8172b3", "#937860")
 
 
-@_styled
+@styled
 def plot_activation_memory(rows: Sequence[dict], s: int, b: int, h: int) -> Figure:
     """Activation bytes per layer on one rank, in units of ``s b h``: for each configuration
     the paper's terms (16-bit, hatched) next to this package's (fp32, dropout 0), stacked by
     kind, and a black bar at the measured total (:mod:`mpu_lab.perf.activation_memory`)."""
     sbh = s * b * h
-    fig = _figure(10.5, 4.2)
+    fig = new_figure(10.5, 4.2)
     ax = fig.add_subplot()
     width = 0.36
     labelled = set()

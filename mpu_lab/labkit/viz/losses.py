@@ -15,7 +15,7 @@ from typing import Dict, Optional, Sequence
 import matplotlib
 from matplotlib.figure import Figure
 
-from mpu_lab.labkit.viz.style import STYLE, _figure, _styled, group_colors
+from mpu_lab.labkit.viz.style import STYLE, group_colors, new_figure, styled
 
 
 _CURVE_STYLES = ({"linewidth": 4.0, "alpha": 0.45}, {"linewidth": 1.8, "linestyle": "--"},
@@ -62,7 +62,7 @@ def _difference_panel(diff, curves: Dict[str, tuple], reference: str, colors, rt
     diff.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
-@_styled
+@styled
 def plot_loss_curves(curves: Dict[str, tuple], title: str = "", reference: Optional[str] = None,
                      checkpoint_at: Optional[int] = None, rtol: float = 1e-5) -> Figure:
     """Loss against iteration for each ``label: (iterations, losses)``, drawn so that curves
@@ -71,7 +71,7 @@ def plot_loss_curves(curves: Dict[str, tuple], title: str = "", reference: Optio
     a log axis where fp32 rounding is a shaded band, exact zeros are marked and ``rtol`` (the
     tolerance of the agreement check) is a line. ``checkpoint_at``: a vertical line at the
     iteration a checkpoint was saved and resumed."""
-    fig = _figure(10.5, 5.4 if reference else 3.6)
+    fig = new_figure(10.5, 5.4 if reference else 3.6)
     if reference:
         ax, diff = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2.0, 1.2]})
     else:
@@ -112,7 +112,7 @@ class LiveLossPlot:
         self.every_s, self._last = every_s, -1e9
         self.uniform = math.log(vocab_size) if vocab_size else None
         with matplotlib.rc_context(STYLE):
-            self.fig = _figure(8.0, 3.2)
+            self.fig = new_figure(8.0, 3.2)
             self.ax = self.fig.add_subplot()
             (self.line,) = self.ax.plot([], [], color=group_colors(1)[0], linewidth=1.6)
             self.ax.set_xlim(0, total_iterations)

@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from mpu_lab.labkit.viz.style import _figure, _styled
+from mpu_lab.labkit.viz.style import new_figure, styled
 from mpu_lab.perf.memory import TERMS
 
 TERM_COLORS = {"parameters": "#4c72b0", "gradients": "#55a868", "optimizer": "#c44e52",
@@ -38,7 +38,7 @@ def busiest_ranks(rows: Sequence[dict]) -> Dict[Tuple[str, str], int]:
             for key, ranks in _groups(rows).items()}
 
 
-@_styled
+@styled
 def plot_memory_breakdown(rows: Sequence[dict], rank: Optional[int] = None, unit: str = "KiB",
                           title: str = "") -> Figure:
     """One pair of bars per configuration and optimizer: the measured bytes (solid) and the
@@ -55,7 +55,7 @@ def plot_memory_breakdown(rows: Sequence[dict], rank: Optional[int] = None, unit
         if r not in groups[key]:
             raise ValueError(f"rank {r} is not in the rows of {key[0]} {key[1]}; ranks there: "
                              f"{sorted(groups[key])}")
-    fig = _figure(max(6.0, 1.25 * len(groups) + 1.5), 4.2)
+    fig = new_figure(max(6.0, 1.25 * len(groups) + 1.5), 4.2)
     fig.set_layout_engine("constrained")
     ax = fig.add_subplot()
     scale = _UNITS[unit]

@@ -7,17 +7,17 @@ from typing import Dict
 
 from matplotlib.figure import Figure
 
-from mpu_lab.labkit.viz.style import _figure, _styled
+from mpu_lab.labkit.viz.style import new_figure, styled
 
 _GEMM, _COMM = "#4c72b0", "#dd8452"
 
 
-@_styled
+@styled
 def plot_backward_timeline(report: Dict, title: str = "") -> Figure:
     """One rank's report of ``launch/linear_overlap.py``: a row per mode ("overlap", "serial"),
     each with a GEMM lane and a communication lane; the backward time written at the end."""
     modes = report["modes"]
-    fig = _figure(8.0, 1.0 + 1.3 * len(modes))
+    fig = new_figure(8.0, 1.0 + 1.3 * len(modes))
     axes = fig.subplots(len(modes), 1, sharex=True, squeeze=False)[:, 0]
     end = max(v["backward_ms"] for v in modes.values())
     for ax, (mode, v) in zip(axes, modes.items()):

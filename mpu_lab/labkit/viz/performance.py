@@ -13,7 +13,7 @@ from typing import Dict, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from mpu_lab.labkit.viz.style import _figure, _styled, group_colors
+from mpu_lab.labkit.viz.style import group_colors, new_figure, styled
 from mpu_lab.perf.breakdown import categories
 
 
@@ -26,14 +26,15 @@ BREAKDOWN_COLORS = {
 }
 
 
-@_styled
+@styled
 def plot_utilisation(runs: Dict[str, object], title: str = "", vmax: float = 100.0,
                      xlabel: str = "seconds") -> Figure:
     """Utilisation over time, one heat row per rank, one panel per run side by side
     (``label: mpu_lab.perf.utilisation.Utilisation``, e.g. cropped to the training window).
     Time is counted from each run's first sample; white where a rank had not started. Under
     CPU sampling a last row shows the whole machine (percent of all cores, every process)."""
-    fig = _figure(5.4 * len(runs) + 0.8, 0.42 * max(len(u.values) + 1 for u in runs.values()) + 1.5)
+    lanes = max(len(u.values) + 1 for u in runs.values())
+    fig = new_figure(5.4 * len(runs) + 0.8, 0.42 * lanes + 1.5)
     fig.set_layout_engine("constrained")
     axes = fig.subplots(1, len(runs), squeeze=False)[0]
     mesh = None
@@ -69,7 +70,7 @@ def plot_utilisation(runs: Dict[str, object], title: str = "", vmax: float = 100
     return fig
 
 
-@_styled
+@styled
 def plot_kernel_timeline(timelines, title: str = "") -> Figure:
     """What each rank's device did over time
     (:func:`mpu_lab.perf.kernel_timeline.kernel_timelines`):
@@ -78,7 +79,7 @@ def plot_kernel_timeline(timelines, title: str = "") -> Figure:
     top); the row's label gives the busy / comm / idle percent. ``timelines``: one run's list,
     or ``{label: list}`` for runs side by side (e.g. PP=4 with one micro-batch against DP=4)."""
     runs = timelines if isinstance(timelines, dict) else {"": timelines}
-    fig = _figure(5.4 * len(runs) + 0.6, 0.5 * max(len(t) for t in runs.values()) + 1.4)
+    fig = new_figure(5.4 * len(runs) + 0.6, 0.5 * max(len(t) for t in runs.values()) + 1.4)
     fig.set_layout_engine("constrained")
     axes = fig.subplots(1, len(runs), squeeze=False)[0]
     colors = (("compute", BREAKDOWN_COLORS["compute"]), ("comm", BREAKDOWN_COLORS["pp p2p"]),
@@ -111,13 +112,13 @@ def plot_kernel_timeline(timelines, title: str = "") -> Figure:
     return fig
 
 
-@_styled
+@styled
 def plot_step_breakdown(runs: Dict[str, Sequence[dict]], title: str = "") -> Figure:
     """Where each rank's step time goes: one stacked bar per rank (milliseconds per step by
     category, from ``train_gpt.py --breakdown``), one panel per run (``label: reports``),
     sharing the time axis."""
     rows = sum(len(r) for r in runs.values())
-    fig = _figure(9.5, 0.32 * rows + 1.0 * len(runs) + 0.8)
+    fig = new_figure(9.5, 0.32 * rows + 1.0 * len(runs) + 0.8)
     fig.set_layout_engine("constrained")
     axes = fig.subplots(len(runs), 1, squeeze=False, sharex=True,
                         gridspec_kw={"height_ratios": [len(r) for r in runs.values()]})[:, 0]
@@ -145,11 +146,11 @@ def plot_step_breakdown(runs: Dict[str, Sequence[dict]], title: str = "") -> Fig
     return fig
 
 
-@_styled
+@styled
 def plot_bandwidth(rows: Sequence[dict], title: str = "") -> Figure:
     """Bus bandwidth (GB/s) against message size, one line per collective
     (rows of ``launch/bench_bandwidth.py``)."""
-    fig = _figure(7.0, 3.4)
+    fig = new_figure(7.0, 3.4)
     ax = fig.add_subplot()
     ops = list(dict.fromkeys(r["op"] for r in rows))
     for op, color in zip(ops, group_colors(len(ops))):
@@ -168,13 +169,13 @@ def plot_bandwidth(rows: Sequence[dict], title: str = "") -> Figure:
     return fig
 
 
-@_styled
+@styled
 def plot_published_runs(rows: Sequence[dict], band: float = 0.15, title: str = "") -> Figure:
     """Published runs, predicted vs reported (rows of
     :func:`mpu_lab.perf.published_runs.published_runs_comparison`): left, both TFLOP/s per GPU per
     run, each in its source's FLOP count (:data:`mpu_lab.perf.published_runs.FLOP_CONVENTIONS`);
     right, the relative error against a ``±band`` corridor. Calibration runs are hatched."""
-    fig = _figure(10.5, 0.32 * len(rows) + 1.4)
+    fig = new_figure(10.5, 0.32 * len(rows) + 1.4)
     fig.set_layout_engine("constrained")
     left, right = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [1.6, 1]})
     y = np.arange(len(rows))
@@ -209,7 +210,7 @@ _CAUSE_COLORS = {"compute": "#55a868", "tp_comm": "#1f4e79", "pp_p2p": "#c44e52"
                  "bubble": "#f2b5b5", "dp_comm": "#dd8452", "optimizer": "#999999"}
 
 
-@_styled
+@styled
 def plot_exploration(result, title: str = "") -> Figure:
     """The explorer's verdict per (t, p) (:func:`mpu_lab.perf.explore`): for each pair its
     fastest micro-batch size, the predicted seconds per iteration split by cause, fastest on
@@ -219,7 +220,7 @@ def plot_exploration(result, title: str = "") -> Figure:
     for c in result.candidates:                  # already ranked: the first of a pair is its best
         best.setdefault((c.config.tp, c.config.pp), c)
     picks = sorted(best.values(), key=lambda c: (not c.fits, c.prediction.total_s))
-    fig = _figure(10.0, 0.28 * len(picks) + 1.3)
+    fig = new_figure(10.0, 0.28 * len(picks) + 1.3)
     fig.set_layout_engine("constrained")
     ax = fig.add_subplot()
     y = np.arange(len(picks))

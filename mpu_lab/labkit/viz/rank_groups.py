@@ -14,7 +14,14 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch, Rectangle
 
 from mpu_lab import parallel_state
-from mpu_lab.labkit.viz.style import _LABEL_BOX, CROSSING, _display, _figure, _styled, group_colors
+from mpu_lab.labkit.viz.style import (
+    CROSSING,
+    LABEL_BOX,
+    display_figure,
+    group_colors,
+    new_figure,
+    styled,
+)
 
 FAMILY_NAMES = {
     "tp": "tensor model-parallel", "pp": "pipeline model-parallel", "dp": "data_parallel",
@@ -50,7 +57,7 @@ def format_groups(groups: Dict[str, List[List[int]]], families: Iterable[str] = 
     return "\n".join(lines)
 
 
-@_styled
+@styled
 def plot_rank_grid(groups: Sequence[Sequence[int]], world_size: int, gpus_per_node: int = 8,
                    title: str = "", ax=None):
     """Draw ``world_size`` GPUs, ``gpus_per_node`` to a box, coloured by their group.
@@ -60,7 +67,7 @@ def plot_rank_grid(groups: Sequence[Sequence[int]], world_size: int, gpus_per_no
     """
     if ax is None:
         height = 0.9 * _nodes(world_size, gpus_per_node) + 0.8
-        ax = _figure(max(4.0, 0.75 * gpus_per_node + 1), height).add_subplot()
+        ax = new_figure(max(4.0, 0.75 * gpus_per_node + 1), height).add_subplot()
     nodes = _nodes(world_size, gpus_per_node)
     index = {r: i for i, g in enumerate(groups) for r in g}
     colors = group_colors(len(groups))
@@ -83,7 +90,7 @@ def plot_rank_grid(groups: Sequence[Sequence[int]], world_size: int, gpus_per_no
                                    linewidth=2.6 if rank in crossing else 0.8,
                                    hatch="///" if rank in crossing else None))
             ax.text(slot + 0.5, y + 0.43, f"g{rank}", ha="center", va="center", fontsize=9,
-                    fontweight="bold", bbox=_LABEL_BOX if rank in crossing else None)
+                    fontweight="bold", bbox=LABEL_BOX if rank in crossing else None)
             if rank in index:
                 ax.text(slot + 0.5, y + 0.15, f"#{index[rank]}", ha="center", va="center",
                         fontsize=7)
@@ -113,7 +120,7 @@ def describe_crossings(groups: Dict[str, List[List[int]]], gpus_per_node: int,
     return "\n".join(lines)
 
 
-@_styled
+@styled
 def plot_group_families(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1,
                         order: str = parallel_state.DEFAULT_ORDER, gpus_per_node: int = 8,
                         families: Sequence[str] = ("tp", "dp", "pp")) -> Figure:
@@ -121,7 +128,7 @@ def plot_group_families(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int 
     groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order)
     nodes = _nodes(world_size, gpus_per_node)
     width = max(5.5, 0.8 * gpus_per_node + 2.2)
-    fig = _figure(width, len(families) * (0.85 * nodes + 0.55) + 0.4)
+    fig = new_figure(width, len(families) * (0.85 * nodes + 0.55) + 0.4)
     axes = fig.subplots(len(families), 1, squeeze=False)[:, 0]
     for ax, fam in zip(axes, families):
         cross = len(groups_crossing_nodes(groups[fam], gpus_per_node))
@@ -161,7 +168,7 @@ def show_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1
         return None
     fig = plot_group_families(world_size, tp, pp, cp, order, gpus_per_node,
                               families=basic)
-    _display(fig)
+    display_figure(fig)
 
 
 # What a saved notebook shows in place of the sliders (they live only while a kernel runs).

@@ -13,7 +13,7 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 
-from mpu_lab.labkit.viz.style import _arrow, _block, _figure, _styled, rank_colors
+from mpu_lab.labkit.viz.style import draw_arrow, draw_block, new_figure, rank_colors, styled
 
 
 def shard_shapes(kind: str, input_size: int, output_size: int, parts: int) -> List[tuple]:
@@ -110,7 +110,7 @@ def _bracket(ax, x0: float, x1: float, y: float, text: str) -> None:
     ax.text((x0 + x1) / 2, y + 0.14, text, ha="center", va="bottom", fontsize=8.5)
 
 
-@_styled
+@styled
 def plot_column_split(input_size: int = 1024, output_size: int = 512, tp: int = 2,
                       stride: int = 1, part_names: Optional[Sequence[str]] = None) -> Figure:
     """``Y = X A`` with ``A`` cut by columns: rank ``i`` holds ``A_i`` and computes ``Y_i``.
@@ -128,19 +128,19 @@ def plot_column_split(input_size: int = 1024, output_size: int = 512, tp: int = 
                          f"weight, got {len(names)} names: {names}")
     colors = rank_colors(tp)
     pieces = tp * stride
-    fig = _figure(10.5, 3.7 if names is None else 4.1)
+    fig = new_figure(10.5, 3.7 if names is None else 4.1)
     ax = fig.add_subplot()
     # Geometry (drawing units): X is [b, in], A is [in, out], Y is [b, out].
     in_h, out_w, b_h = 2.4, 3.0, 1.0
     x0, a0, y0 = 0.0, 3.2, 7.4
-    _block(ax, x0, 1.4, 2.4, b_h, "#d9d9d9", f"X\n[b, {input_size}]\nsame on every rank")
+    draw_block(ax, x0, 1.4, 2.4, b_h, "#d9d9d9", f"X\n[b, {input_size}]\nsame on every rank")
     ax.text(2.8, 1.9, "x", fontsize=16, ha="center", va="center")
     w = out_w / pieces
     for p in range(pieces):
         rank = owners[p * (output_size // pieces)]
         label = f"A{rank}" if stride == 1 else f"r{rank}"
-        _block(ax, a0 + p * w, 0.2, w, in_h, colors[rank], label if pieces <= 16 else "",
-               fontsize=9 if pieces <= 8 else 6.5)
+        draw_block(ax, a0 + p * w, 0.2, w, in_h, colors[rank], label if pieces <= 16 else "",
+                   fontsize=9 if pieces <= 8 else 6.5)
     top = 2.75
     if names is not None:
         part_w = out_w / stride
@@ -155,8 +155,8 @@ def plot_column_split(input_size: int = 1024, output_size: int = 512, tp: int = 
     for p in range(pieces):
         rank = owners[p * (output_size // pieces)]
         label = f"Y{rank}" if stride == 1 else f"r{rank}"
-        _block(ax, y0 + p * w, 1.4, w, b_h, colors[rank], label if pieces <= 16 else "",
-               fontsize=9 if pieces <= 8 else 6.5)
+        draw_block(ax, y0 + p * w, 1.4, w, b_h, colors[rank], label if pieces <= 16 else "",
+                   fontsize=9 if pieces <= 8 else 6.5)
     ax.text(y0 + out_w / 2, 2.55 if names is None else top, f"Y [b, {output_size}]", ha="center",
             fontsize=9)
     shard = f"[{input_size}, {output_size // tp}]"
@@ -177,35 +177,35 @@ def plot_column_split(input_size: int = 1024, output_size: int = 512, tp: int = 
     return fig
 
 
-@_styled
+@styled
 def plot_row_split(input_size: int = 1024, output_size: int = 512, tp: int = 2) -> Figure:
     """``Y = X A`` with ``A`` cut by rows and ``X`` by columns: ``Y = sum_i X_i A_i`` (``g``)."""
     if input_size % tp:
         raise ValueError(f"input_size {input_size} is not divisible by tp {tp}")
     colors = rank_colors(tp)
-    fig = _figure(10.5, 3.9)
+    fig = new_figure(10.5, 3.9)
     ax = fig.add_subplot()
     in_w, in_h, out_w, b_h = 2.4, 2.4, 2.4, 1.0
     w = in_w / tp
     for r in range(tp):
-        _block(ax, r * w, 1.4, w, b_h, colors[r], f"X{r}")
+        draw_block(ax, r * w, 1.4, w, b_h, colors[r], f"X{r}")
     ax.text(in_w / 2, 2.55, f"X [b, {input_size}], cut by columns", ha="center", fontsize=9)
     ax.text(2.8, 1.9, "x", fontsize=16, ha="center", va="center")
     h = in_h / tp
     for r in range(tp):
-        _block(ax, 3.2, 0.2 + in_h - (r + 1) * h, out_w, h, colors[r], f"A{r}")
+        draw_block(ax, 3.2, 0.2 + in_h - (r + 1) * h, out_w, h, colors[r], f"A{r}")
     ax.text(3.2 + out_w / 2, 2.75, f"A [{input_size}, {output_size}], cut by rows", ha="center",
             fontsize=9)
     ax.text(6.0, 1.9, "=", fontsize=16, ha="center", va="center")
     # Partial results: every rank holds a full-shape [b, out] partial sum.
     for r in range(tp):
         off = 0.12 * (tp - 1 - r)
-        _block(ax, 6.4 + off, 1.4 - off, 1.6, b_h, colors[r], f"X{r} A{r}" if r == tp - 1 else "",
-               alpha=0.9)
+        draw_block(ax, 6.4 + off, 1.4 - off, 1.6, b_h, colors[r],
+                   f"X{r} A{r}" if r == tp - 1 else "", alpha=0.9)
     ax.text(7.2, 2.55, f"{tp} partial sums [b, {output_size}]", ha="center", fontsize=9)
     ax.text(7.2, 1.15 - 0.12 * (tp - 1), "one X_i A_i per rank", ha="center", va="top", fontsize=8)
-    _arrow(ax, (8.2, 1.9), (9.0, 1.9), "g: all-reduce")
-    _block(ax, 9.1, 1.4, 1.3, b_h, "#d9d9d9", "Y")
+    draw_arrow(ax, (8.2, 1.9), (9.0, 1.9), "g: all-reduce")
+    draw_block(ax, 9.1, 1.4, 1.3, b_h, "#d9d9d9", "Y")
     ax.text(9.75, 2.55, "Y + b", ha="center", fontsize=9)
     ax.text(0, -0.35, f"t = {tp}: rank i keeps A_i [{input_size // tp}, {output_size}] (stored as "
             f"weight [{output_size}, {input_size // tp}]) and X_i [b, {input_size // tp}]; "
@@ -220,12 +220,12 @@ def plot_row_split(input_size: int = 1024, output_size: int = 512, tp: int = 2) 
     return fig
 
 
-@_styled
+@styled
 def plot_fg(tp: int = 2) -> Figure:
     """The MLP of Megatron-LM Fig. 3a: ``f`` -> column-parallel ``A`` -> GeLU -> row-parallel
     ``B`` -> ``g``, one lane per tensor-parallel rank."""
     colors = rank_colors(tp)
-    fig = _figure(10.5, 1.2 + 0.9 * tp)
+    fig = new_figure(10.5, 1.2 + 0.9 * tp)
     ax = fig.add_subplot()
     lane = 0.9
     top = lane * tp
@@ -238,21 +238,21 @@ def plot_fg(tp: int = 2) -> Figure:
         ax.text(x, mid, text, ha="center", va="center", fontsize=14, fontweight="bold")
         ax.text(x, mid - 0.55, sub, ha="center", va="top", fontsize=7.5)
 
-    _block(ax, 0.0, mid - 0.3, 0.8, 0.6, "#d9d9d9", "X")
-    _arrow(ax, (0.8, mid), (1.4, mid))
+    draw_block(ax, 0.0, mid - 0.3, 0.8, 0.6, "#d9d9d9", "X")
+    draw_arrow(ax, (0.8, mid), (1.4, mid))
     op(1.75, "f", "fwd: identity\nbwd: all-reduce")
     for r in range(tp):
         y = top - (r + 0.5) * lane
-        _arrow(ax, (2.1, mid), (2.8, y), style="-|>")
-        _block(ax, 2.8, y - 0.28, 1.6, 0.56, colors[r], f"X A{r}  (col.)", fontsize=8)
-        _arrow(ax, (4.4, y), (4.8, y))
-        _block(ax, 4.8, y - 0.28, 1.1, 0.56, colors[r], f"GeLU -> Y{r}", fontsize=8)
-        _arrow(ax, (5.9, y), (6.3, y))
-        _block(ax, 6.3, y - 0.28, 1.5, 0.56, colors[r], f"Y{r} B{r}  (row)", fontsize=8)
-        _arrow(ax, (7.8, y), (8.4, mid))
+        draw_arrow(ax, (2.1, mid), (2.8, y), style="-|>")
+        draw_block(ax, 2.8, y - 0.28, 1.6, 0.56, colors[r], f"X A{r}  (col.)", fontsize=8)
+        draw_arrow(ax, (4.4, y), (4.8, y))
+        draw_block(ax, 4.8, y - 0.28, 1.1, 0.56, colors[r], f"GeLU -> Y{r}", fontsize=8)
+        draw_arrow(ax, (5.9, y), (6.3, y))
+        draw_block(ax, 6.3, y - 0.28, 1.5, 0.56, colors[r], f"Y{r} B{r}  (row)", fontsize=8)
+        draw_arrow(ax, (7.8, y), (8.4, mid))
     op(8.75, "g", "fwd: all-reduce\nbwd: identity")
-    _arrow(ax, (9.1, mid), (9.6, mid))
-    _block(ax, 9.6, mid - 0.3, 0.8, 0.6, "#d9d9d9", "Z")
+    draw_arrow(ax, (9.1, mid), (9.6, mid))
+    draw_block(ax, 9.6, mid - 0.3, 0.8, 0.6, "#d9d9d9", "Z")
     ax.set_xlim(-0.1, 10.5)
     ax.set_ylim(-0.2, top + 0.1)
     ax.set_aspect("equal")

@@ -19,10 +19,10 @@ STYLE = {
     "hatch.linewidth": 1.0,
 }
 CROSSING = "#000000"   # outline and hatching of a group that leaves its box
-_LABEL_BOX = dict(facecolor="white", alpha=0.8, edgecolor="none", pad=1.0)
+LABEL_BOX = dict(facecolor="white", alpha=0.8, edgecolor="none", pad=1.0)
 
 
-def _styled(fn):
+def styled(fn):
     """Run a drawing function under :data:`STYLE` (rcParams are read as artists are made)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -31,7 +31,8 @@ def _styled(fn):
     return wrapper
 
 
-def _figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
+    """A figure of ``width`` x ``height`` inches at the labs' resolution (no pyplot state)."""
     return Figure(figsize=(width, height), dpi=STYLE["figure.dpi"])
 
 
@@ -47,7 +48,7 @@ def rank_colors(n: int) -> List:
     return group_colors(max(n, 1))[:n]
 
 
-def _display(fig):
+def display_figure(fig):
     """Show ``fig`` in IPython (a notebook cell's output); outside IPython, do nothing."""
     try:
         from IPython.display import display
@@ -56,14 +57,17 @@ def _display(fig):
     display(fig)
 
 
-def _block(ax, x, y, w, h, color, label="", fontsize=9, hatch=None, alpha=1.0, edge="#222222"):
+def draw_block(ax, x, y, w, h, color, label="", fontsize=9, hatch=None, alpha=1.0,
+               edge="#222222"):
+    """A filled rectangle with ``label`` at its centre."""
     ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor=edge, linewidth=0.9,
                            hatch=hatch, alpha=alpha))
     if label:
         ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=fontsize)
 
 
-def _arrow(ax, start, end, text="", color="#333333", style="-|>", text_offset=(0, 0.12)):
+def draw_arrow(ax, start, end, text="", color="#333333", style="-|>", text_offset=(0, 0.12)):
+    """An arrow from ``start`` to ``end`` with ``text`` above its middle."""
     ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=12, color=color,
                                  linewidth=1.2))
     if text:
