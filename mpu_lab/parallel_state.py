@@ -4,164 +4,30 @@ Two halves:
 
 * :func:`generate_rank_groups` is pure arithmetic. It answers "which ranks talk to which"
   for any world size and any order of the parallel dimensions, without starting a process.
-  Lab 01 draws its pictures from it and the tests pin it to the MPU walkthrough's tables.
+  It lives in :mod:`mpu_lab.parallel_state_groups` (Megatron-core's ``RankGenerator``, with how
+  a rank maps to coordinates and how the expert layers see the same world) and is re-exported
+  here, with its helpers, under the names Megatron code uses.
 * :func:`initialize_model_parallel` turns those lists into real ``torch.distributed`` process
-  groups and fills the getters (``get_tensor_model_parallel_rank`` and friends) that the
-  rest of :mod:`mpu_lab` uses, exactly as Megatron code calls them.
-
-How a rank maps to coordinates. The world is viewed as a grid whose axes are the parallel
-dimensions listed in ``order``, fastest-varying first. With the default
-``order="tp-cp-dp-pp"`` neighbouring ranks differ in their tensor-parallel coordinate, so a
-tensor-parallel group is a run of adjacent ranks — and adjacent ranks sit in the same box,
-where the links are fastest (the MPU walkthrough's "adjacent ranks on the same DGX box").
-
-    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
-
-A group family such as ``"tp-pp"`` (the model-parallel group) holds the ranks that share every
-coordinate *not* named in the family; inside a group the ranks are listed with the named
-dimensions varying in ``order``. This is Megatron-core's ``RankGenerator`` /
-``generate_masked_orthogonal_rank_groups`` rule, reimplemented here.
+  groups and fills the getters (``get_tensor_model_parallel_rank``,
+  ``get_expert_model_parallel_group`` and friends) that the rest of :mod:`mpu_lab` uses,
+  exactly as Megatron code calls them.
 """
 from __future__ import annotations
 
-import itertools
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
-DIMENSIONS = ("tp", "cp", "dp", "pp")
-DEFAULT_ORDER = "tp-cp-dp-pp"
+from mpu_lab.parallel_state_groups import (  # noqa: F401  (re-exported)
+    DEFAULT_ORDER, DENSE_FAMILIES, DIMENSIONS, EXPERT_FAMILIES, check_expert_sizes,
+    check_sizes, generate_rank_groups, orthogonal_rank_groups, parse_order, rank_coordinates,
+    rank_grid_groups)
 
-# Families created by initialize_model_parallel, in the order Megatron-core creates them.
+# Families created by initialize_model_parallel, in the order Megatron-core creates them:
+# the dense groups, then the expert groups.
 GROUP_FAMILIES = (
     "dp", "dp-cp", "cp", "tp-pp", "tp", "pp", "embedding", "position-embedding",
     "tp-dp-cp", "tp-dp", "tp-cp",
+    "ep", "expert-tp", "expert-tp-ep", "expert-tp-ep-pp", "expert-dp",
 )
-
-
-# --------------------------------------------------------------------------- pure group math
-def parse_order(order: str, sizes: Dict[str, int]) -> List[str]:
-    """Validate ``order`` and return its tokens, fastest-varying first.
-
-    Every dimension of size > 1 must be named; dimensions of size 1 that are left out are
-    appended (their position does not change any group).
-    """
-    if not isinstance(order, str) or not order:
-        raise ValueError(f"order must be a string such as {DEFAULT_ORDER!r}, got {order!r}")
-    tokens = order.lower().split("-")
-    unknown = [t for t in tokens if t not in DIMENSIONS]
-    if unknown:
-        raise ValueError(
-            f"order {order!r} has unknown token(s) {unknown}; valid tokens are {list(DIMENSIONS)}"
-        )
-    repeated = sorted({t for t in tokens if tokens.count(t) > 1})
-    if repeated:
-        raise ValueError(f"order {order!r} repeats token(s) {repeated}; name each dimension once")
-    for dim in DIMENSIONS:
-        if dim not in tokens:
-            if sizes[dim] != 1:
-                raise ValueError(
-                    f"order {order!r} leaves out {dim!r}, whose size is {sizes[dim]}; only "
-                    f"dimensions of size 1 may be left out (e.g. order={DEFAULT_ORDER!r})"
-                )
-            tokens.append(dim)
-    return tokens
-
-
-def check_sizes(world_size, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                context_parallel_size=1) -> int:
-    """Raise ``ValueError`` naming the numbers if the sizes do not tile the world.
-
-    Returns the data-parallel size ``world_size / (tp * pp * cp)``.
-    """
-    named = {
-        "world_size": world_size,
-        "tensor_model_parallel_size": tensor_model_parallel_size,
-        "pipeline_model_parallel_size": pipeline_model_parallel_size,
-        "context_parallel_size": context_parallel_size,
-    }
-    for name, value in named.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    model = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
-    if world_size % model:
-        valid = [w for w in range(model, 4 * model + 1, model)]
-        raise ValueError(
-            f"world_size {world_size} is not divisible by tensor_model_parallel_size "
-            f"{tensor_model_parallel_size} x pipeline_model_parallel_size "
-            f"{pipeline_model_parallel_size} x context_parallel_size {context_parallel_size} "
-            f"= {model}; Megatron needs p*t*c*d = n, so use a world size in {valid}... "
-            f"or sizes whose product divides {world_size}"
-        )
-    return world_size // model
-
-
-def _orthogonal_groups(sizes: Sequence[int], strides: Sequence[int], mask: Sequence[bool]):
-    """Groups of ranks that vary along the masked axes and agree on all others.
-
-    ``sizes``/``strides`` describe the rank grid axis by axis (fastest first). Groups are
-    enumerated with the unmasked axes as the outer index, fastest axis first, and ranks inside
-    a group with the masked axes, fastest axis first — the order Megatron-core uses.
-    """
-    inside = [(s, d) for s, d, m in zip(sizes, strides, mask) if m]
-    outside = [(s, d) for s, d, m in zip(sizes, strides, mask) if not m]
-
-    def offsets(axes):
-        # itertools.product varies its *last* argument fastest; reverse so axis 0 is fastest.
-        for coords in itertools.product(*[range(s) for s, _ in reversed(axes)]):
-            yield sum(c * d for c, (_, d) in zip(reversed(coords), axes))
-
-    return [[base + off for off in offsets(inside)] for base in offsets(outside)]
-
-
-def generate_rank_groups(world_size, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                         context_parallel_size=1, order=DEFAULT_ORDER) -> Dict[str, List[List[int]]]:
-    """All of Megatron's rank groups for a world, as lists of rank lists. Pure: no processes.
-
-    >>> groups = generate_rank_groups(16, tensor_model_parallel_size=2,
-    ...                               pipeline_model_parallel_size=4)
-    >>> groups["tp"][:3], groups["pp"][0], groups["dp"][:2]
-    ([[0, 1], [2, 3], [4, 5]], [0, 4, 8, 12], [[0, 2], [1, 3]])
-
-    Keys: ``tp``, ``cp``, ``dp``, ``pp``, ``dp-cp``, ``tp-pp`` (the model-parallel group),
-    ``tp-dp``, ``tp-cp``, ``tp-dp-cp``, ``embedding`` (first and last stage of each pipeline)
-    and ``position-embedding`` (first stage of each pipeline).
-    """
-    dp = check_sizes(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
-                     context_parallel_size)
-    sizes = {"tp": tensor_model_parallel_size, "cp": context_parallel_size, "dp": dp,
-             "pp": pipeline_model_parallel_size}
-    tokens = parse_order(order, sizes)
-    axis_sizes = [sizes[t] for t in tokens]
-    strides = [1]
-    for s in axis_sizes[:-1]:
-        strides.append(strides[-1] * s)
-
-    def family(name: str):
-        members = set(name.split("-"))
-        return _orthogonal_groups(axis_sizes, strides, [t in members for t in tokens])
-
-    groups = {name: family(name) for name in
-              ("tp", "cp", "dp", "pp", "dp-cp", "tp-pp", "tp-dp", "tp-cp", "tp-dp-cp")}
-    # Megatron-core: the word embedding is shared by the first and the last pipeline stage
-    # (tied input/output embedding); the position embedding lives on the first stage only.
-    groups["embedding"] = [[g[0], g[-1]] if len(g) > 1 else list(g) for g in groups["pp"]]
-    groups["position-embedding"] = [[g[0]] for g in groups["pp"]]
-    return groups
-
-
-def rank_coordinates(rank, world_size, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                     context_parallel_size=1, order=DEFAULT_ORDER) -> Dict[str, int]:
-    """The (tp, cp, dp, pp) coordinates of ``rank`` — its rank inside each group."""
-    groups = generate_rank_groups(world_size, tensor_model_parallel_size,
-                                  pipeline_model_parallel_size, context_parallel_size, order)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside the world of size {world_size}")
-    coords = {}
-    for dim in DIMENSIONS:
-        (group,) = [g for g in groups[dim] if rank in g]
-        coords[dim] = group.index(rank)
-    return coords
 
 
 # --------------------------------------------------------------------------- real groups
@@ -191,13 +57,16 @@ def set_default_timeout(timeout) -> None:
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               context_parallel_size=1, order=DEFAULT_ORDER,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
-                              timeout=None, backend=None):
+                              timeout=None, backend=None, expert_model_parallel_size=1,
+                              expert_tensor_parallel_size: Optional[int] = None):
     """Create every Megatron process group for the running ``torch.distributed`` world.
 
     Each rank calls this with the same arguments (collective: every rank creates every group,
     in the same order, as ``torch.distributed.new_group`` requires). The sizes are checked
     first, so a bad configuration raises ``ValueError`` before any group exists. ``timeout``
-    (a ``timedelta``) defaults to :func:`set_default_timeout`'s.
+    (a ``timedelta``) defaults to :func:`set_default_timeout`'s. ``expert_model_parallel_size``
+    and ``expert_tensor_parallel_size`` (None: the tensor-parallel size) lay out the expert
+    groups of mixture-of-experts layers, as Megatron-core's expert ``RankGenerator``.
     """
     import torch.distributed as dist
 
@@ -208,7 +77,8 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
         )
     world_size, rank = dist.get_world_size(), dist.get_rank()
     groups = generate_rank_groups(world_size, tensor_model_parallel_size,
-                                  pipeline_model_parallel_size, context_parallel_size, order)
+                                  pipeline_model_parallel_size, context_parallel_size, order,
+                                  expert_model_parallel_size, expert_tensor_parallel_size)
     if virtual_pipeline_model_parallel_size is not None and virtual_pipeline_model_parallel_size < 1:
         raise ValueError(
             f"virtual_pipeline_model_parallel_size must be >= 1 or None, got "
@@ -237,7 +107,9 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     _STATE.update(
         groups=mine, ranks=my_ranks, all_groups=groups, process_groups=cache,
         sizes={"tp": tensor_model_parallel_size, "pp": pipeline_model_parallel_size,
-               "cp": context_parallel_size, "dp": len(groups["dp"][0])},
+               "cp": context_parallel_size, "dp": len(groups["dp"][0]),
+               "ep": expert_model_parallel_size, "etp": len(groups["expert-tp"][0]),
+               "edp": len(groups["expert-dp"][0])},
         order=order, virtual_pp_size=virtual_pipeline_model_parallel_size, virtual_pp_rank=0,
     )
 
@@ -319,6 +191,63 @@ def get_embedding_group():
 
 def get_position_embedding_group():
     return _group("position-embedding")
+
+
+def get_expert_model_parallel_group():
+    """The expert-model-parallel group: the ranks that split the experts of a layer."""
+    return _group("ep")
+
+
+def get_expert_tensor_parallel_group():
+    """The expert-tensor-parallel group: the ranks that split one expert's weights."""
+    return _group("expert-tp")
+
+
+def get_expert_tensor_and_model_parallel_group():
+    """The expert tensor x expert model parallel group (a token dispatcher's all-to-all)."""
+    return _group("expert-tp-ep")
+
+
+def get_expert_tensor_model_pipeline_parallel_group():
+    return _group("expert-tp-ep-pp")
+
+
+def get_expert_data_parallel_group():
+    """The expert-data-parallel group: the ranks that hold the same experts and average
+    their gradients (not the dense data-parallel group)."""
+    return _group("expert-dp")
+
+
+def get_expert_model_parallel_world_size():
+    return len(_ranks("ep"))
+
+
+def get_expert_tensor_parallel_world_size():
+    return len(_ranks("expert-tp"))
+
+
+def get_expert_tensor_and_model_parallel_world_size():
+    return len(_ranks("expert-tp-ep"))
+
+
+def get_expert_data_parallel_world_size():
+    return len(_ranks("expert-dp"))
+
+
+def get_expert_model_parallel_rank():
+    return _rank_in("ep")
+
+
+def get_expert_tensor_parallel_rank():
+    return _rank_in("expert-tp")
+
+
+def get_expert_tensor_and_model_parallel_rank():
+    return _rank_in("expert-tp-ep")
+
+
+def get_expert_data_parallel_rank():
+    return _rank_in("expert-dp")
 
 
 def get_tensor_model_parallel_world_size():
@@ -428,5 +357,8 @@ def describe() -> Dict[str, object]:
         "pp_rank": get_pipeline_model_parallel_rank(),
         "dp_rank": get_data_parallel_rank(),
         "cp_rank": get_context_parallel_rank(),
+        "ep_rank": get_expert_model_parallel_rank(),
+        "expert_tp_rank": get_expert_tensor_parallel_rank(),
+        "expert_dp_rank": get_expert_data_parallel_rank(),
         "groups": {name: get_group_ranks(name) for name in GROUP_FAMILIES},  # None: not a member
     }

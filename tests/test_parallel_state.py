@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from mpu_lab.parallel_state import generate_rank_groups, rank_coordinates
+from mpu_lab.parallel_state import EXPERT_FAMILIES, generate_rank_groups, rank_coordinates
 
 FAMILIES = ["tp", "cp", "dp", "pp", "dp-cp", "tp-pp", "tp-dp", "tp-cp", "tp-dp-cp",
             "embedding", "position-embedding"]
@@ -93,7 +93,7 @@ CONFIGS = [(8, 2, 2, 1, "tp-cp-dp-pp"), (16, 2, 4, 1, "tp-cp-dp-pp"), (16, 4, 2,
 @pytest.mark.parametrize("world,tp,pp,cp,order", CONFIGS)
 def test_every_family_partitions_the_ranks_and_matches_reference(world, tp, pp, cp, order):
     g = generate_rank_groups(world, tp, pp, cp, order)
-    assert set(g) == set(FAMILIES)
+    assert set(g) == set(FAMILIES) | set(EXPERT_FAMILIES)
     coords, ref = _reference(world, tp, pp, cp, order)
     for fam in FAMILIES[:9]:
         flat = sorted(r for grp in g[fam] for r in grp)

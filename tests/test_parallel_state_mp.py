@@ -15,7 +15,10 @@ def reports(eight_rank_job):
 
 CONFIGS = [dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=2),
            dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=4),
-           dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2)]
+           dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2),
+           # experts split 4 ways, each whole (etp 1): expert-dp [[0, 4], ...] is not dense dp
+           dict(tensor_model_parallel_size=2, expert_model_parallel_size=4,
+                expert_tensor_parallel_size=1)]
 
 
 @pytest.mark.parametrize("index", range(len(CONFIGS)))
@@ -40,5 +43,25 @@ def test_real_groups_equal_generated_groups_on_8_ranks(reports, index):
         assert got["next"] == pp[(i + 1) % len(pp)] and got["prev"] == pp[(i - 1) % len(pp)]
         assert got["src"] == [g for g in expected["tp"] if rank in g][0][0]
         assert got["sizes"]["tp"] == cfg["tensor_model_parallel_size"]
-        assert got["sizes"]["dp"] == 8 // (cfg["tensor_model_parallel_size"] * cfg["pipeline_model_parallel_size"] * cfg.get("context_parallel_size", 1))
+        assert got["sizes"]["dp"] == 8 // (cfg["tensor_model_parallel_size"] * cfg.get("pipeline_model_parallel_size", 1) * cfg.get("context_parallel_size", 1))
         assert got["initialized_after_destroy"] is False
+        # the expert getters: sizes from the configuration, this rank's place in each group
+        etp = cfg.get("expert_tensor_parallel_size") or cfg["tensor_model_parallel_size"]
+        ep = cfg.get("expert_model_parallel_size", 1)
+        pp = cfg.get("pipeline_model_parallel_size", 1)
+        assert (got["sizes"]["ep"], got["sizes"]["etp"], got["sizes"]["edp"]) == \
+            (ep, etp, 8 // (etp * ep * pp))
+        for fam, place in got["expert_ranks"].items():
+            (mine,) = [g for g in expected[fam] if rank in g]
+            assert place == mine.index(rank), (rank, fam)
+        assert {"ep", "expert-tp", "expert-tp-ep", "expert-dp"} <= set(got["torch_group_ranks"])
+
+
+def test_expert_groups_on_8_ranks_by_hand(reports):
+    # tp 2, ep 4, etp 1 (the last configuration): rank = ep_r + 4 edp_r on the expert side
+    for rank, per_cfg in enumerate(reports):
+        got = per_cfg[3]["torch_group_ranks"]
+        assert got["ep"] == ([0, 1, 2, 3] if rank < 4 else [4, 5, 6, 7])
+        assert got["expert-dp"] == [rank % 4, rank % 4 + 4]
+        assert got["expert-tp"] == [rank]
+        assert got["dp"] == [rank % 2, rank % 2 + 2, rank % 2 + 4, rank % 2 + 6]   # dense d = 4

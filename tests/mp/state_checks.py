@@ -15,7 +15,10 @@ from mpu_lab import parallel_state as ps
 
 CONFIGS = [dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=2),
            dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=4),
-           dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2)]
+           dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2),
+           # experts split 4 ways, each whole (etp 1): expert-dp [[0, 4], ...] is not dense dp
+           dict(tensor_model_parallel_size=2, expert_model_parallel_size=4,
+                expert_tensor_parallel_size=1)]
 
 
 def probe(cfg):
@@ -26,6 +29,9 @@ def probe(cfg):
         "tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
         "dp": ps.get_data_parallel_group(), "cp": ps.get_context_parallel_group(),
         "tp-pp": ps.get_model_parallel_group(),
+        "ep": ps.get_expert_model_parallel_group(), "expert-tp": ps.get_expert_tensor_parallel_group(),
+        "expert-tp-ep": ps.get_expert_tensor_and_model_parallel_group(),
+        "expert-dp": ps.get_expert_data_parallel_group(),
     }
     if ps.is_rank_in_embedding_group():
         getters["embedding"] = ps.get_embedding_group()
@@ -39,7 +45,13 @@ def probe(cfg):
     out["sizes"] = {"tp": ps.get_tensor_model_parallel_world_size(),
                     "pp": ps.get_pipeline_model_parallel_world_size(),
                     "dp": ps.get_data_parallel_world_size(),
-                    "cp": ps.get_context_parallel_world_size()}
+                    "cp": ps.get_context_parallel_world_size(),
+                    "ep": ps.get_expert_model_parallel_world_size(),
+                    "etp": ps.get_expert_tensor_parallel_world_size(),
+                    "edp": ps.get_expert_data_parallel_world_size()}
+    out["expert_ranks"] = {"ep": ps.get_expert_model_parallel_rank(),
+                           "expert-tp": ps.get_expert_tensor_parallel_rank(),
+                           "expert-dp": ps.get_expert_data_parallel_rank()}
     out["first"], out["last"] = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     out["next"], out["prev"] = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
     out["src"] = ps.get_tensor_model_parallel_src_rank()
