@@ -29,14 +29,12 @@ The names lab 10 calls (stable):
   GPipe (Narayanan et al. 2021 §2.2). On CUDA :class:`PhasePeaks` adds
   ``torch.cuda.max_memory_allocated`` by phase of the first step.
 
-**Predicted**: :func:`mpu_lab.perf.cost_model.counts.memory_per_gpu` with ``dtype_bytes=4``
-for the first stage: :data:`MPU_LAB_PARAMS_DTYPE` / :data:`MPU_LAB_GRADS_DTYPE`, the fp32/fp32
-row of Megatron-core's table (:func:`mpu_lab_bytes_per_parameter`: 4 + 4 + 8 = 16 bytes per
-parameter, 8 + 8/d with the distributed optimizer). That is mpu_lab's own figure, not
-Megatron's bf16 one (2 + 4 + 12 = 18, :func:`~mpu_lab.perf.cost_model.bytes_per_parameter`):
-mpu_lab's mixed precision is ``torch.autocast`` over fp32 parameters, so with or without
-``--bf16`` its weights, its gradient buffer and Adam's moments are fp32 and there is no
-separate fp32 main copy of either. Another stage is another stage scaled by its parameter count
+**Predicted**: :func:`mpu_lab.perf.cost_model.counts.memory_per_gpu` for the first stage, at
+the fp32/fp32 row of Megatron-core's table (:func:`mpu_lab_bytes_per_parameter`: 4 + 4 + 8 =
+16 bytes per parameter, 8 + 8/d with the distributed optimizer), not Megatron's bf16 one
+(2 + 4 + 12 = 18): mpu_lab's mixed precision is ``torch.autocast`` over fp32 parameters, so
+with or without ``--bf16`` its weights, gradient buffer and Adam moments are fp32, with no
+fp32 main copy of either. Another stage is scaled by its parameter count
 (``parameters_per_gpu(..., stage)``) and its micro-batches in flight. Where the model differs
 from mpu_lab's GPT (Narayanan et al. 2021 §5.1, Korthikanti et al. 2022 Table 2):
 
