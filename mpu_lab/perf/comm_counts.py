@@ -65,6 +65,41 @@ class CollectiveLog(CommDebugMode):
     def __init__(self):
         super().__init__()
         self.events: List[dict] = []
+        self._forward_hooks: Dict[int, object] = {}
+        tracker = self.advanced_module_tracker
+        if hasattr(tracker, "_fw_pre_hook") and hasattr(tracker, "register_forward_hook_handles"):
+            # torch's tracker (2.11 to 2.13 at least) adds a forward hook to a module each time
+            # the module starts and keeps only the last handle per name, so a module that runs
+            # twice in one mode (a training loop, micro-batches) ends its forward twice:
+            # IndexError. Here each module keeps one hook: the previous one goes first.
+            tracker._fw_pre_hook = self._one_forward_hook(tracker._fw_pre_hook)
+
+    def _one_forward_hook(self, pre_hook):
+        tracker = self.advanced_module_tracker
+
+        def fw_pre_hook(module, inputs):
+            stale = self._forward_hooks.pop(id(module), None)
+            if stale is not None:
+                stale.remove()
+            pre_hook(module, inputs)
+            if not tracker.is_bw:     # the hook torch just added for this module
+                self._forward_hooks[id(module)] = tracker.register_forward_hook_handles[tracker.name]
+        return fw_pre_hook
+
+    def __enter__(self):
+        # CommDebugMode's backward hooks warn when a module's inputs need no gradient (an
+        # embedding's token ids): true, and harmless here.
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        super().__exit__(*args)
+        self._quiet.__exit__(*args)
+        for handle in self._forward_hooks.values():
+            handle.remove()
+        self._forward_hooks.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = _KINDS.get(str(getattr(func, "_overloadpacket", "")))
@@ -100,10 +135,7 @@ def count_collectives(model: torch.nn.Module, input_ids: torch.Tensor, labels: t
     ``grads.sequence_parallel``), ``kind``, ``group`` (global ranks) and ``bytes``."""
     events = []
     for step in range(steps):
-        with CollectiveLog() as log, warnings.catch_warnings():
-            # CommDebugMode's backward hooks warn when a module's inputs need no gradient
-            # (the embedding's token ids): true, and harmless here.
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        with CollectiveLog() as log:
             loss = model(input_ids, labels=labels).mean()
             loss.backward()
         with CollectiveLog() as grads:
