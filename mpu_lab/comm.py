@@ -182,3 +182,25 @@ def send_recv_async(tensor: torch.Tensor, dst: int, src: int, group=None, tag: i
 def send_recv(tensor: torch.Tensor, dst: int, src: int, group=None, tag: int = 0) -> torch.Tensor:
     """:func:`send_recv_async`, waited for: the tensor received from group rank ``src``."""
     return send_recv_async(tensor, dst, src, group, tag).wait()
+
+
+# --------------------------------------------------------------------------- expert parallel
+def all_to_all_with_splits(tensor: torch.Tensor, output_split_sizes, input_split_sizes,
+                           group=None) -> torch.Tensor:
+    """All-to-all with a different number of rows for each peer (MoE token dispatch): rows
+    ``[sum(input_split_sizes[:j]), +input_split_sizes[j])`` of ``tensor`` go to group rank
+    ``j``; the rows received, ``output_split_sizes[j]`` from group rank ``j``, are concatenated
+    in group-rank order. Megatron-core's ``tensor_parallel.mappings.all_to_all`` forward. One
+    ``all_to_all_single`` with split sizes (gloo and NCCL, torch 2.11 to 2.15)."""
+    input_split_sizes, output_split_sizes = list(input_split_sizes), list(output_split_sizes)
+    n = group_size(group)
+    if len(input_split_sizes) != n or len(output_split_sizes) != n:
+        raise ValueError(f"all_to_all_with_splits: {len(input_split_sizes)} input and "
+                         f"{len(output_split_sizes)} output split sizes for a group of {n}")
+    if sum(input_split_sizes) != tensor.size(0):
+        raise ValueError(f"all_to_all_with_splits: input split sizes {input_split_sizes} add "
+                         f"up to {sum(input_split_sizes)}, not the {tensor.size(0)} rows given")
+    src, device = _to_backend(tensor.detach().contiguous(), group)
+    received = src.new_empty((sum(output_split_sizes),) + tuple(src.shape[1:]))
+    dist.all_to_all_single(received, src, output_split_sizes, input_split_sizes, group=group)
+    return _from_backend(received, device)
