@@ -4,7 +4,8 @@
 
 * the step-time breakdown of real training at three layouts (TP2 x PP2 under torch.profiler,
   traces to TRACE_DIR; DP4 with the barrier variant; TP4 with sequence parallelism), next to
-  the trainer's own iteration times and a CommCounter that counts the same steps' collectives;
+  the trainer's own iteration times and a dispatch mode counting the same steps' c10d
+  collectives from outside;
 * the bandwidth benchmark's functions (launch/bench_bandwidth.py) over the whole world.
 
 Every rank reports a dict; tests/test_perf_measure.py asserts on them (and samples the
@@ -15,8 +16,11 @@ import pathlib
 import sys
 
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpu_lab import comm, distributed, launcher, training
+from mpu_lab import distributed, launcher, training
+from mpu_lab.perf import step_timer
+from mpu_lab.training import training as loop    # the module whose train() calls train_step
 
 BASE = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
         "--vocab-size", 128, "--make-vocab-size-divisible-by", 32, "--train-iters", 5,
@@ -28,17 +32,49 @@ CONFIGS = {
     "tp4_sp": ["--tensor-model-parallel-size", 4, "--sequence-parallel", "--micro-batch-size", 4,
                "--global-batch-size", 4, "--breakdown"],
 }
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+# the c10d ops of mpu_lab.comm's collectives, as the dispatcher names them
+C10D_COLLECTIVES = ("c10d.allreduce_", "c10d.allgather_", "c10d.reduce_scatter_",
+                    "c10d._reduce_scatter_base_", "c10d.broadcast_")
+
+
+class C10dCount(TorchDispatchMode):
+    """Counts the c10d collectives dispatched while it is active: a count independent of the
+    step timer's wrappers. (torch's CommDebugMode also tracks modules, and its tracker loses
+    its place when a pipeline schedule runs a forward after a backward: IndexError in
+    ``_fw_set_module_hook``, torch 2.13.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(getattr(func, "_overloadpacket", "")) in C10D_COLLECTIVES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def breakdown_run(flags):
     args = training.validate_args(training.parse_args(BASE + flags), dist.get_world_size())
     state = training.setup(args, log=lambda s: None)
-    with comm.CommCounter() as counter:
-        metrics = training.train(state, log=lambda s: None)
-    collectives = sum(counter.count(kind) for kind in COLLECTIVE_KINDS)
-    return dict(breakdown=state.step_timer.report(), metrics=metrics,
-                counted_collectives_per_step=collectives / args.train_iters)
+    timer = step_timer.step_timer_for(args)       # as launch/train_gpt.py --breakdown
+    counter, per_step, train_step = C10dCount(), [], loop.train_step
+
+    def counted_step(state):            # the collectives of each step, the timer's below it
+        before = counter.count
+        out = train_step(state)
+        per_step.append(counter.count - before)
+        return out
+
+    loop.train_step = counted_step
+    try:
+        with counter, step_timer.timing_train_steps(timer):
+            metrics = training.train(state, log=lambda s: None)
+    finally:
+        loop.train_step = train_step
+    # the last step: torch DDP rebuilds its buckets over the first two (broadcasts of its own,
+    # outside mpu_lab.comm); from then on every step issues the same collectives
+    return dict(breakdown=timer.report(), metrics=metrics, counted_per_step=per_step,
+                counted_collectives_per_step=per_step[-1])
 
 
 def bandwidth(info):
