@@ -33,6 +33,14 @@ class TransformerConfig:
     init_method_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
     attention_impl: str = "sdpa"                # "sdpa" or "explicit" (shows the L x L scores)
+    # mixture of experts (mpu_lab.models.moe): None = dense MLPs
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"  # or "sigmoid"
+    moe_router_pre_softmax: bool = False        # softmax over all experts, then top-k
+    moe_token_dispatcher_type: str = "alltoall"  # or "allgather"
+    moe_aux_loss_coeff: float = 0.0
+    moe_expert_capacity_factor: Optional[float] = None   # None: no token dropping
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -79,6 +87,44 @@ class TransformerConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+    def check_moe(self, expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int = 1,
+                  tensor_model_parallel_size: int = 1) -> None:
+        """Raise ``ValueError`` naming the numbers when the MoE options (Megatron-core's names
+        and rules) cannot work, or cannot be split ``ep`` x ``etp`` ways."""
+        e, k = self.num_moe_experts, self.moe_router_topk
+        ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
+        t = tensor_model_parallel_size
+        if e is None or e < 1:
+            raise ValueError(f"num_moe_experts must be >= 1 for an MoE layer, got {e}")
+        if not 1 <= k <= e:
+            raise ValueError(f"moe_router_topk must be in 1..num_moe_experts = 1..{e}, got {k}")
+        if ep < 1 or e % ep:
+            raise ValueError(f"num_moe_experts {e} is not divisible by the expert-model-parallel "
+                             f"size {ep}: each rank holds E / ep whole experts; valid sizes: "
+                             f"{divisors(e)}")
+        if etp < 1 or self.ffn_hidden_size % etp:
+            raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by the "
+                             f"expert-tensor-parallel size {etp}; valid sizes: "
+                             f"{divisors(self.ffn_hidden_size)}")
+        if t > 1 and not self.sequence_parallel:
+            raise ValueError(f"MoE with tensor parallelism (t = {t}) needs sequence_parallel=True "
+                             f"(Megatron-core refuses it without, too)")
+        choices = {"moe_router_score_function": ("softmax", "sigmoid"),
+                   "moe_token_dispatcher_type": ("alltoall", "allgather")}
+        for name, valid in choices.items():
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} must be one of {valid}, got {getattr(self, name)!r}")
+        softmax = self.moe_router_score_function == "softmax"
+        if k == 1 and softmax and not self.moe_router_pre_softmax:
+            raise ValueError("moe_router_topk 1 with the softmax score function needs "
+                             "moe_router_pre_softmax=True (a softmax over the one chosen logit "
+                             "is 1, and the router would get no gradient)")
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        cf = self.moe_expert_capacity_factor
+        if cf is not None and not cf > 0:
+            raise ValueError(f"moe_expert_capacity_factor must be > 0 or None, got {cf}")
 
     # ------------------------------------------------------------------ init methods
     def init_method(self):
