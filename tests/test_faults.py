@@ -119,7 +119,7 @@ def test_skipped_collective_pairs_unrelated_calls(fault_jobs):
     assert re.search(r"rank 0 aborted \(SIGABRT.*\) at mpu_lab/training/training\.py:\d+ in "
                      r"average_losses_across_data_parallel_group", message)
     assert re.search(r"all_reduce at mpu_lab/training/finalize_model_grads\.py:\d+ in "
-                     r"_ddp_counted_allreduce_hook, reached by rank\(s\) \[1\]", message)
+                     r"ddp_allreduce_hook, reached by rank\(s\) \[1\]", message)
     assert "likely cause: rank 0 aborted in a collective at" in message
     assert "another order" in message
 

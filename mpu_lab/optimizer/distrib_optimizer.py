@@ -101,7 +101,7 @@ class DistributedOptimizer:
 
     def step(self) -> None:
         """AdamW on this rank's shards, then all-gather the updated shards over the
-        data-parallel group into every rank's parameter buffer (tag ``params.data_parallel``)."""
+        data-parallel group into every rank's parameter buffer."""
         self.optimizer.step()
         self.gather_params()
 

@@ -12,8 +12,8 @@ faults (``--inject-fault``) live in the lab kit (:mod:`mpu_lab.labkit.faults`), 
 this package's calls from outside: the loop has no fault branch.
 
 Data parallelism at PP=1 is torch's ``DistributedDataParallel`` on the data-parallel group,
-with a communication hook that routes its bucket all-reduces through :mod:`mpu_lab.comm` so
-they are counted (tag ``grads.data_parallel``). At PP > 1 DDP is not used: it all-reduces
+with a communication hook that routes its bucket all-reduces through :mod:`mpu_lab.comm`, the
+one place collectives are called. At PP > 1 DDP is not used: it all-reduces
 during the backward of the micro-batch it runs last, and a pipeline schedule runs many
 backwards (of several chunks) between p2p messages, so the gradients are averaged over the
 data-parallel group explicitly, once per step after the schedule — what Megatron's own DDP

@@ -1,6 +1,6 @@
 """The gradient reductions between backward and the optimizer step (Megatron-core's
 ``core/distributed/finalize_model_grads.py``): the data-parallel average — torch DDP's bucket
-all-reduce routed through :mod:`mpu_lab.comm` at PP=1 (:func:`_ddp_counted_allreduce_hook`),
+all-reduce routed through :mod:`mpu_lab.comm` at PP=1 (:func:`ddp_allreduce_hook`),
 one coalesced all-reduce after the pipeline schedule at PP > 1
 (:func:`allreduce_data_parallel_grads`, what Megatron's DDP does in ``finish_grad_sync``) —,
 the sequence-parallel LayerNorm sums (:func:`mpu_lab.models.finalize_model_grads`, Megatron's
@@ -18,9 +18,9 @@ from mpu_lab.models.transformer import finalize_model_grads as allreduce_sequenc
 from mpu_lab.pipeline_parallel import allreduce_embedding_grads
 
 
-def _ddp_counted_allreduce_hook(state, bucket):
+def ddp_allreduce_hook(state, bucket):
     """DDP communication hook: average the bucket over the data-parallel group through
-    :mod:`mpu_lab.comm` (counted, tag ``grads.data_parallel``) instead of DDP's own call."""
+    :mod:`mpu_lab.comm`, the one place collectives are called, instead of DDP's own call."""
     group, size = state
     reduced = comm.all_reduce(bucket.buffer(), group=group)
     reduced.div_(size)
@@ -30,8 +30,8 @@ def _ddp_counted_allreduce_hook(state, bucket):
 
 
 def allreduce_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
-    """Average the gradients over the data-parallel group in one coalesced all-reduce (counted,
-    tag ``grads.data_parallel``): what DDP does at PP=1, done once after the pipeline schedule."""
+    """Average the gradients over the data-parallel group in one coalesced all-reduce: what
+    DDP does at PP=1, done once after the pipeline schedule."""
     group = parallel_state.get_data_parallel_group()
     size = comm.group_size(group)
     if size == 1:

@@ -2,8 +2,8 @@
 ``setup_model_and_optimizer``, and ``get_batch`` of ``pretrain_gpt.py``): :class:`TrainState`,
 what a run carries from step to step; :func:`get_model`, this rank's part of the GPT;
 :func:`setup`, which initialises the groups and seeds, wraps the model in DDP over the
-data-parallel group at PP=1 (its bucket all-reduces counted through
-:func:`~mpu_lab.training.finalize_model_grads._ddp_counted_allreduce_hook`), builds AdamW, the
+data-parallel group at PP=1 (its bucket all-reduces routed through
+:func:`~mpu_lab.training.finalize_model_grads.ddp_allreduce_hook`), builds AdamW, the
 learning-rate schedule and the data and loads a checkpoint; :func:`get_batch`, a
 micro-batch read by tensor-parallel rank 0 and broadcast to its group."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mpu_lab.pipeline_parallel import (
 )
 from mpu_lab.tensor_parallel import broadcast_data, model_parallel_manual_seed
 from mpu_lab.training.arguments import model_config, vocab_padding_message
-from mpu_lab.training.finalize_model_grads import _ddp_counted_allreduce_hook
+from mpu_lab.training.finalize_model_grads import ddp_allreduce_hook
 from mpu_lab.training.optimizer_param_scheduler import OptimizerParamScheduler, build_scheduler
 
 
@@ -91,7 +91,7 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
         group = parallel_state.get_data_parallel_group()
         ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
                         process_group=group)   # GPTModel has no buffers to sync
-        ddp_model.register_comm_hook((group, dp), _ddp_counted_allreduce_hook)
+        ddp_model.register_comm_hook((group, dp), ddp_allreduce_hook)
     if ddp_chunks and args.use_distributed_optimizer:
         optimizer = DistributedOptimizer(ddp_chunks, args)
     else:
