@@ -109,7 +109,7 @@ class TransformerConfig:
                              f"{divisors(self.ffn_hidden_size)}")
         if t > 1 and not self.sequence_parallel:
             raise ValueError(f"MoE with tensor parallelism (t = {t}) needs sequence_parallel=True "
-                             f"(Megatron-core refuses it without, too)")
+                             f"(Megatron-core's MoELayer refuses to train without it)")
         choices = {"moe_router_score_function": ("softmax", "sigmoid"),
                    "moe_token_dispatcher_type": ("alltoall", "allgather")}
         for name, valid in choices.items():
