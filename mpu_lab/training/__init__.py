@@ -21,7 +21,8 @@ does in ``finish_grad_sync``. Mixed precision is ``torch.autocast`` over fp32 pa
 optimizer always sees fp32), with a dynamic loss scale for ``--fp16`` whose overflow check is
 agreed on by the whole model-parallel group, as in Megatron.
 
-This package re-exports every name the former single module ``mpu_lab.training`` had.
+This package re-exports the public names of its modules that the launch scripts, labs and
+tests use.
 """
 # Re-exported because the former module imported them (``training.X`` kept working).
 from mpu_lab.datasets import BYTE_VOCAB_SIZE
