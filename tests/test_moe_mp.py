@@ -4,7 +4,9 @@ ep = 2 and 4, with etp = 1 and etp = 2 (sequence parallel on, t = 2), both dispa
 and top-2 (softmax and sigmoid), without and with token dropping, the output, the input
 gradient and the router and expert gradients after the data-parallel reductions, within 1e-5;
 with a capacity factor, exactly the reference's (token, expert) pairs kept. One torchrun job
-per world size (tests/mp/moe_checks.py); each test reads the ranks' reports.
+per world size (tests/mp/moe_checks.py); each test reads the ranks' reports. And, where
+megatron-core imports, the layer next to Megatron-core's own MoELayer on 4 ranks
+(tests/mp/moe_megatron_checks.py).
 """
 import pathlib
 import sys
@@ -66,3 +68,19 @@ def test_layouts_where_expert_data_parallel_group_differs_from_dense_one(world, 
     groups = [rep["groups"][layout] for rep in reports(world)]
     assert all(g["dp"] != g["expert-dp"] for g in groups)
     assert all(len(g["expert-dp"]) < len(g["dp"]) for g in groups)
+
+
+def test_moe_layer_equals_megatron_cores_own_moe_layer():
+    """tests/mp/moe_megatron_checks.py: Megatron-core's MoELayer loads mpu_lab's state dict with
+    no key missing or left over, and gives the same output and gradients (fp32, same ops)."""
+    job = run(pathlib.Path(__file__).parent / "mp" / "moe_megatron_checks.py", [], nproc=4,
+              timeout_s=300, show="none")
+    if "skipped" in job.results[0]:
+        pytest.skip(job.results[0]["skipped"])
+    for rep in job.results:
+        assert len(rep["cases"]) == 10
+        for case, v in rep["cases"].items():
+            assert v["missing"] == [] and v["unexpected"] == [], (rep["rank"], case, v)
+            assert v["own_init_out"] > 1e-3, (rep["rank"], case, v)   # the check can fail
+            worst = {k: v[k] for k in ("out", "dx", "router", "experts") if not v[k] <= 1e-6}
+            assert not worst, (rep["rank"], case, worst)
