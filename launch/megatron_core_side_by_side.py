@@ -11,8 +11,9 @@ reduce, scatter, gather and the sequence-parallel trio) on the same tensors; ``a
 everything. Each rank reports max |mpu_lab - Megatron-core| of outputs and gradients.
 ``--sequence-parallel`` also runs the layers in Megatron-LM's sequence-parallel pairing.
 
-Megatron-core is optional: where it is not installed every rank reports
-``{"skipped": "<how to install it>"}`` and the job exits 0.
+Megatron-core is optional: where it cannot be imported every rank reports
+``{"skipped": "<how to install what is missing>"}`` (:func:`mpu_lab.labkit.megatron_core.missing`)
+and the job exits 0.
 
 From a notebook::
 
@@ -53,10 +54,11 @@ def main():
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
-    if not mc.available():
-        launcher.report({"rank": rank, "skipped": mc.INSTALL_HINT})
+    reason = mc.missing()
+    if reason is not None:
+        launcher.report({"rank": rank, "skipped": reason})
         if rank == 0:
-            print(mc.INSTALL_HINT)
+            print(reason)
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     t = args.tp or world

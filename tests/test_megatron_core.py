@@ -1,24 +1,29 @@
 """mpu_lab next to the real Megatron-core (mpu_lab.labkit.megatron_core and
-launch/megatron_core_side_by_side.py). Skipped where megatron-core is not installed (it is
-optional: `pip install megatron-core`).
+launch/megatron_core_side_by_side.py), with whichever release this Python has (0.16.x below
+Python 3.12, 0.19+ from 3.12 on): the side-by-side tests are skipped where megatron-core cannot
+be imported (it is optional: `pip install megatron-core`).
 
 The reference here is Megatron-core itself: its RankGenerator for the rank groups (pure), and
 its ColumnParallelLinear / RowParallelLinear / mappings on a real 4-rank gloo world (one job).
 """
 import importlib
+import importlib.metadata
 import logging
+import pathlib
+import sys
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 
-pytest.importorskip("megatron.core")
-
-from mpu_lab import launcher  # noqa: E402
-from mpu_lab.labkit import megatron_core as mc  # noqa: E402
+from mpu_lab import launcher
+from mpu_lab.labkit import megatron_core as mc
 
 TOL = 1e-6   # fp32
+needs_megatron = pytest.mark.skipif(not mc.available(), reason=mc.missing() or "")
 
 
+@needs_megatron
 @pytest.mark.parametrize("world,tp,pp,cp,order", [
     (16, 2, 4, 1, "tp-cp-dp-pp"),    # the MPU walkthrough's first example
     (16, 4, 2, 1, "tp-cp-dp-pp"),    # and its second
@@ -33,6 +38,7 @@ def test_rank_groups_equal_megatron_core_rank_generator(world, tp, pp, cp, order
     assert set(table["families"]) == set(mc.TOKENS)
 
 
+@needs_megatron
 def test_walkthrough_groups_read_the_same_in_both():
     fams = mc.rank_groups_side_by_side(16, 2, 4)["families"]
     assert fams["tp"]["megatron_core"][:3] == [[0, 1], [2, 3], [4, 5]]
@@ -48,6 +54,7 @@ def test_walkthrough_groups_read_the_same_in_both():
     assert "tp-dp-cp" in mc.format_rank_groups(mc.rank_groups_side_by_side(16, 2, 2, cp=2))
 
 
+@needs_megatron
 @pytest.mark.slow
 def test_layers_and_mappings_equal_megatron_core_on_four_ranks():
     """One job: TP=2 on 4 ranks (dp=2), plain and sequence-parallel layers, all mappings."""
@@ -80,6 +87,54 @@ def test_without_megatron_core_the_kit_says_how_to_install_it(monkeypatch):
     skipped = [{"rank": 0, "skipped": mc.INSTALL_HINT}, {"rank": 1, "skipped": mc.INSTALL_HINT}]
     assert mc.format_results(skipped) == mc.INSTALL_HINT
     assert "optional" in mc.INSTALL_HINT
+
+
+@pytest.mark.parametrize("release,needs", [
+    ("0.16.1", False), ("0.16.0", False), ("0.17.0rc1", True), ("0.19.2", True),
+    ("1.0.0", True), (None, False)])
+def test_megatron_core_needs_triton_from_0_17_on(release, needs):
+    assert mc.needs_triton(release) is needs
+
+
+def test_megatron_core_0_17_on_without_triton_says_how_to_add_it(monkeypatch):
+    """0.19's `import megatron.core` imports triton, which torch's CPU build does not bring:
+    the kit says so instead of failing in the import."""
+    monkeypatch.setattr(mc.importlib.util, "find_spec",
+                        lambda name: None if name == "triton" else object())
+    monkeypatch.setattr(mc, "version", lambda: "0.19.2")
+    assert not mc.available()
+    assert "pip install triton" in mc.missing() and "0.19.2" in mc.missing()
+    with pytest.raises(ImportError, match="pip install triton"):
+        mc.rank_groups_side_by_side(8, 2, 2)
+    monkeypatch.setattr(mc, "version", lambda: "0.16.1")   # 0.16 imports without triton
+    assert mc.available() and mc.missing() is None
+
+
+def test_requirements_give_each_python_the_newest_megatron_core_it_can_install():
+    """0.17 on need Python >= 3.12 (cp312+ wheels only): requirements.txt gives 3.10 and 3.11
+    the 0.16 series and 3.12+ 0.19 or newer, with triton, which 0.17+ imports."""
+    lines = (pathlib.Path(__file__).parents[1] / "requirements.txt").read_text().splitlines()
+    specs = [line.split("#", 1)[0].strip() for line in lines if not line.startswith("-")]
+    reqs = [Requirement(spec) for spec in specs if spec]
+    linux = {"platform_system": "Linux", "platform_machine": "x86_64"}
+
+    def pick(name, python):
+        return [str(r.specifier) for r in reqs if r.name == name
+                and r.marker.evaluate({**linux, "python_version": python})]
+
+    for python in ("3.10", "3.11"):
+        assert pick("megatron-core", python) == ["<0.17,>=0.16"] and pick("triton", python) == []
+    for python in ("3.12", "3.13"):
+        assert pick("megatron-core", python) == [">=0.19"] and pick("triton", python) == [""]
+
+
+@needs_megatron
+def test_this_python_has_the_megatron_core_series_requirements_give_it():
+    major, minor = (int(n) for n in mc.version().split(".")[:2])
+    if sys.version_info >= (3, 12):
+        assert (major, minor) >= (0, 19), mc.version()
+    else:
+        assert (major, minor) == (0, 16), mc.version()
 
 
 def test_the_no_cuda_runtime_notice_filter_drops_only_that_notice():

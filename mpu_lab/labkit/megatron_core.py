@@ -1,8 +1,10 @@
 """mpu_lab side by side with the real Megatron-core, where ``megatron-core`` is installed.
 
 Megatron-core is optional: ``pip install megatron-core`` (wheels for Linux x86_64, Python
->= 3.10, torch >= 2.6). Without it :func:`available` is False and :data:`INSTALL_HINT` says how
-to get it; nothing else in mpu_lab needs it.
+>= 3.10, torch >= 2.6; 0.17 on need Python >= 3.12, so 3.10 and 3.11 get 0.16.x). Checked with
+0.16.1 and 0.19.2. Without it :func:`available` is False and :func:`missing` says how to get it
+(:data:`INSTALL_HINT`, or :data:`TRITON_HINT` where 0.17+ lacks triton); nothing else in
+mpu_lab needs it.
 
 Two halves, like :mod:`mpu_lab.parallel_state`:
 
@@ -23,6 +25,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import logging
+import re
 import sys
 import warnings
 from typing import Callable, Dict, List, Optional
@@ -37,6 +40,11 @@ from mpu_lab import tensor_parallel as tp
 INSTALL_HINT = ("megatron-core is not installed, so the side-by-side check with Megatron-core "
                 "is skipped. It is optional: `pip install megatron-core` (Linux x86_64 wheels, "
                 "Python >= 3.10, torch >= 2.6) adds it; everything else works without it.")
+TRITON_HINT = ("megatron-core {version} is installed, but from 0.17 on `import megatron.core` "
+               "imports triton, which is not installed here (the CPU build of torch does not "
+               "bring it), so the side-by-side check with Megatron-core is skipped. It is "
+               "optional: `pip install triton` (Linux x86_64) adds it; everything else works "
+               "without it.")
 
 # mpu_lab's generate_rank_groups key -> the token string Megatron-core's RankGenerator.get_ranks
 # takes (its initialize_model_parallel asks for exactly these). The names are the same by
@@ -63,12 +71,34 @@ MAPPINGS = {
 }
 
 
-def available() -> bool:
-    """True when ``megatron.core`` can be imported (checked without importing it)."""
+def missing() -> Optional[str]:
+    """Why ``megatron.core`` cannot be imported here, with how to fix it, or None when it can
+    (checked without importing it): :data:`INSTALL_HINT` where megatron-core is absent,
+    :data:`TRITON_HINT` where it is 0.17 or newer and triton is absent (0.19.2's
+    ``megatron/core/__init__.py`` imports its pipeline schedules, which import a triton kernel
+    of ``transformer/moe/ops/paged_stash.py``; megatron-core does not require triton itself)."""
     try:
-        return importlib.util.find_spec("megatron.core") is not None
+        if importlib.util.find_spec("megatron.core") is None:
+            return INSTALL_HINT
     except (ImportError, ValueError):   # no top-level "megatron" package at all
-        return False
+        return INSTALL_HINT
+    release = version()
+    if needs_triton(release) and importlib.util.find_spec("triton") is None:
+        return TRITON_HINT.format(version=release)
+    return None
+
+
+def needs_triton(release: Optional[str]) -> bool:
+    """Whether megatron-core ``release`` ("0.19.2") imports triton on ``import megatron.core``:
+    0.17 on (the first releases for Python >= 3.12 only)."""
+    numbers = [int(n) for n in re.findall(r"\d+", release or "")[:2]]
+    return len(numbers) == 2 and tuple(numbers) >= (0, 17)
+
+
+def available() -> bool:
+    """True when ``megatron.core`` can be imported (checked without importing it; see
+    :func:`missing`)."""
+    return missing() is None
 
 
 class NoCudaRuntimeNotice(logging.Filter):
@@ -83,12 +113,15 @@ class NoCudaRuntimeNotice(logging.Filter):
 
 def _megatron():
     """Import Megatron-core's parallel state, tensor parallel and config, or raise with
-    :data:`INSTALL_HINT`."""
-    if not available():
-        raise ImportError(INSTALL_HINT)
+    :func:`missing`'s hint."""
+    reason = missing()
+    if reason is not None:
+        raise ImportError(reason)
     with without_cuda_runtime_notice(), warnings.catch_warnings():
         # on import it warns that Transformer Engine / Apex are absent: expected here
         warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+        # 0.19 warns that absl-py (an optional logger of its hyper_comm_grid) is absent
+        warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
         # megatron-core is optional (and slow to import): imported only where it is used.
         from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
     return parallel_state, tensor_parallel, ModelParallelConfig
@@ -116,8 +149,9 @@ def version() -> Optional[str]:
 
 # --------------------------------------------------------------------------- pure: rank groups
 def megatron_order(order: str, sizes: Dict[str, int]) -> str:
-    """mpu_lab's ``order`` as Megatron-core spells it: every token, fastest first (mpu_lab has
-    no expert parallelism; RankGenerator appends ``ep`` of size 1 itself)."""
+    """mpu_lab's ``order`` as Megatron-core spells it: every token, fastest first (the default
+    ``tp-cp-ep-dp-pp`` is 0.19's; ``ep`` has size 1 in the dense generator, and 0.19's
+    ``RankGenerator`` appends its ``gtp_remat`` dimension of size 1 itself)."""
     return "-".join(ps.parse_order(order, sizes))
 
 
