@@ -228,7 +228,7 @@ def test_the_lab_links_its_sources(lab):
     text = "\n".join(_markdown(lab))
     for url in ("https://arxiv.org/abs/2104.04473", "https://arxiv.org/abs/2205.05198",
                 "https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md",
-                "https://github.com/NVIDIA/Megatron-LM/blob/core_v0.16.0/megatron/core/",
+                "https://github.com/NVIDIA/Megatron-LM/blob/core_v0.19.2/megatron/core/",
                 "https://github.com/openhackathons-org/gpubootcamp/"):
         assert url in text, url
     assert "Appendix, eq. (3)" in text
