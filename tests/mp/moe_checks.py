@@ -14,8 +14,9 @@ does the same maths in one process: outputs per rank, and gradients of
 ``sum_r sum(out_r * dout_r) + aux`` (divided by d for the parameters).
 
 Every rank reports ``{"rank", "world", "groups": {layout: {"dp", "expert-dp"}},
-"cases": {name: {"out", "dx", "router", "fc1", "fc2", "kept_equal", "dropped"}}}``: max abs errors, whether the kept (token, expert) pairs equal the reference's,
-and how many pairs the reference dropped. tests/models/test_moe_mp.py asserts.
+"cases": {name: {"out", "dx", "router", "fc1", "fc2", "kept_equal", "dropped"}}}``: max abs
+errors, whether the kept (token, expert) pairs equal the reference's, and how many pairs the
+reference dropped. tests/test_moe_mp.py asserts.
 """
 import torch
 import torch.distributed as dist

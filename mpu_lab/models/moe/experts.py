@@ -83,10 +83,12 @@ class SequentialMLP(torch.nn.Module):
         first = parallel_state.get_expert_model_parallel_rank() * num_local_experts
         self.local_experts = torch.nn.ModuleList()
         for expert in range(config.num_moe_experts):
-            # cpu: the master weights, on purpose; every rank draws every expert's
-            fc1 = torch.empty(config.ffn_hidden_size, config.hidden_size, device="cpu")
+            # every rank draws every expert's master weights, in order
+            fc1 = torch.empty(config.ffn_hidden_size, config.hidden_size,
+                              device="cpu")   # cpu: the master weight, on purpose
             config.init_method()(fc1)
-            fc2 = torch.empty(config.hidden_size, config.ffn_hidden_size, device="cpu")
+            fc2 = torch.empty(config.hidden_size, config.ffn_hidden_size,
+                              device="cpu")   # cpu: the master weight, on purpose
             config.output_layer_init_method()(fc2)
             if first <= expert < first + num_local_experts:
                 self.local_experts.append(ExpertMLP(config, fc1, fc2))

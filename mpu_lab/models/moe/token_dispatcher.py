@@ -181,11 +181,11 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.output_splits_tp = per_source.sum(dim=(1, 2)).tolist()          # [etp]
         # chunks arrive as [etp][ep][local expert]; the experts want [local expert][etp][ep]
         self.num_global_tokens_per_local_expert = per_source.reshape(-1, self.num_local_experts)
-        chunk_ids = torch.arange(self.num_global_tokens_per_local_expert.numel())
-        self.sort_input_by_local_experts = \
-            chunk_ids.reshape(-1, self.num_local_experts).t().reshape(-1).tolist()
-        self.restore_output_by_local_experts = \
-            chunk_ids.reshape(self.num_local_experts, -1).t().reshape(-1).tolist()
+        sources, experts = self.tp_size * self.ep_size, self.num_local_experts
+        self.sort_input_by_local_experts = [source * experts + e for e in range(experts)
+                                            for source in range(sources)]
+        self.restore_output_by_local_experts = [e * sources + source for source in range(sources)
+                                                for e in range(experts)]
         return self.num_global_tokens_per_local_expert.sum(dim=0).tolist()   # [E/ep]
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
