@@ -3,7 +3,7 @@
 local experts, run one after the other on their blocks of the dispatched tokens.
 
 Each expert is the dense MLP of :mod:`mpu_lab.models.mlp` (``linear_fc1``, activation,
-``linear_fc2``; Shazeer et al. 2017 §2: "each expert is a feed-forward network"), split across
+``linear_fc2``; Shazeer et al. 2017 §2: each expert a feed-forward network), split across
 the *expert*-tensor-parallel group as any tensor-parallel MLP: ``linear_fc1`` by columns
 (``[F/etp, h]``), ``linear_fc2`` by rows (``[h, F/etp]``). Unlike the dense MLP, an expert's
 linears communicate nothing (Megatron's ``explicit_expert_comm``): the token dispatcher

@@ -6,8 +6,9 @@ Engine) paths and its drop-and-pad variants.
   :func:`apply_router_token_dropping` (expert capacity, Megatron's drop policy ``"probs"``),
   :func:`get_capacity`;
 * the load-balancing loss of Switch Transformers (Fedus et al. 2021, §2.2, eq. 4-6; GShard,
-  Lepikhin et al. 2020, §2.2, has its differentiable form): :func:`switch_load_balancing_loss_func`
-  and :class:`MoEAuxLossAutoScaler`, which adds the loss's gradient in backward;
+  Lepikhin et al. 2020, had an auxiliary loss of the same form):
+  :func:`switch_load_balancing_loss_func` and :class:`MoEAuxLossAutoScaler`, which adds the
+  loss's gradient in backward;
 * the permutations: :func:`permute` (tokens grouped by expert), :func:`unpermute` (back,
   summing a token's expert outputs), :func:`sort_chunks_by_idxs` (reorder blocks of rows).
 
@@ -57,7 +58,7 @@ def topk_routing_with_score_function(logits: torch.Tensor, topk: int, use_pre_so
 
 def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
     """Tokens one expert may take: ``ceil(num_tokens / num_experts * capacity_factor)``
-    (Switch Transformers §2.2: "expert capacity"); ``num_tokens`` counts every (token, choice)
+    (Switch Transformers §2.2, the expert capacity); ``num_tokens`` counts every (token, choice)
     pair, i.e. tokens x k."""
     return math.ceil(num_tokens / num_experts * capacity_factor)
 

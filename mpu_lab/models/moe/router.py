@@ -4,7 +4,7 @@ sinkhorn, group-limited or aux-loss-free routing, sequence-level or global aux l
 
 The sparsely-gated mixture of experts (Shazeer et al. 2017, §2.1): a linear gate scores
 every expert for every token, each token goes to its ``k`` best experts, and its output is the
-probability-weighted sum of theirs. GShard (Lepikhin et al. 2020, §2.2) and Switch Transformers
+probability-weighted sum of theirs. GShard (Lepikhin et al. 2020) and Switch Transformers
 (Fedus et al. 2021, §2.2) add an expert *capacity*, beyond which tokens are dropped, and an
 auxiliary loss that pushes the router towards a uniform load.
 

@@ -2,8 +2,9 @@
 (Megatron-core's ``core/transformer/moe/token_dispatcher.py``, tag core_v0.16.0; without its
 drop-and-pad, shared-expert overlap, CUDA-stream and fused paths).
 
-Expert parallelism (GShard, Lepikhin et al. 2020, §3.2, where "AllToAll" first dispatched
-tokens): the ``ep`` ranks of the expert-model-parallel group hold ``E / ep`` experts each.
+Expert parallelism (GShard, Lepikhin et al. 2020, shards the experts across devices and sends
+each token to its experts' device): the ``ep`` ranks of the expert-model-parallel group hold
+``E / ep`` experts each.
 Both dispatchers run the same six steps, with Megatron's names, around the experts:
 
     dispatch_preprocess -> token_dispatch -> dispatch_postprocess -> experts
