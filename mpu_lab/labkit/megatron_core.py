@@ -1,10 +1,8 @@
 """mpu_lab side by side with the real Megatron-core, where ``megatron-core`` is installed.
 
-Megatron-core is optional: ``pip install megatron-core`` (wheels for Linux x86_64, Python
->= 3.10, torch >= 2.6; 0.17 on need Python >= 3.12, so 3.10 and 3.11 get 0.16.x). Checked with
-0.16.1 and 0.19.2. Without it :func:`available` is False and :func:`missing` says how to get it
-(:data:`INSTALL_HINT`, or :data:`TRITON_HINT` where 0.17+ lacks triton); nothing else in
-mpu_lab needs it.
+Megatron-core is optional (Linux x86_64 wheels; 0.17 on need Python >= 3.12, so 3.10 and 3.11
+get 0.16.x); checked with 0.16.1 and 0.19.2. Where it cannot be imported :func:`available` is
+False and :func:`missing` says how to get it; nothing else in mpu_lab needs it.
 
 Two halves, like :mod:`mpu_lab.parallel_state`:
 
@@ -58,8 +56,7 @@ TOKENS = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "dp-cp": "dp-cp", "tp-
 # The keys of a side-by-side report that hold a compare_linear result (_sp: sequence parallel).
 LINEAR_KINDS = ("column", "column_sp", "row", "row_sp")
 
-# The mappings compared by compare_mappings: name -> (mpu_lab / Megatron-core function name,
-# what the input is split along: the tensor is [s, b, h], sequence first, as in Megatron).
+# The mappings compared by compare_mappings: name -> the function name both libraries use.
 MAPPINGS = {
     "copy": "copy_to_tensor_model_parallel_region",
     "reduce": "reduce_from_tensor_model_parallel_region",
@@ -72,11 +69,10 @@ MAPPINGS = {
 
 
 def missing() -> Optional[str]:
-    """Why ``megatron.core`` cannot be imported here, with how to fix it, or None when it can
-    (checked without importing it): :data:`INSTALL_HINT` where megatron-core is absent,
-    :data:`TRITON_HINT` where it is 0.17 or newer and triton is absent (0.19.2's
-    ``megatron/core/__init__.py`` imports its pipeline schedules, which import a triton kernel
-    of ``transformer/moe/ops/paged_stash.py``; megatron-core does not require triton itself)."""
+    """Why ``megatron.core`` cannot be imported here and how to fix it (:data:`INSTALL_HINT`,
+    :data:`TRITON_HINT`), or None when it can; checked without importing it. 0.19.2's package
+    ``__init__`` reaches a triton kernel (``transformer/moe/ops/paged_stash.py``) without
+    requiring triton."""
     try:
         if importlib.util.find_spec("megatron.core") is None:
             return INSTALL_HINT
@@ -96,8 +92,7 @@ def needs_triton(release: Optional[str]) -> bool:
 
 
 def available() -> bool:
-    """True when ``megatron.core`` can be imported (checked without importing it; see
-    :func:`missing`)."""
+    """True when ``megatron.core`` can be imported (see :func:`missing`)."""
     return missing() is None
 
 
@@ -195,13 +190,10 @@ _PATCH: Dict[str, Callable] = {}
 
 
 def _patch_cuda_current_device_to_cpu() -> bool:
-    """Megatron-core allocates its communication buffers (the all-gather / reduce-scatter
-    outputs of the mappings and of the sequence-parallel linear layers, its global memory
-    buffer) with ``device=torch.cuda.current_device()``: on a machine without a GPU that call
-    raises. Its maths is plain torch and its collectives run under gloo, so pointing
-    ``torch.cuda.current_device`` at the CPU for this process is all it takes. Applied only
-    when this rank computes on the CPU (no CUDA device, or ``MPU_LAB_DEVICE=cpu``); a GPU rank
-    is left alone. :func:`destroy` undoes it. Returns whether the patch is in place."""
+    """CPU patch (0.16 and 0.19), why: Megatron-core allocates its communication buffers on
+    ``torch.cuda.current_device()``, which raises without a GPU; its maths and its gloo
+    collectives need nothing else. Applied in the rank process only, where it computes on the
+    CPU; :func:`destroy` undoes it. Returns whether the patch is in place."""
     if distributed.get_device().type == "cuda":
         return False
     if "current_device" not in _PATCH:
@@ -225,8 +217,8 @@ def initialize(order: str = ps.DEFAULT_ORDER) -> Dict[str, object]:
 
     Call it on every rank after ``mpu_lab.parallel_state.initialize_model_parallel`` (pass the
     same ``order``; a different one shows up as ``groups_equal: False``). Called again, it
-    first tears down Megatron-core's previous state. The world already exists, so Megatron-core is asked not to make its extra
-    gloo groups (``create_gloo_process_groups=False``, where this version has the flag). On a
+    first tears down Megatron-core's previous state. The world already exists, so Megatron-core
+    is asked not to make its extra gloo groups (``create_gloo_process_groups=False``). On a
     CPU rank :func:`_patch_cuda_current_device_to_cpu` is applied first. Returns which of this
     rank's groups are the same in both libraries (``{"groups_equal": bool, "groups": {...}}``).
     """
