@@ -33,6 +33,10 @@ class TransformerConfig:
     init_method_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
     attention_impl: str = "sdpa"                # "sdpa" or "explicit" (shows the L x L scores)
+    # context parallelism (Megatron-core's ModelParallelConfig.context_parallel_size and
+    # TransformerConfig.cp_comm_type): attention over the CP ranks' tokens, mpu_lab.context_parallel
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"                   # "p2p" (ring), "a2a" or "allgather"
     # mixture of experts (mpu_lab.models.moe): None = dense MLPs
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2
