@@ -64,6 +64,9 @@ _CHECKPOINT = ("checkpoint tensors go through host memory: DCP runs over a CPU d
 ALLOWED: Dict[Tuple[str, str], str] = {
     ("mpu_lab/checkpointing/save_load.py", "save_checkpoint"): _CHECKPOINT,
     ("mpu_lab/checkpointing/save_load.py", "load_checkpoint"): _CHECKPOINT,
+    ("mpu_lab/checkpointing/save_load.py", "_Reads"): _CHECKPOINT,
+    ("mpu_lab/checkpointing/save_load.py", "_want_optimizer"): _CHECKPOINT,
+    ("mpu_lab/checkpointing/save_load.py", "_want_rng"): _CHECKPOINT,
     ("mpu_lab/checkpointing/consolidate.py", "consolidate"):
         "an offline, single-process tool (no torch.distributed): an ordinary CPU state_dict",
     ("mpu_lab/datasets.py", "_sample"):
