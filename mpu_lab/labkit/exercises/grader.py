@@ -255,6 +255,18 @@ def _timeout_verdict(exc: CollectiveTimeout, case: Case, exercise: Exercise, wor
           f"order. (The world was restarted.)\nHint: {exercise.hint}")
 
 
+def graded_name(learners: Sequence[Callable], exercise: Exercise) -> str:
+    """The name a verdict gives what was graded: the exercise's own (``my_column_forward``)
+    when the functions carry the names the learner was asked to write, else the functions' own
+    names, so a solution (``solution_column_forward``) never passes as the learner's function."""
+    names = [getattr(fn, "__name__", "function") for fn in learners]
+    if exercise.parts:
+        if tuple(names) == tuple(exercise.parts):
+            return exercise.name
+        return f"{exercise.name.split(' (')[0]} ({', '.join(names)})"
+    return exercise.name if exercise.name.split("(")[0] == names[0] else names[0]
+
+
 def _grade_cases(learners: Tuple[Callable, ...], exercise: Exercise, world) -> Verdict:
     for case in exercise.cases:
         try:
@@ -285,7 +297,7 @@ def _grade_cases(learners: Tuple[Callable, ...], exercise: Exercise, world) -> V
                       f"{reply['expected']}, got {reply['got']}.\nHint: {exercise.hint}")
                 return Verdict(False)
     count = len(exercise.cases)
-    print(f"{RIGHT} {exercise.name} agrees with the reference on all {world.world_size} ranks "
+    print(f"{RIGHT} {graded_name(learners, exercise)} agrees with the reference on all {world.world_size} ranks "
           f"for {count} input{'s' if count != 1 else ''}: "
           + "; ".join(c.name for c in exercise.cases) + ".")
     return Verdict(True)

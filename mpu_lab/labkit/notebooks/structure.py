@@ -8,6 +8,7 @@ from typing import List
 
 from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.labkit.notebooks.selection import parameter_cells, notebook_paths
+from mpu_lab.labkit.notebooks.solutions import exercise_problems
 
 # A notebook cell holds at most a few lines of logic: longer code belongs in mpu_lab, where the
 # tests reach it and a learner reads it as one named function.
@@ -132,6 +133,7 @@ def structure_problems(root=REPO_ROOT) -> List[str]:
         if nb.metadata.get("kernelspec", {}).get("name") != "python3":
             problems.append(f"{name}: kernelspec is not python3")
         problems += [f"{name}: {p}" for p in output_problems(nb)]
+        problems += [f"{name}: {p}" for p in exercise_problems(nb)]
         is_lab = path.parent.name == "labs"
         problems += [f"{name}: {p}" for p in lesson_problems(nb, path.name[:2] if is_lab else "")]
         params = parameter_cells(nb)
