@@ -37,7 +37,7 @@ import itertools
 from typing import Dict, List, Optional, Sequence
 
 DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
-DEFAULT_ORDER = "tp-cp-ep-dp-pp"          # Megatron-core's default (issue 31)
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"          # Megatron-core's default
 
 DENSE_FAMILIES = ("tp", "cp", "dp", "pp", "dp-cp", "tp-pp", "tp-dp", "tp-cp", "tp-dp-cp")
 # mpu_lab's key -> the token Megatron-core's expert RankGenerator is asked for

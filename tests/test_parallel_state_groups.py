@@ -1,4 +1,4 @@
-"""The expert rank groups of mpu_lab.parallel_state_groups (issue 31): worked by hand, and equal
+"""The expert rank groups of mpu_lab.parallel_state_groups: worked by hand, and equal
 to Megatron-core's own expert RankGenerator over a sweep of every valid configuration."""
 import pytest
 

@@ -1,4 +1,4 @@
-"""Reliability (issue 7): a wrong configuration, a rank that raises or hangs, two launches at
+"""Reliability: a wrong configuration, a rank that raises or hangs, two launches at
 once, a checkpoint save cut short or a damaged shard, a rerun, a stopped cell — each ends in a
 clear message, on time, with no process left behind. docs/RELIABILITY.md lists the cases with
 their measured times.

@@ -1,4 +1,4 @@
-"""A checkpoint loaded with another vocabulary padding (issue 14): Megatron pads the vocabulary
+"""A checkpoint loaded with another vocabulary padding: Megatron pads the vocabulary
 to a multiple of make_vocab_size_divisible_by x TP, so the same 130 real ids are 192 rows with
 divisor 64, 256 with 128 (as TP = 2 vs TP = 4 would give) and 160 with 32. The loader keeps
 every real row, trims or zero-fills the dummy rows (Adam moments alike) and still refuses a

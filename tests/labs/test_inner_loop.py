@@ -1,5 +1,5 @@
 """The inner loop, ``python -m pytest -m "not slow"``, selects no notebook and needs at most one
-shared multi-rank world (issue 26)."""
+shared multi-rank world."""
 from __future__ import annotations
 
 import json

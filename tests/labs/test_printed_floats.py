@@ -2,7 +2,7 @@
 
 nbval compares each stored output with a fresh run. A float32 loss printed to 7 digits records
 one machine's rounding: lab 10's DP = 2 loss printed 6.113932 here and 6.113933 on another
-machine of the same kind, and its relative difference 0e+00 against 8e-08 (issue 26). So a
+machine of the same kind, and its relative difference 0e+00 against 8e-08. So a
 bare float with more than 6 significant digits may appear only in a cell whose output is not
 compared (tagged ``nbval-ignore-output`` / ``nbval-skip``, or with an ``# NBVAL_IGNORE_OUTPUT``
 / ``# NBVAL_SKIP`` comment), after the sanitize file has had its say, as nbval applies it.

@@ -313,7 +313,7 @@ def sequence_parallel_mlp_matches_dense():
 
 @check
 def sequence_parallel_column_keeps_only_its_block():
-    """Megatron's linear (issue 17): under sequence parallelism the column-parallel layer saves
+    """Megatron's linear: under sequence parallelism the column-parallel layer saves
     this rank's [s/t, b, h] block for backward (a saved-tensors hook counts what autograd
     keeps, parameters aside), gathers it again in backward and reduce-scatters the input
     gradient, with gradients equal to the dense layer's; with gradient-accumulation fusion the
