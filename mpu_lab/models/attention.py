@@ -32,6 +32,13 @@ lecture's formulas step by step (``Score_i = softmax(Q_i K_i^T / sqrt(H))``, ``Z
 V_i``) so the shape table can show the ``L x L`` scores; the two agree to ~1e-6 in fp32.
 The scale is ``1/sqrt(H)`` with ``H`` the head dimension (as in Megatron and the Transformer
 paper); the lecture's slide writes ``sqrt(D)`` for the same quantity per head.
+
+Context parallelism (``config.context_parallel_size`` = cp > 1): each rank holds ``s/cp`` tokens
+of the sequence, in Megatron's zig-zag layout (:func:`mpu_lab.context_parallel.get_batch_on_this_cp_rank`),
+and only attention needs the other ranks' tokens. The local ``[s/cp, b, n/t, H]`` q, k, v go to
+:func:`mpu_lab.context_parallel.attention` with ``config.cp_comm_type`` (``"p2p"``, ``"a2a"`` or
+``"allgather"``), as Megatron-core's ``TEDotProductAttention`` hands them to TransformerEngine;
+the projections around it are unchanged. Dropout inside attention is not supported there.
 """
 from __future__ import annotations
 
@@ -41,7 +48,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mpu_lab import parallel_state
+from mpu_lab import context_parallel, parallel_state
 from mpu_lab.models.activation_record import record
 from mpu_lab.models.transformer_config import TransformerConfig
 from mpu_lab.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
@@ -58,6 +65,36 @@ def explicit_causal_attention(q, k, v, dropout_p: float = 0.0):
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
     return torch.matmul(probs, v)                                          # Z_i: [b, n, s, H]
+
+
+def check_context_parallel_attention(config: TransformerConfig) -> int:
+    """The context-parallel size attention runs at (``config.context_parallel_size``);
+    ``ValueError`` naming the values when it differs from the CP group of
+    :mod:`mpu_lab.parallel_state`, or with what the CP attention cannot do."""
+    cp = config.context_parallel_size
+    if cp > 1:
+        _check_context_parallel_options(config)
+    groups = parallel_state.get_context_parallel_world_size()
+    if cp != groups:
+        raise ValueError(f"config.context_parallel_size is {cp} but the CP group of "
+                         f"parallel_state has {groups} ranks: call initialize_model_parallel("
+                         f"context_parallel_size={cp}) or set context_parallel_size={groups}")
+    return cp
+
+
+def _check_context_parallel_options(config: TransformerConfig) -> None:
+    cp = config.context_parallel_size
+    if config.cp_comm_type not in context_parallel.COMM_TYPES:
+        raise ValueError(f"cp_comm_type must be one of {context_parallel.COMM_TYPES}, got "
+                         f"{config.cp_comm_type!r}")
+    if config.attention_dropout > 0:
+        raise ValueError(f"attention_dropout {config.attention_dropout} with "
+                         f"context_parallel_size {cp}: the context-parallel attention has no "
+                         f"dropout; use attention_dropout 0 (hidden_dropout is supported)")
+    if config.attention_impl != "sdpa":
+        raise ValueError(f"attention_impl {config.attention_impl!r} computes the whole L x L "
+                         f"scores on one rank; with context_parallel_size {cp} use 'sdpa' "
+                         f"(the CP attention computes its blocks itself)")
 
 
 class SelfAttention(torch.nn.Module):
@@ -77,6 +114,7 @@ class SelfAttention(torch.nn.Module):
         self.num_local_heads = config.num_attention_heads // tp                   # n_H / t
         self.attention_dropout = config.attention_dropout
         self.attention_impl = config.attention_impl
+        self.cp_size = check_context_parallel_attention(config)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, 3 * config.hidden_size, bias=True, gather_output=False,
             init_method=config.init_method(), sequence_parallel=config.sequence_parallel,
@@ -86,6 +124,16 @@ class SelfAttention(torch.nn.Module):
             init_method=config.output_layer_init_method(), skip_bias_add=True,
             sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
 
+    def _core_attention(self, q, k, v):
+        """Attention over the whole sequence on this rank: ``[b, n, s, H]`` in and out."""
+        dropout_p = self.attention_dropout if self.training else 0.0
+        # Each rank holds different heads: their dropout masks must differ, so draw them
+        # from the tensor-parallel RNG stream (Shoeybi et al. 2019, appendix B.2; lab 02).
+        with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+            if self.attention_impl == "explicit":
+                return explicit_causal_attention(q, k, v, dropout_p)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
     def forward(self, hidden_states: torch.Tensor):
         qkv, _ = self.linear_qkv(hidden_states)                 # [s, b, 3D/t]
         s, b = qkv.shape[:2]
@@ -94,16 +142,14 @@ class SelfAttention(torch.nn.Module):
         record("Q", q, ("L", "B", "n", "H"))
         record("K", k, ("L", "B", "n", "H"))
         record("V", v, ("L", "B", "n", "H"))
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))    # [b, n, s, H]
-
-        dropout_p = self.attention_dropout if self.training else 0.0
-        # Each rank holds different heads: their dropout masks must differ, so draw them
-        # from the tensor-parallel RNG stream (Shoeybi et al. 2019, appendix B.2; lab 02).
-        with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
-            if self.attention_impl == "explicit":
-                z = explicit_causal_attention(q, k, v, dropout_p)
-            else:
-                z = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        if self.cp_size > 1:
+            # Context parallelism: this rank's s/cp tokens (chunks r and 2cp-1-r) attend to
+            # the whole sequence, the other CP ranks' keys and values brought by cp_comm_type.
+            z = context_parallel.attention(q, k, v, comm_type=self.config.cp_comm_type,
+                                           causal=True)                  # [s/cp, b, n, H]
+            z = z.permute(1, 2, 0, 3)                                    # [b, n, s/cp, H]
+        else:
+            z = self._core_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)))  # [b, n, s, H]
         record("Z_i", z, ("B", "n", "L", "H"))        # [b, n, s, H]
         z = z.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)  # [s, b, D/t]
         record("Z", z, ("L", "B", "D/t"))

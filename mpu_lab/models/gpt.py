@@ -29,7 +29,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from mpu_lab import distributed, parallel_state
+from mpu_lab import context_parallel, distributed, parallel_state
 from mpu_lab.models.transformer import TransformerBlock, TransformerLayer
 from mpu_lab.models.transformer_config import ACTIVATIONS, TransformerConfig
 from mpu_lab.pipeline_parallel.partition import stage_layers
@@ -102,6 +102,13 @@ class GPTModel(torch.nn.Module):
     * with ``labels`` ([b, s]): the per-token loss ``[b, s]`` (fp32), like Megatron;
     * without: the logits, ``[b, s, V/t]`` (``parallel_output=True``) or gathered ``[b, s, V]``.
 
+    With context parallelism (``config.context_parallel_size`` = cp > 1) ``input_ids`` are this
+    CP rank's ``[b, s/cp]`` tokens laid out by
+    :func:`~mpu_lab.context_parallel.get_batch_on_this_cp_rank`, ``position_ids`` their
+    positions in the whole sequence (the same function lays them out; by default they are
+    computed from the layout), and the outputs are this rank's ``[b, s/cp, ...]``: the loss
+    over the CP group is the trainer's to average (Megatron's ``loss_func``).
+
     ``pre_process`` / ``post_process`` say whether this stage holds the embedding / the final
     LayerNorm and output layer; a stage without ``pre_process`` takes ``decoder_input``
     (``[s, b, D]``, or what :meth:`set_input_tensor` was given) and one without
@@ -162,13 +169,21 @@ class GPTModel(torch.nn.Module):
             return self.output_layer_weight
         return self.embedding.word_embeddings.weight
 
+    def _default_position_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[s]``: 0..s-1, or with context parallelism the positions in the whole sequence
+        of this CP rank's ``s/cp`` tokens (chunks r and 2cp-1-r, Megatron's layout)."""
+        cp = self.config.context_parallel_size
+        if cp == 1:
+            return torch.arange(input_ids.size(1), device=input_ids.device)
+        return context_parallel.sequence_positions(input_ids.size(1) * cp, device=input_ids.device)
+
     def forward(self, input_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None,
                 decoder_input: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.pre_process:
             if position_ids is None:   # [s], broadcast over the batch
-                position_ids = torch.arange(input_ids.size(1), device=input_ids.device)
+                position_ids = self._default_position_ids(input_ids)
             hidden = self.embedding(input_ids, position_ids)      # [s, b, D] (or [s/t, b, D])
         else:
             hidden = decoder_input if decoder_input is not None else self.input_tensor

@@ -48,6 +48,7 @@ from mpu_lab.training.training import (
     dense_twin_losses,
     dense_twin_weights,
     forward_step,
+    loss_across_context_parallel_ranks,
     masked_mean_loss,
     pretrain,
     train,
@@ -61,7 +62,7 @@ __all__ = [
     "vocab_padding_message", "OptimizerParamScheduler", "build_scheduler", "build_optimizer",
     "clip_grad_norm", "DynamicLossScaler", "allreduce_data_parallel_grads", "finalize_grads",
     "TrainState", "model_chunks_of", "get_model", "setup", "get_batch", "train_step",
-    "train_step_pipelined", "forward_step", "masked_mean_loss",
+    "train_step_pipelined", "forward_step", "masked_mean_loss", "loss_across_context_parallel_ranks",
     "train", "pretrain", "train_dense_twin", "init_single_process",
     "dense_twin_weights", "dense_twin_losses", "average_losses_across_data_parallel_group",
 ]

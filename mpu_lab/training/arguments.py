@@ -7,7 +7,8 @@ a ``ValueError`` naming the numbers; :func:`check_launch_args`, what the launche
 before ``torchrun`` starts (:func:`mpu_lab.launcher.precheck`); and :func:`model_config`, the
 :class:`~mpu_lab.models.transformer.TransformerConfig` of the flags. Both the parser and the
 checks are built from named steps, one per argument group and one per check family, as
-Megatron's ``_add_*_args`` functions.
+Megatron's ``_add_*_args`` functions; the parallelism flags and their checks (tensor, pipeline,
+sequence and context parallelism) are in :mod:`~mpu_lab.training.parallel_args`.
 """
 from __future__ import annotations
 
@@ -20,23 +21,8 @@ from mpu_lab.datasets import BYTE_VOCAB_SIZE, check_text_file
 from mpu_lab.models.gpt import pad_vocab_size
 from mpu_lab.models.transformer import TransformerConfig
 from mpu_lab.pipeline_parallel import validate_pipeline_args
-from mpu_lab.utils import divisors
-
-
-def _add_parallelism_args(p: argparse.ArgumentParser) -> None:
-    """Tensor, pipeline (and virtual pipeline) and sequence parallelism."""
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-schedule", default=None, metavar="{gpipe,1f1b,interleaved}",
-                   help="pipeline schedule (PP > 1): all-forward-all-backward (GPipe; alias afab), "
-                        "1F1B (alias pipedream-flush), or interleaved 1F1B over virtual stages; "
-                        "default as Megatron: interleaved when "
-                        "--num-layers-per-virtual-pipeline-stage is given, else 1f1b")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="layers per model chunk for the interleaved schedule (Megatron's flag): "
-                        "v = num_layers / PP / this")
-    g.add_argument("--sequence-parallel", action="store_true")
+from mpu_lab.training.parallel_args import (add_context_parallel_args, add_parallelism_args,
+                                            check_context_parallel, check_parallel_sizes)
 
 
 def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -149,9 +135,10 @@ def _add_debugging_args(p: argparse.ArgumentParser) -> None:
 
 
 # In the order of the help text.
-ARGUMENT_GROUPS = (_add_parallelism_args, _add_data_parallel_args, _add_network_size_args,
-                   _add_data_args, _add_training_args, _add_mixed_precision_args,
-                   _add_logging_and_checkpointing_args, _add_debugging_args)
+ARGUMENT_GROUPS = (add_parallelism_args, add_context_parallel_args, _add_data_parallel_args,
+                   _add_network_size_args, _add_data_args, _add_training_args,
+                   _add_mixed_precision_args, _add_logging_and_checkpointing_args,
+                   _add_debugging_args)
 
 
 def build_parser(extra_args_provider: Optional[Callable[[argparse.ArgumentParser], Any]] = None
@@ -202,7 +189,9 @@ def model_config(args) -> TransformerConfig:
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         activation=args.activation, sequence_parallel=args.sequence_parallel,
-        layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std)
+        layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
+        cp_comm_type=getattr(args, "cp_comm_type", "p2p"))
 
 
 def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = True
@@ -214,8 +203,9 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
     Raises ``ValueError`` naming the numbers and what would be valid. Returns ``args``.
     One check family per step, in this order (each may use what the ones before filled in).
     """
-    dp = _check_parallel_sizes(args, world_size)
+    dp = check_parallel_sizes(args, world_size)
     _check_model(args)
+    check_context_parallel(args)
     _fill_batch_sizes(args, world_size, dp)
     _validate_pipeline(args)
     _check_optimizer_and_schedule(args)
@@ -224,30 +214,6 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
     _check_vocabulary(args)
     _check_load(args, check_load)
     return args
-
-
-def _check_parallel_sizes(args, world_size: int) -> int:
-    """The tensor- and pipeline-parallel sizes against the world; returns the data-parallel
-    size ``world_size / (TP x PP)``."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {world_size}")
-    if tp < 1 or pp < 1:
-        raise ValueError(f"--tensor-model-parallel-size {tp} and --pipeline-model-parallel-size "
-                         f"{pp} must be >= 1")
-    if world_size % (tp * pp):
-        if pp == 1:
-            valid = f"with {world_size} ranks valid tensor-parallel sizes are {divisors(world_size)}"
-        elif world_size % pp == 0:
-            valid = (f"with {world_size} ranks and {pp} pipeline stages valid tensor-parallel "
-                     f"sizes are {divisors(world_size // pp)}")
-        else:
-            valid = (f"{pp} pipeline stages do not divide {world_size} ranks: valid "
-                     f"pipeline-parallel sizes are {divisors(world_size)}")
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor x pipeline parallel size "
-            f"{tp} x {pp} = {tp * pp}; {valid}")
-    return world_size // (tp * pp)
 
 
 def _check_model(args) -> None:

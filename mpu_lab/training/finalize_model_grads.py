@@ -1,5 +1,6 @@
 """The gradient reductions between backward and the optimizer step (Megatron-core's
-``core/distributed/finalize_model_grads.py``): the data-parallel average — torch DDP's bucket
+``core/distributed/finalize_model_grads.py``): the data-parallel average (over data x
+context parallel, Megatron's dp-cp group, with context parallelism) — torch DDP's bucket
 all-reduce routed through :mod:`mpu_lab.comm` at PP=1 (:func:`ddp_allreduce_hook`),
 one coalesced all-reduce after the pipeline schedule at PP > 1
 (:func:`allreduce_data_parallel_grads`, what Megatron's DDP does in ``finish_grad_sync``) —,
@@ -30,9 +31,10 @@ def ddp_allreduce_hook(state, bucket):
 
 
 def allreduce_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
-    """Average the gradients over the data-parallel group in one coalesced all-reduce: what
-    DDP does at PP=1, done once after the pipeline schedule."""
-    group = parallel_state.get_data_parallel_group()
+    """Average the gradients over the data x context parallel group (Megatron's dp-cp group:
+    context-parallel ranks hold the same weights and other tokens) in one coalesced
+    all-reduce: what DDP does at PP=1, done once after the pipeline schedule."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     size = comm.group_size(group)
     if size == 1:
         return

@@ -2,10 +2,11 @@
 ``setup_model_and_optimizer``, and ``get_batch`` of ``pretrain_gpt.py``): :class:`TrainState`,
 what a run carries from step to step; :func:`get_model`, this rank's part of the GPT;
 :func:`setup`, which initialises the groups and seeds, wraps the model in DDP over the
-data-parallel group at PP=1 (its bucket all-reduces routed through
+data x context parallel group at PP=1 (its bucket all-reduces routed through
 :func:`~mpu_lab.training.finalize_model_grads.ddp_allreduce_hook`), builds AdamW, the
 learning-rate schedule and the data and loads a checkpoint; :func:`get_batch`, a
-micro-batch read by tensor-parallel rank 0 and broadcast to its group."""
+micro-batch read by tensor-parallel rank 0 and broadcast to its group, then cut to this
+context-parallel rank's chunks."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mpu_lab import checkpointing, datasets, distributed, parallel_state
+from mpu_lab.context_parallel import get_batch_on_this_cp_rank
 from mpu_lab.distributed.distributed_data_parallel import DistributedDataParallel
 from mpu_lab.models.gpt import build_model_chunks
 from mpu_lab.models.transformer import sequence_parallel_params
@@ -72,12 +74,15 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
     ``args`` must have been through :func:`validate_args`. ``torch.distributed`` must be up."""
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
         virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None))
     model_parallel_manual_seed(args.seed)
     device = distributed.get_device()
     model = get_model(args)
     ddp_model = model
-    dp = parallel_state.get_data_parallel_world_size()
+    # The gradients of the weights are averaged over data x context parallel (Megatron's dp-cp
+    # group): CP ranks hold the same weights and different tokens of the same samples.
+    dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     # Data parallelism: torch DDP at PP=1. At PP > 1 the schedule interleaves the backwards of
     # many micro-batches (and chunks) with p2p messages; DDP would all-reduce during the last
     # micro-batch's backward, which under 1F1B is not the last backward to run. So there the
@@ -87,11 +92,11 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
     ddp_chunks: List[DistributedDataParallel] = []
     if getattr(args, "use_distributed_optimizer", False) or getattr(args, "overlap_grad_reduce", False):
         ddp_chunks = wrap_megatron_ddp(model_chunks_of(model), args)
-    elif dp > 1 and args.pipeline_model_parallel_size == 1:
-        group = parallel_state.get_data_parallel_group()
+    elif dp_cp > 1 and args.pipeline_model_parallel_size == 1:
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
                         process_group=group)   # GPTModel has no buffers to sync
-        ddp_model.register_comm_hook((group, dp), ddp_allreduce_hook)
+        ddp_model.register_comm_hook((group, dp_cp), ddp_allreduce_hook)
     if ddp_chunks and args.use_distributed_optimizer:
         optimizer = DistributedOptimizer(ddp_chunks, args)
     else:
@@ -136,13 +141,14 @@ def late_params(chunk: torch.nn.Module) -> List[torch.nn.Parameter]:
 def wrap_megatron_ddp(chunks: List[torch.nn.Module], args: argparse.Namespace
                       ) -> List[DistributedDataParallel]:
     """One :class:`~mpu_lab.distributed.distributed_data_parallel.DistributedDataParallel`
-    per model chunk over the data-parallel group (buckets of ``--ddp-bucket-size`` elements,
-    Megatron's default ``max(40M, 1M x DP)``). The chunks keep running their own forward: the
-    wrapper's hooks sit on the parameters."""
-    dp = parallel_state.get_data_parallel_world_size()
-    size = args.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)
+    per model chunk over the data x context parallel group (Megatron's dp-cp group: the
+    distributed optimizer shards over it too), with buckets of ``--ddp-bucket-size`` elements,
+    Megatron's default ``max(40M, 1M x DP x CP)``. The chunks keep running their own forward:
+    the wrapper's hooks sit on the parameters."""
+    dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    size = args.ddp_bucket_size or max(40_000_000, 1_000_000 * dp_cp)
     return [DistributedDataParallel(
-        chunk, parallel_state.get_data_parallel_group(),
+        chunk, parallel_state.get_data_parallel_group(with_context_parallel=True),
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=size,
         num_micro_batches=args.num_micro_batches, late_params=late_params(chunk))
@@ -151,7 +157,10 @@ def wrap_megatron_ddp(chunks: List[torch.nn.Module], args: argparse.Namespace
 
 def get_batch(state: TrainState, iteration: int, micro_batch: int) -> Dict[str, torch.Tensor]:
     """This rank's micro-batch: read by tensor-parallel rank 0, broadcast to its group
-    (Megatron's ``broadcast_data``: the group works on the same tokens)."""
+    (Megatron's ``broadcast_data``: the group works on the same tokens); with context
+    parallelism, this CP rank's chunks of it (Megatron's ``get_batch_on_this_cp_rank``: tokens,
+    labels, loss mask and position ids, ``[b, s/cp]``). The CP ranks of a replica read the same
+    samples: the data-parallel rank leaves CP out."""
     args = state.args
     keys = ["tokens", "labels", "position_ids", "loss_mask"]
     data = None
@@ -169,4 +178,4 @@ def get_batch(state: TrainState, iteration: int, micro_batch: int) -> Dict[str, 
         device = distributed.get_device()
         out = {k: data[k].to(device) for k in keys}
     out["loss_mask"] = out["loss_mask"].float()
-    return out
+    return get_batch_on_this_cp_rank(out)

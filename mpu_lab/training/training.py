@@ -4,10 +4,12 @@ last one), the gradient reductions, fp16 loss-scale check, TP-aware clipping and
 step — or, with ``--pipeline-model-parallel-size`` > 1, :func:`train_step_pipelined`, where the
 micro-batches go through the stages under
 :func:`~mpu_lab.pipeline_parallel.get_forward_backward_func` (GPipe, 1F1B or interleaved) with
-:func:`forward_step`; both reduce the loss with :func:`masked_mean_loss` and
-:func:`average_losses_across_data_parallel_group` and return :func:`_step_output`'s dict. :func:`train` is the
-loop, logging JSON lines (``--metrics-file``) and saving checkpoints; :func:`pretrain` parses,
-validates, sets up and trains. Mixed precision is ``torch.autocast`` over fp32 parameters."""
+:func:`forward_step`; both reduce the loss with :func:`loss_across_context_parallel_ranks`
+(:func:`masked_mean_loss`, over the context-parallel ranks' shares of the tokens) and
+:func:`average_losses_across_data_parallel_group` and return :func:`_step_output`'s dict.
+:func:`train` is the loop, logging JSON lines (``--metrics-file``) and saving checkpoints;
+:func:`pretrain` parses, validates, sets up and trains. Mixed precision is ``torch.autocast``
+over fp32 parameters."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +17,7 @@ import contextlib
 import functools
 import json
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,27 @@ def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> t
     """A micro-batch's loss: the mean of the per-token loss over ``loss_mask``, in fp32 (both
     train steps; the pipeline schedule's ``loss_func``)."""
     return (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
+
+
+def loss_across_context_parallel_ranks(per_token_loss: torch.Tensor, loss_mask: torch.Tensor
+                                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(loss to backpropagate, loss to report)`` of a micro-batch whose tokens the
+    context-parallel ranks share (Megatron's ``loss_func`` in ``pretrain_gpt.py``).
+
+    Each CP rank holds ``s/cp`` of the tokens: the sums of the masked per-token losses and of
+    the mask, all-reduced over the CP group, give the micro-batch's mean over ``loss_mask``
+    (reported). This rank backpropagates its own sum over the whole count, times ``cp``: the
+    gradients are then averaged over data x context parallel, so the ``cp`` parts add up to
+    the gradient of the micro-batch's mean. With cp = 1 both are :func:`masked_mean_loss`.
+    """
+    cp_group = parallel_state.get_context_parallel_group()
+    cp = comm.group_size(cp_group)
+    if cp == 1:
+        loss = masked_mean_loss(per_token_loss, loss_mask)
+        return loss, loss.detach()
+    local = (per_token_loss.float() * loss_mask).sum()
+    sums = comm.all_reduce(torch.stack([local.detach(), loss_mask.sum().float()]), group=cp_group)
+    return local * cp / sums[1], sums[0] / sums[1]
 
 
 def average_losses_across_data_parallel_group(loss: torch.Tensor) -> torch.Tensor:
@@ -128,9 +151,10 @@ def train_step(state: TrainState) -> Dict[str, float]:
         with sync:
             with _autocast(args, device):
                 losses = ddp_model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-            loss = masked_mean_loss(losses, batch["loss_mask"])     # mean over this micro-batch
+            # mean over this micro-batch (its tokens on every CP rank)
+            loss, reported = loss_across_context_parallel_ranks(losses, batch["loss_mask"])
             (loss * (scale / M)).backward()
-        loss_sum += loss.detach()
+        loss_sum += reported
     finalize_grads(model, ddp_chunks=state.ddp_chunks)
     params = [p for p in model.parameters() if p.requires_grad]
     lr, grad_norm, skipped = _optimizer_step(args, state, params)
@@ -163,8 +187,8 @@ def forward_step(state: TrainState, data_iterator, model):
             output = model(labels=labels)   # input from set_input_tensor
 
     def loss_func(per_token_loss):
-        loss = masked_mean_loss(per_token_loss, batch["loss_mask"])
-        return loss, {"lm_loss": loss.detach()}
+        loss, reported = loss_across_context_parallel_ranks(per_token_loss, batch["loss_mask"])
+        return loss, {"lm_loss": reported}
 
     return output, loss_func
 
@@ -189,7 +213,9 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
         forward_step_func=functools.partial(forward_step, state),
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
+        # each context-parallel rank sends and receives its s/cp tokens between stages
+        num_microbatches=args.num_micro_batches,
+        seq_length=args.seq_length // getattr(args, "context_parallel_size", 1),
         micro_batch_size=args.micro_batch_size, forward_only=False,
         grad_scale_func=(lambda loss: loss * scale) if state.scaler else None)
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
