@@ -6,7 +6,13 @@ The solution below is written by hand from the coordinates (it does not call mpu
 expected groups quoted in the assertions are the MPU walkthrough's and hand-worked ones."""
 from mpu_lab.labkit import exercises
 from mpu_lab.labkit.exercises.lab01 import RANK_GROUPS
+from mpu_lab.labkit.notebooks.solutions import solution_source
 
+# The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
+# under its own name, and the verdict must name it, not the learner's function.
+OWN_SOLUTION = solution_source("01")
+
+# A right answer as a learner writes it (the wrong answers below are edits of it).
 SOLUTION = '''
 def my_groups(world_size, tp, pp, family):
     dp = world_size // (tp * pp)
@@ -50,15 +56,16 @@ def my_groups(world_size, tp, pp, family):
 
 
 def test_the_solution_passes_every_case_on_every_rank(grading_world, as_notebook, capsys):
-    assert exercises.grade(as_notebook(SOLUTION)["my_groups"], RANK_GROUPS, grading_world)
+    assert exercises.grade(as_notebook(OWN_SOLUTION)["solution_groups"], RANK_GROUPS,
+                           grading_world)
     out = capsys.readouterr().out
-    assert out.startswith("Right: my_groups agrees with the reference on all 4 ranks for 8 inputs")
+    assert out.startswith("Right: solution_groups agrees with the reference on all 4 ranks for 8 inputs")
     assert "16 GPUs, t=2, p=4" in out and "checked against its live process groups" in out
 
 
 def test_the_solution_matches_the_walkthroughs_tables(as_notebook):
     """The solution itself, against the MPU walkthrough's printed lists (n=16, t=2, p=4)."""
-    my_groups = as_notebook(SOLUTION)["my_groups"]
+    my_groups = as_notebook(OWN_SOLUTION)["solution_groups"]
     assert my_groups(16, 2, 4, "dp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11],
                                          [12, 14], [13, 15]]
     assert my_groups(16, 2, 4, "pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14],

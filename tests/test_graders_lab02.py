@@ -8,8 +8,13 @@ import pytest
 from mpu_lab.labkit import exercises
 from mpu_lab.labkit.exercises import lab02
 from mpu_lab.labkit.viz import splits
+from mpu_lab.labkit.notebooks.solutions import solution_source
 
-# The lab's solution cell, as the learner would write it.
+# The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
+# under its own name, and the verdict must name it, not the learner's function.
+OWN_SOLUTION = solution_source("02")
+
+# A right answer as a learner writes it.
 SOLUTION = '''
 def my_column_forward(x, weight_shard, bias_shard, gather_output):
     x = copy_to_tensor_model_parallel_region(x)               # f
@@ -57,10 +62,17 @@ def _grade(source, world, as_notebook):
 
 
 def test_column_forward_solution_passes_every_case(grading_world, as_notebook, capsys):
-    assert _grade(SOLUTION, grading_world, as_notebook)
+    solution = as_notebook(OWN_SOLUTION)["solution_column_forward"]
+    assert exercises.grade(solution, lab02.COLUMN_FORWARD, grading_world)
     out = capsys.readouterr().out
-    assert out.startswith("Right: my_column_forward agrees with the reference on all 4 ranks")
+    assert out.startswith("Right: solution_column_forward agrees with the reference on all 4 "
+                          "ranks")
     assert all(case.name in out for case in lab02.COLUMN_FORWARD.cases)
+
+
+def test_a_right_answer_under_the_learners_name_passes(grading_world, as_notebook, capsys):
+    assert _grade(SOLUTION, grading_world, as_notebook)
+    assert capsys.readouterr().out.startswith("Right: my_column_forward agrees")
 
 
 def test_forgetting_the_gather_is_a_shape_on_rank_0(grading_world, as_notebook, capsys):

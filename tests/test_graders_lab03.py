@@ -8,6 +8,11 @@ worked out on the CPU in this process."""
 import torch
 
 from mpu_lab.labkit.exercises import grade, lab03
+from mpu_lab.labkit.notebooks.solutions import solution_source
+
+# The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
+# under its own name, and the verdict must name it, not the learner's function.
+OWN_SOLUTION = solution_source("03")
 
 SOLUTION = '''
 def my_row_forward(x, weight, bias, input_is_parallel):
@@ -91,9 +96,17 @@ def test_the_cases_are_the_dense_layer_cut_by_rows():
 
 
 def test_solution_is_right(grading_world, capsys, as_notebook):
+    ok = grade(as_notebook(OWN_SOLUTION)["solution_row_forward"], lab03.ROW_FORWARD,
+               grading_world)
+    out = capsys.readouterr().out
+    assert ok, out
+    assert out.startswith("Right: solution_row_forward agrees") and "all 4 ranks for 5 inputs" in out
+
+
+def test_a_right_answer_under_the_learners_name_is_right(grading_world, capsys, as_notebook):
     ok, out = _verdict(capsys, as_notebook, SOLUTION, grading_world)
     assert ok, out
-    assert out.startswith("Right:") and "all 4 ranks for 5 inputs" in out
+    assert out.startswith("Right: my_row_forward(x, weight, bias, input_is_parallel) agrees")
 
 
 def test_all_reduce_on_the_tp_group_is_right_too(grading_world, capsys, as_notebook):

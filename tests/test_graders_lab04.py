@@ -14,6 +14,11 @@ import types
 
 from mpu_lab.labkit import exercises
 from mpu_lab.labkit.exercises.lab04 import F_AND_G_CASES, F_EXERCISE, G_EXERCISE, run_g_case
+from mpu_lab.labkit.notebooks.solutions import solution_source
+
+# The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
+# under its own name, and the verdict must name it, not the learner's function.
+OWN_SOLUTION = solution_source("04")
 
 CASE_1 = "x = [0, 1, 2, 3] + 10 * rank, grad = ones"
 
@@ -158,6 +163,19 @@ ALL_CASES = "; ".join(c.name for c in F_AND_G_CASES)
 
 
 # --------------------------------------------------------------------------- right answers
+def test_the_solution_files_f_and_g_pass_under_their_own_names(grading_world, as_notebook,
+                                                                capsys):
+    names = define(as_notebook, OWN_SOLUTION, "solution_f_forward", "solution_f_backward",
+                   "solution_g_forward", "solution_g_backward")
+    assert exercises.grade(names[:2], F_EXERCISE, grading_world)
+    assert exercises.grade(names[2:], G_EXERCISE, grading_world)
+    assert capsys.readouterr().out == (
+        f"Right: f (solution_f_forward, solution_f_backward) agrees with the reference on all 4 "
+        f"ranks for 4 inputs: {ALL_CASES}.\n"
+        f"Right: g (solution_g_forward, solution_g_backward) agrees with the reference on all 4 "
+        f"ranks for 4 inputs: {ALL_CASES}.\n")
+
+
 def test_f_solution_passes_every_case_on_every_rank(grading_world, as_notebook, capsys):
     assert exercises.grade(f_of(as_notebook, F_SOLUTION), F_EXERCISE, grading_world)
     assert capsys.readouterr().out == (

@@ -4,6 +4,11 @@ solution passes; an order that cannot run, one that runs but is not 1F1B, one wh
 cross and one that deadlocks fail, each naming what happened; the stub says there is no
 answer yet. The world is left with its own groups (tp = 2, pp = 1)."""
 from mpu_lab.labkit.exercises import grade, lab06
+from mpu_lab.labkit.notebooks.solutions import solution_source
+
+# The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
+# under its own name, and the verdict must name it, not the learner's function.
+OWN_SOLUTION = solution_source("06")
 
 STUB = '''
 def my_1f1b_order(stage, num_stages, num_microbatches):
@@ -47,10 +52,10 @@ def test_the_hand_worked_orders_and_the_form_check():
     """Without a world: Narayanan et al.'s Fig. 4 (top) pattern for 4 stages and 8 micro-batches
     (written out by hand), the case's m, and what order_problem says about broken orders."""
     ns = {}
-    exec(SOLUTION, ns)
-    assert lab06.order_text(ns["my_1f1b_order"](0, 4, 8)) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
-    assert lab06.order_text(ns["my_1f1b_order"](3, 4, 8)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
-    assert lab06.order_text(ns["my_1f1b_order"](1, 4, 2)) == "F0 F1 B0 B1"
+    exec(OWN_SOLUTION, ns)
+    assert lab06.order_text(ns["solution_1f1b_order"](0, 4, 8)) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
+    assert lab06.order_text(ns["solution_1f1b_order"](3, 4, 8)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
+    assert lab06.order_text(ns["solution_1f1b_order"](1, 4, 2)) == "F0 F1 B0 B1"
     assert [lab06.num_microbatches_of(c.params, 4) for c in lab06.ONE_F_ONE_B.cases] == [4, 9, 1, 2]
     assert lab06.order_problem([("F", 0), ("B", 0)], 1) is None
     assert lab06.order_problem([("B", 0), ("F", 0)], 1) == "('B', 0) comes before ('F', 0)"
@@ -62,9 +67,10 @@ def test_the_hand_worked_orders_and_the_form_check():
 
 def test_the_solution_passes_and_the_world_keeps_its_groups(grading_world, as_notebook, capsys):
     before = _groups(grading_world)
-    assert _grade(SOLUTION, grading_world, as_notebook)
+    assert grade(as_notebook(OWN_SOLUTION)["solution_1f1b_order"], lab06.ONE_F_ONE_B,
+                 grading_world)
     out = capsys.readouterr().out
-    assert out.startswith("Right: my_1f1b_order agrees with the reference on all 4 ranks for "
+    assert out.startswith("Right: solution_1f1b_order agrees with the reference on all 4 ranks for "
                           "4 inputs: m = p"), out
     assert _groups(grading_world) == before == [(2, 1)] * 4
 

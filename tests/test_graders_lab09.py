@@ -20,6 +20,11 @@ from mpu_lab import launcher
 from mpu_lab.labkit import broken_jobs, debugging
 from mpu_lab.labkit.exercises import grade, lab09
 from mpu_lab.labkit.faults import FAULT_KINDS
+from mpu_lab.labkit.notebooks.solutions import solution_source
+
+# The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
+# under its own name, and the verdict must name it, not the learner's function.
+OWN_SOLUTION = solution_source("09")
 
 STUB = '''
 def my_exchange(stage, num_stages, mine):
@@ -102,9 +107,9 @@ def test_the_culprit_is_the_rank_the_fault_was_injected_into(capsys):
 # --------------------------------------------------------------------------- write the code
 def test_the_solution_passes_and_the_world_keeps_its_groups(grading_world, as_notebook, capsys):
     before = _groups(grading_world)
-    assert _grade(SOLUTION, grading_world, as_notebook)
+    assert grade(as_notebook(OWN_SOLUTION)["solution_exchange"], lab09.EXCHANGE, grading_world)
     out = capsys.readouterr().out
-    assert out.startswith("Right: my_exchange agrees with the reference on all 4 ranks for 3 "
+    assert out.startswith("Right: solution_exchange agrees with the reference on all 4 ranks for 3 "
                           "inputs: a 1-element message;"), out
     assert _groups(grading_world) == before == [(2, 1)] * 4
 

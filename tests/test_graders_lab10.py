@@ -15,6 +15,11 @@ import pytest
 from mpu_lab import perf
 from mpu_lab.labkit import dp_lessons
 from mpu_lab.labkit.exercises import grade, lab10
+from mpu_lab.labkit.notebooks.solutions import solution_source
+
+# The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
+# under its own name, and the verdict must name it, not the learner's function.
+OWN_SOLUTION = solution_source("10")
 
 STUB = '''
 def my_distributed_step(param, grad, lr, group):
@@ -74,9 +79,10 @@ def _grade(source, world, as_notebook):
 
 
 def test_the_solution_passes_on_every_rank(grading_world, as_notebook, capsys):
-    assert _grade(SOLUTION, grading_world, as_notebook)
+    assert grade(as_notebook(OWN_SOLUTION)["solution_distributed_step"],
+                 lab10.DISTRIBUTED_STEP, grading_world)
     out = capsys.readouterr().out
-    assert out.startswith("Right: my_distributed_step agrees with the reference on all 4 ranks "
+    assert out.startswith("Right: solution_distributed_step agrees with the reference on all 4 ranks "
                           "for 4 inputs: 8 parameters, lr 0.1; 10 parameters (pad"), out
 
 
