@@ -113,6 +113,7 @@ EXPECTED_SECONDS = {
     "labs/10_data_parallel.ipynb": 70, "tests/test_memory_accounting.py": 45,
     "tests/test_dp_overlap.py": 30,
     "tests/test_context_parallel_mp.py": 35, "tests/test_moe_mp.py": 170,
+    "tests/test_gpt_context_parallel_mp.py": 30,
 }
 
 

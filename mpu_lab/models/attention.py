@@ -76,8 +76,8 @@ def check_context_parallel_attention(config: TransformerConfig) -> int:
         _check_context_parallel_options(config)
     groups = parallel_state.get_context_parallel_world_size()
     if cp != groups:
-        raise ValueError(f"config.context_parallel_size is {cp} but the CP group of "
-                         f"parallel_state has {groups} ranks: call initialize_model_parallel("
+        raise ValueError(f"config.context_parallel_size is {cp} but the CP group size of "
+                         f"parallel_state is {groups}: call initialize_model_parallel("
                          f"context_parallel_size={cp}) or set context_parallel_size={groups}")
     return cp
 
