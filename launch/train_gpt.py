@@ -1,4 +1,5 @@
-"""Train a small GPT with tensor, sequence, pipeline and data parallelism (Megatron-style flags).
+"""Train a small GPT with tensor, sequence, context, pipeline and data parallelism
+(Megatron-style flags).
 
     torchrun --standalone --nproc-per-node 4 launch/train_gpt.py \
         --tensor-model-parallel-size 2 --sequence-parallel \
@@ -10,6 +11,11 @@
     torchrun --standalone --nproc-per-node 8 launch/train_gpt.py \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
         --pipeline-schedule 1f1b --num-layers 4 --micro-batch-size 4 --global-batch-size 32
+
+    # context parallelism: the sequence split over 2 ranks (ring attention), x TP=2 x DP=2:
+    torchrun --standalone --nproc-per-node 8 launch/train_gpt.py \
+        --context-parallel-size 2 --cp-comm-type p2p --tensor-model-parallel-size 2 \
+        --seq-length 128 --micro-batch-size 4 --global-batch-size 8
 
     # interleaved 1F1B, 2 model chunks of 1 layer per stage, with each rank's timeline:
     torchrun --standalone --nproc-per-node 2 launch/train_gpt.py \

@@ -148,7 +148,8 @@ def build_parser(extra_args_provider: Optional[Callable[[argparse.ArgumentParser
     ``--inject-fault`` comes in this way, from :mod:`mpu_lab.labkit.faults`)."""
     p = argparse.ArgumentParser(
         prog="train_gpt.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Train a small GPT with tensor/sequence/data parallelism (Megatron-style flags).")
+        description="Train a small GPT with tensor/sequence/context/pipeline/data parallelism "
+                    "(Megatron-style flags).")
     for add in ARGUMENT_GROUPS:
         add(p)
     if extra_args_provider is not None:
