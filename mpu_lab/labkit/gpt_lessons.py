@@ -4,8 +4,10 @@
   (``ln V``) and the lowest loss a model can reach on the synthetic walk (the entropy of the
   successor choice, averaged over the positions of a sample);
 * :func:`precision_bytes`, :func:`print_precision_bytes` — what ``--fp16`` keeps per parameter:
-  Megatron's fp16 parameters with fp32 main copies in the optimizer (Rajbhandari et al. 2020,
-  §3.1) against mpu_lab's ``torch.autocast`` over fp32 parameters, measured on a live AdamW;
+  Megatron-core's table (its distributed-optimizer guide: fp16 parameters and gradients with
+  fp32 main copies of both in the optimizer, :func:`mpu_lab.perf.cost_model.bytes_per_parameter`)
+  against mpu_lab's ``torch.autocast`` over fp32 parameters, measured on a live AdamW and tied to
+  :func:`mpu_lab.perf.memory.mpu_lab_bytes_per_parameter`;
 * :func:`print_padding_table`, :func:`padding_demo_tp`, :func:`repad_effect`,
   :func:`print_repad_effect`, :func:`print_resume_check` — what a checkpoint loaded with
   another vocabulary padding gets (:mod:`mpu_lab.checkpointing.vocab_padding`): the rows kept,
@@ -26,7 +28,12 @@ from mpu_lab.checkpointing import vocab_padding
 from mpu_lab.labkit.gpt_runs import TrainRun, print_agreement
 from mpu_lab.models import PlainGPT, pad_vocab_size
 from mpu_lab.optimizer import build_optimizer
-from mpu_lab.perf.cost_model import BYTES_PER_PARAM_ADAM
+from mpu_lab.perf.cost_model import (
+    bytes_per_parameter,
+    bytes_per_parameter_terms,
+    format_bytes_per_parameter,
+)
+from mpu_lab.perf.memory import mpu_lab_bytes_per_parameter
 
 
 # --------------------------------------------------------------------------- loss bounds
@@ -61,13 +68,16 @@ def print_loss_bounds(vocab_size: int, seq_length: int,
 
 # --------------------------------------------------------------------------- --fp16
 def precision_bytes() -> Dict[str, Dict[str, int]]:
-    """Bytes per parameter of mixed-precision Adam. ``megatron``: ZeRO §3.1's count (fp16
-    weight and gradient, fp32 main weight and two Adam moments), the cost model's
-    :data:`~mpu_lab.perf.cost_model.BYTES_PER_PARAM_ADAM`. ``mpu_lab``: measured on a
-    parameter after one AdamW step (:func:`mpu_lab.optimizer.build_optimizer`) whose forward
-    ran under ``torch.autocast(float16)``, as ``--fp16`` does."""
-    megatron = {"fp16 weight": 2, "fp16 gradient": 2, "fp32 main weight": 4, "Adam m and v": 8}
-    assert sum(megatron.values()) == BYTES_PER_PARAM_ADAM
+    """Bytes per parameter of Adam with ``--fp16``. ``megatron``: Megatron-core's terms for fp16
+    parameters and gradients (:func:`~mpu_lab.perf.cost_model.bytes_per_parameter_terms`: the
+    fp16 weight and gradient, the optimizer's fp32 main copies of both, Adam's two moments).
+    ``mpu_lab``: measured on a parameter after one AdamW step
+    (:func:`mpu_lab.optimizer.build_optimizer`) whose forward ran under
+    ``torch.autocast(float16)``, as ``--fp16`` does; its total is
+    :func:`~mpu_lab.perf.memory.mpu_lab_bytes_per_parameter` (checked here)."""
+    terms = bytes_per_parameter_terms("fp16", "fp16")
+    megatron = {f"fp16 {k}": v for k, v in terms["replicated"].items()}
+    megatron.update(terms["sharded"])
     layer = torch.nn.Linear(8, 8, bias=False)
     args = argparse.Namespace(weight_decay=0.01, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95,
                               adam_eps=1e-8)
@@ -77,16 +87,28 @@ def precision_bytes() -> Dict[str, Dict[str, int]]:
     optimizer.step()
     p = layer.weight
     state = optimizer.state[p]
-    ours = {f"{str(p.dtype)[6:]} weight": p.element_size(),
-            f"{str(p.grad.dtype)[6:]} gradient": p.grad.element_size(),
-            "Adam m and v": state["exp_avg"].element_size() + state["exp_avg_sq"].element_size()}
+    ours = {f"{str(p.dtype)[6:]} param": p.element_size(),
+            f"{str(p.grad.dtype)[6:]} grad": p.grad.element_size(),
+            "Adam m": state["exp_avg"].element_size(), "Adam v": state["exp_avg_sq"].element_size()}
+    if sum(ours.values()) != mpu_lab_bytes_per_parameter():
+        raise RuntimeError(f"measured {ours} but mpu_lab.perf.memory counts "
+                           f"{mpu_lab_bytes_per_parameter():g} bytes per parameter")
     return {"megatron": megatron, "mpu_lab": ours}
 
 
-def print_precision_bytes() -> None:
-    for who, parts in precision_bytes().items():
-        print(f"{who:>8}: " + " + ".join(f"{n} {k}" for k, n in parts.items())
-              + f" = {sum(parts.values())} bytes per parameter")
+def print_precision_bytes(data_parallel_size: int = 8) -> None:
+    """Megatron-core's table of bytes per parameter (every dtype pair, with and without the
+    distributed optimizer, the latter at ``data_parallel_size``), what ``--fp16`` costs there,
+    and mpu_lab's measured figure."""
+    print("Megatron-core's bytes per parameter (its distributed-optimizer guide; d = "
+          "data-parallel size):")
+    print(format_bytes_per_parameter(data_parallel_size))
+    parts = precision_bytes()
+    for who, total in (("megatron --fp16", bytes_per_parameter("fp16", "fp16")),
+                       ("mpu_lab --fp16", mpu_lab_bytes_per_parameter())):
+        terms = parts[who.split()[0]]
+        print(f"{who:>15}: " + " + ".join(f"{n} {k}" for k, n in terms.items())
+              + f" = {total:g} bytes per parameter")
 
 
 # --------------------------------------------------------------------------- padding
