@@ -146,8 +146,14 @@ def test_optimizer_state_per_rank_worked_by_hand(capsys):
     capsys.readouterr()
     assert not lab10.check_optimizer_state_gb(None, 1.2e9, 4)
     assert capsys.readouterr().out.startswith("No answer yet")
-    # mpu_lab's fp32 weights: 16 - 2 x 4 = 8 bytes of Adam moments per parameter
-    assert lab10.optimizer_state_bytes(1000, 2, True, weight_bytes=4) == 4000
+    # fp32 weights and gradients (mpu_lab's own): Adam's m and v only, 4 + 4 bytes
+    assert lab10.optimizer_state_bytes(1000, 2, True, "fp32", "fp32") == 4000
+    # fp16 weights and gradients: fp32 main weight and main gradient too, 4 x 4 = 16 bytes
+    assert lab10.optimizer_state_bytes(1000, 4, True, "fp16", "fp16") == 4000
+    assert lab10.check_optimizer_state_gb(4.8, 1.2e9, 4, params_dtype="fp16", grads_dtype="fp16")
+    assert capsys.readouterr().out.startswith(
+        "Right: 4.8 GB per rank: 16 bytes per parameter (4 fp32 main param + 4 fp32 main grad "
+        "+ 4 Adam m + 4 Adam v) x 1,200,000,000 parameters / d = 4.")
     with pytest.raises(ValueError, match="d must be a whole number >= 1, got 0"):
         lab10.optimizer_state_bytes(10, 0, True)
 

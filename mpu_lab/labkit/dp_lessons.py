@@ -11,7 +11,9 @@
   :func:`print_started_in_backward` — from :mod:`mpu_lab.perf.dp_overlap`'s run, which bucket
   reductions started during backward (``--overlap-grad-reduce``);
 * :func:`print_bytes_per_parameter` — from :mod:`mpu_lab.perf.memory`'s rows, the measured
-  bytes per parameter of weights, gradients and optimizer states;
+  bytes per parameter of weights, gradients and optimizer states, next to mpu_lab's fp32 figure
+  (:func:`mpu_lab.perf.memory.mpu_lab_bytes_per_parameter`); :func:`print_megatron_bytes` —
+  Megatron-core's table (:func:`mpu_lab.perf.cost_model.bytes_per_parameter`) next to it;
 * :func:`fit_counts`, :func:`print_fit_counts` — lab 08's explorer with and without the
   distributed optimizer.
 """
@@ -28,6 +30,8 @@ from mpu_lab.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from mpu_lab.labkit import gpt_runs
 from mpu_lab.labkit.viz.rank_groups import format_groups
 from mpu_lab.perf import explore
+from mpu_lab.perf.cost_model import bytes_per_parameter_terms, format_bytes_per_parameter
+from mpu_lab.perf.memory import mpu_lab_bytes_per_parameter
 
 
 # --------------------------------------------------------------------------- 1. groups
@@ -160,9 +164,29 @@ def print_bytes_per_parameter(rows: Sequence[dict]) -> None:
     for (config, optimizer, d), got in cells.items():
         n = got["parameters"] / 4
         per = {k: got[k] / n for k in ("parameters", "gradients", "optimizer")}
+        ours = mpu_lab_bytes_per_parameter(optimizer == "distributed", d)
         print(f"{config:<13} {optimizer:<12} rank 0: {per['parameters']:.2f} + "
               f"{per['gradients']:.2f} + {per['optimizer']:.2f} = {sum(per.values()):.2f} "
-              f"bytes per parameter (d = {d})")
+              f"bytes per parameter (d = {d}; mpu_lab's fp32 figure: {ours:g})")
+
+
+def print_megatron_bytes(data_parallel_size: int) -> None:
+    """Megatron-core's bytes per parameter (its distributed-optimizer guide), the distributed
+    optimizer at ``data_parallel_size``; its bf16 training (bf16 weights, fp32 gradients) and
+    mpu_lab's fp32 training spelled out: what every rank keeps, and what the distributed
+    optimizer splits over the d ranks."""
+    d = data_parallel_size
+    print("Megatron-core's bytes per parameter (its distributed-optimizer guide):")
+    print(format_bytes_per_parameter(d))
+    for who, params, grads in (("Megatron's bf16 training", "bf16", "fp32"),
+                               ("mpu_lab's fp32 training", "fp32", "fp32")):
+        terms = bytes_per_parameter_terms(params, grads)
+        kept, split = sum(terms["replicated"].values()), sum(terms["sharded"].values())
+        print(f"{who} ({params} weights, {grads} gradients): every rank keeps {kept} (" +
+              " + ".join(f"{v} {k}" for k, v in terms["replicated"].items()) +
+              f"); the optimizer keeps {split} (" +
+              " + ".join(f"{v} {k}" for k, v in terms["sharded"].items()) +
+              f"): {kept + split} plain, {kept} + {split}/d = {kept + split / d:g} at d = {d}")
 
 
 # --------------------------------------------------------------------------- 6. explorer

@@ -17,7 +17,7 @@ from mpu_lab import comm, distributed, parallel_state
 from mpu_lab.labkit.exercises.common import Verdict, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
 from mpu_lab.perf.bandwidth import bus_factor
-from mpu_lab.perf.cost_model.counts import BYTES_PER_PARAM_ADAM
+from mpu_lab.perf.cost_model import bytes_per_parameter_terms
 
 
 def _as_number(answer: Any) -> Optional[float]:
@@ -30,38 +30,46 @@ def _as_number(answer: Any) -> Optional[float]:
 
 
 # --------------------------------------------------------------------------- predictions
+def optimizer_state_terms(params_dtype: str = "bf16", grads_dtype: str = "fp32") -> Dict[str, int]:
+    """The bytes per parameter that the optimizer keeps, which the distributed optimizer splits
+    over the data-parallel ranks: the ``sharded`` terms of Megatron-core's table
+    (:func:`mpu_lab.perf.cost_model.bytes_per_parameter_terms`): the fp32 main weight (and the
+    fp32 main gradient when the gradients are 16-bit), Adam's m and v. The defaults are
+    Megatron's bf16 training (bf16 weights, fp32 gradients)."""
+    return bytes_per_parameter_terms(params_dtype, grads_dtype)["sharded"]
+
+
 def optimizer_state_bytes(num_params: float, d: int, distributed_optimizer: bool,
-                          weight_bytes: int = 2) -> float:
+                          params_dtype: str = "bf16", grads_dtype: str = "fp32") -> float:
     """Bytes of optimizer state per data-parallel rank for ``num_params`` parameters held by
-    that rank's model replica: mixed-precision Adam keeps ``16 - 2 * weight_bytes`` bytes per
-    parameter beyond the 16-bit weight and gradient (ZeRO §3.1: fp32 main weight, momentum and
-    variance, 12 bytes), and the distributed optimizer splits them over the ``d`` ranks."""
+    that rank's model replica (:func:`optimizer_state_terms` per parameter), split over the
+    ``d`` ranks by the distributed optimizer."""
     if d < 1 or int(d) != d:
         raise ValueError(f"d must be a whole number >= 1, got {d!r}")
-    if weight_bytes not in (2, 4):
-        raise ValueError(f"weight_bytes must be 2 (fp16/bf16) or 4 (fp32), got {weight_bytes!r}")
-    state = (BYTES_PER_PARAM_ADAM - 2 * weight_bytes) * num_params
+    state = sum(optimizer_state_terms(params_dtype, grads_dtype).values()) * num_params
     return state / d if distributed_optimizer else state
 
 
 def check_optimizer_state_gb(answer: Any, num_params: float, d: int,
-                             distributed_optimizer: bool = True, weight_bytes: int = 2,
-                             rtol: float = 0.01) -> Verdict:
+                             distributed_optimizer: bool = True, params_dtype: str = "bf16",
+                             grads_dtype: str = "fp32", rtol: float = 0.01) -> Verdict:
     """GB (1e9 bytes) of optimizer state on each data-parallel rank
     (:func:`optimizer_state_bytes`)."""
     if unanswered(answer, "a number of GB"):
         return Verdict(False)
-    expected = optimizer_state_bytes(num_params, d, distributed_optimizer, weight_bytes) / 1e9
-    per_param = BYTES_PER_PARAM_ADAM - 2 * weight_bytes
+    expected = optimizer_state_bytes(num_params, d, distributed_optimizer, params_dtype,
+                                     grads_dtype) / 1e9
+    terms = optimizer_state_terms(params_dtype, grads_dtype)
     given = _as_number(answer)
     who = "the distributed optimizer" if distributed_optimizer else "the plain optimizer"
-    how = (f"{per_param} bytes per parameter (fp32 main weight, Adam's m and v) x "
-           f"{num_params:,.0f} parameters" + (f" / d = {d}" if distributed_optimizer else ""))
+    how = (f"{sum(terms.values())} bytes per parameter ("
+           + " + ".join(f"{v} {k}" for k, v in terms.items())
+           + f") x {num_params:,.0f} parameters" + (f" / d = {d}" if distributed_optimizer else ""))
     return verdict(given is not None and abs(given - expected) <= rtol * expected,
                     f"{expected:g} GB per rank: {how}.",
-                    f"{answer!r} is not it. Hint: which of the 16 bytes per parameter belong to "
-                    f"the optimizer, and does {who} split them over the {d} data-parallel "
-                    f"ranks?")
+                    f"{answer!r} is not it. Hint: which of Megatron's bytes per parameter "
+                    f"({params_dtype} weights, {grads_dtype} gradients) belong to the "
+                    f"optimizer, and does {who} split them over the {d} data-parallel ranks?")
 
 
 def ring_all_reduce_bytes(grad_bytes: float, d: int) -> float:
