@@ -1,6 +1,6 @@
 """mpu_lab's tensor-parallel operators on 8 real ranks, checked against the expected values of
 Megatron-LM's tensor-parallel unit tests (tests/unit_tests/tensor_parallel,
-https://github.com/NVIDIA/Megatron-LM/tree/core_v0.16.0/tests/unit_tests/tensor_parallel).
+https://github.com/NVIDIA/Megatron-LM/tree/core_v0.19.2/tests/unit_tests/tensor_parallel).
 
     torchrun --standalone --nproc-per-node 8 launch/collectives.py --test all
 

@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, parallel_state
+from mpu_lab import comm, distributed, parallel_state
 from mpu_lab.pipeline_parallel import p2p_communication
 
 # The functions of mpu_lab.comm that are wrapped (those this version of it has).
@@ -133,11 +133,6 @@ def _ranks(group) -> tuple:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _sync(tensor: torch.Tensor) -> None:
-    if tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
-
-
 def _call_of(kind: str, fn: Callable, args, kwargs, is_async: bool):
     """``(CommCall, group)`` for a call of ``fn`` (its tensor is the first argument)."""
     bound = inspect.signature(fn).bind(*args, **kwargs)
@@ -166,7 +161,7 @@ def _blocking(kind: str, fn: Callable) -> Callable:
         if not _TIMERS or _nested():
             return fn(*args, **kwargs)
         call, group, tensor = _call_of(kind, fn, args, kwargs, is_async=False)
-        _sync(tensor)
+        distributed.synchronize(tensor.device)
         if any(t.barrier for t in _TIMERS):
             start = time.perf_counter()
             dist.barrier(group=group)
@@ -174,7 +169,7 @@ def _blocking(kind: str, fn: Callable) -> Callable:
         start = time.perf_counter()
         with _inside():
             out = fn(*args, **kwargs)
-        _sync(tensor)
+        distributed.synchronize(tensor.device)
         call.done_s = time.perf_counter()
         call.seconds = call.done_s - start
         _book(call)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mpu_lab import distributed
 from mpu_lab.perf.comm_timing import CommTimer
 
 
@@ -100,11 +101,6 @@ def _step(col, row, x, dy) -> None:
     y.backward(dy)
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(col, row, x, dy, steps: int) -> dict:
     """Median forward + backward step (ms) over ``steps`` after two warm-up steps, and one
     backward pass recorded: ``events`` = ``(what, start_ms, end_ms)`` from its start."""
@@ -112,17 +108,17 @@ def measure(col, row, x, dy, steps: int) -> dict:
         _step(col, row, x, dy)
     times = []
     for _ in range(steps):
-        _sync(x.device)
+        distributed.synchronize(x.device)
         start = time.perf_counter()
         _step(col, row, x, dy)
-        _sync(x.device)
+        distributed.synchronize(x.device)
         times.append(time.perf_counter() - start)
     y, _ = row(F.gelu(col(x)[0]))
     with record_backward() as events:
-        _sync(x.device)
+        distributed.synchronize(x.device)
         start = time.perf_counter()
         y.backward(dy)
-        _sync(x.device)
+        distributed.synchronize(x.device)
         backward_s = time.perf_counter() - start
     return {"step_ms": round(1e3 * statistics.median(times), 3),
             "backward_ms": round(1e3 * backward_s, 3),

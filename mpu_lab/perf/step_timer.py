@@ -83,8 +83,8 @@ class StepTimer:
         self._profiler = None
 
     def _sync(self):
-        if self.device is not None and getattr(self.device, "type", "cpu") == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device is not None:
+            distributed.synchronize(self.device)
 
     def time_step(self, fn: Callable, *args, **kwargs):
         self._seen += 1

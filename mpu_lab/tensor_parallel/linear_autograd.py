@@ -1,6 +1,6 @@
 """The linear layers' own autograd function, after Megatron-core's
 ``LinearWithGradAccumulationAndAsyncCommunication`` (``megatron/core/tensor_parallel/layers.py``,
-tag core_v0.16.0): a hand-written mirror for teaching, on :mod:`mpu_lab.comm`'s collectives.
+tag core_v0.19.2): a hand-written mirror for teaching, on :mod:`mpu_lab.comm`'s collectives.
 
 Why a function of its own, rather than ``F.linear`` after a gather:
 

@@ -233,11 +233,6 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
     return _step_output(state, loss, grad_norm, lr, skipped)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train(state: TrainState, train_iters: Optional[int] = None,
           log: Callable[[str], None] = print) -> List[Dict[str, Any]]:
     """Run to ``train_iters`` (default ``args.train_iters``) optimizer steps; return the
@@ -251,14 +246,14 @@ def train(state: TrainState, train_iters: Optional[int] = None,
     logged: List[Dict[str, Any]] = []
     window_losses, window_start = [], None
     try:
-        _sync(device)
+        distributed.synchronize(device)
         window_start = time.perf_counter()
         while state.iteration < end:
             step = train_step(state)
             window_losses.append(step["lm_loss"])
             it = state.iteration
             if it % args.log_interval == 0 or it == end:
-                _sync(device)
+                distributed.synchronize(device)
                 now = time.perf_counter()
                 dt = (now - window_start) / len(window_losses)
                 record = dict(iteration=it, lm_loss=sum(window_losses) / len(window_losses),

@@ -1,5 +1,5 @@
 """The experts of a mixture-of-experts layer, :class:`SequentialMLP` (Megatron-core's
-``core/transformer/moe/experts.py``, class ``SequentialMLP``, tag core_v0.16.0): this rank's
+``core/transformer/moe/experts.py``, class ``SequentialMLP``, tag core_v0.19.2): this rank's
 local experts, run one after the other on their blocks of the dispatched tokens.
 
 Each expert is the dense MLP of :mod:`mpu_lab.models.mlp` (``linear_fc1``, activation,

@@ -1,5 +1,5 @@
 """The mixture-of-experts layer, :class:`MoELayer` (Megatron-core's
-``core/transformer/moe/moe_layer.py``, tag core_v0.16.0; no shared experts, latent projection,
+``core/transformer/moe/moe_layer.py``, tag core_v0.19.2; no shared experts, latent projection,
 recomputation or CUDA graphs), which takes the place of a transformer layer's MLP.
 
     y = sum over the k experts i a token is routed to of  p_i(x) * E_i(x)

@@ -1,5 +1,5 @@
 """The tensor helpers of a mixture-of-experts layer, after Megatron-core's
-``core/transformer/moe/moe_utils.py`` (tag core_v0.16.0), without its fused (Transformer
+``core/transformer/moe/moe_utils.py`` (tag core_v0.19.2), without its fused (Transformer
 Engine) paths and its drop-and-pad variants.
 
 * routing: :func:`topk_routing_with_score_function` (softmax or sigmoid scores, top-k),

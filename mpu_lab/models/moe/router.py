@@ -1,5 +1,5 @@
 """The router of a mixture-of-experts layer, :class:`TopKRouter` (Megatron-core's
-``core/transformer/moe/router.py``, tag core_v0.16.0; simplified: no z-loss, input jitter,
+``core/transformer/moe/router.py``, tag core_v0.19.2; simplified: no z-loss, input jitter,
 sinkhorn, group-limited or aux-loss-free routing, sequence-level or global aux loss).
 
 The sparsely-gated mixture of experts (Shazeer et al. 2017, §2.1): a linear gate scores

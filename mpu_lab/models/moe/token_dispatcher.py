@@ -1,5 +1,5 @@
 """Token dispatchers: how tokens reach the rank that holds their expert and come back
-(Megatron-core's ``core/transformer/moe/token_dispatcher.py``, tag core_v0.16.0; without its
+(Megatron-core's ``core/transformer/moe/token_dispatcher.py``, tag core_v0.19.2; without its
 drop-and-pad, shared-expert overlap, CUDA-stream and fused paths).
 
 Expert parallelism (GShard, Lepikhin et al. 2020, shards the experts across devices and sends
