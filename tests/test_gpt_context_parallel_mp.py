@@ -1,7 +1,7 @@
 """launch/train_gpt.py's training with --context-parallel-size against the TP=1, CP=1 run and
 its dense twin (PlainGPT in one process, same initial weights), at CP = 2, CP = 4, TP = 2 x
 CP = 2, CP = 2 x PP = 2, each --cp-comm-type, with sequence parallelism and the distributed
-optimizer; a checkpoint saved at CP = 2 resumed at CP = 1. One 4-rank torchrun job
+optimizer; a checkpoint saved at CP = 2 (distributed optimizer) resumed at CP = 1. One 4-rank torchrun job
 (tests/mp/gpt_cp_checks.py), whose reports every test reads."""
 import pathlib
 

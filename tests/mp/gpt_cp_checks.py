@@ -87,9 +87,10 @@ def training_equality(out):
 
 
 def resume_at_cp1(out, ckpt_dir):
-    """CP=2 (DP=2): 5 iterations, save, 3 more (the reference); then CP=1 (DP=4) from the
+    """CP=2 (DP=2) with the distributed optimizer (Adam states sharded over DP x CP = 4):
+    5 iterations, save, 3 more (the reference); then CP=1 (DP=4, plain AdamW) from the
     checkpoint for the same 3."""
-    args = args_for(CONFIGS["cp2"])
+    args = args_for(CONFIGS["cp2"], "--use-distributed-optimizer")
     state = training.setup(args, log=lambda s: None)
     training.train(state, train_iters=5, log=lambda s: None)
     batch = training.get_batch(state, 0, 0)
