@@ -4,7 +4,7 @@ parallelism, against Korthikanti et al. 2022 (lab 05).
     torchrun --standalone --nproc-per-node 2 launch/activation_memory.py --tp 2 \
         --seq 128 --batch 2 --hidden 64 --heads 8 [--attention explicit sdpa]
 
-Every rank builds one ``ParallelTransformerLayer`` (dropout 0, fp32), runs its forward on its
+Every rank builds one ``TransformerLayer`` (dropout 0, fp32), runs its forward on its
 part of a batch and counts, through ``torch.autograd.graph.saved_tensors_hooks``, the bytes
 autograd keeps for backward (:mod:`mpu_lab.perf.activation_memory`). Rank 0 prints the table; every
 rank reports ``{"tp": t, "rows": [...]}``: for each ``--attention`` implementation a row

@@ -1,5 +1,5 @@
 """Activation memory per layer: Korthikanti et al. 2022's formulas (mpu_lab.perf), their terms,
-and what autograd really keeps for one ParallelTransformerLayer (mpu_lab.perf.activation_memory)."""
+and what autograd really keeps for one TransformerLayer (mpu_lab.perf.activation_memory)."""
 import pytest
 import torch
 

@@ -6,7 +6,7 @@ import torch
 
 from mpu_lab import datasets, training
 from mpu_lab.checkpointing import CheckpointError, find_checkpoint, gather_model_state_dict
-from mpu_lab.models import (GPTModel, ParallelAttention, ParallelTransformerLayer, PlainGPT,
+from mpu_lab.models import (GPTModel, SelfAttention, TransformerLayer, PlainGPT,
                             TransformerConfig, format_shape_table, pad_vocab_size, shape_table)
 from mpu_lab.models.attention import explicit_causal_attention
 from mpu_lab.models.gpt import _PlainLayer
@@ -41,7 +41,7 @@ def test_gpt_at_tp1_equals_the_plain_pytorch_twin_forward_and_backward():
 def test_transformer_layer_equals_dense_layer_within_5e_5():
     torch.manual_seed(1)
     cfg = small_config(activation="relu")
-    layer = ParallelTransformerLayer(cfg)
+    layer = TransformerLayer(cfg)
     dense = _PlainLayer(64, 4, 256, "relu", 1e-5)
     dense.load_state_dict({k: v for k, v in layer.state_dict().items()})
     x = torch.randn(16, 3, 64)                                   # [s, b, h]
@@ -60,7 +60,7 @@ def test_fused_qkv_rows_are_grouped_by_head():
     # contiguous block of 3D/t rows holds whole heads. Rebuild attention by hand from it.
     torch.manual_seed(3)
     cfg = small_config()
-    attn = ParallelAttention(cfg)
+    attn = SelfAttention(cfg)
     x = torch.randn(8, 2, 64)                                    # [s, b, D]
     W, bias = attn.linear_qkv.weight, attn.linear_qkv.bias
     H, heads = 16, []

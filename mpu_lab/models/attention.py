@@ -1,7 +1,6 @@
 """Tensor-parallel causal self-attention, :class:`SelfAttention` (Megatron-core's
-``core/transformer/attention.py``, class ``SelfAttention``; ``ParallelAttention`` is
-Megatron's legacy name, ``megatron/legacy/model/transformer.py``, kept here as an alias) —
-Shoeybi et al. 2019, §3, Fig. 3b.
+``core/transformer/attention.py``, class ``SelfAttention``; Megatron's legacy code calls
+it ``ParallelAttention``) — Shoeybi et al. 2019, §3, Fig. 3b.
 
 Heads are independent, so tensor parallelism gives each rank ``n_H / t`` whole heads: the
 fused QKV projection is column-parallel (each rank computes Q, K and V of its heads only),
@@ -156,6 +155,3 @@ class SelfAttention(torch.nn.Module):
         out, bias = self.linear_proj(z)                         # Out = Z W^O, all-reduced: [s, b, D]
         record("Out", out, ("L", "B", "D"))
         return out, bias
-
-
-ParallelAttention = SelfAttention   # Megatron's legacy name (megatron/legacy/model/transformer.py)

@@ -1,6 +1,6 @@
 """The tensor-parallel MLP block, :class:`MLP` (Megatron-core's ``core/transformer/mlp.py``,
-class ``MLP``; ``ParallelMLP`` is Megatron's legacy name, ``megatron/legacy/model/transformer.py``,
-kept here as an alias) — Shoeybi et al. 2019, §3, Fig. 3a.
+class ``MLP``; Megatron's legacy code calls it ``ParallelMLP``) — Shoeybi et al. 2019, §3,
+Fig. 3a.
 
     x' = act(x W^1) W^2          W^1: D x F split by columns, W^2: F x D split by rows
 
@@ -55,6 +55,3 @@ class MLP(torch.nn.Module):
         out, bias = self.linear_fc2(a)                  # x' = A' W^2, all-reduced: [s, b, h]
         record("x'", out, ("L", "B", "D"))
         return out, bias
-
-
-ParallelMLP = MLP   # Megatron's legacy name (megatron/legacy/model/transformer.py)

@@ -1,9 +1,9 @@
 """Transformer layer and block, tensor- and sequence-parallel: :class:`TransformerLayer` and
 :class:`TransformerBlock` (Megatron-core's ``core/transformer/transformer_layer.py`` and
-``transformer_block.py``; ``ParallelTransformerLayer`` and ``ParallelTransformer`` are
-Megatron's legacy names, ``megatron/legacy/model/transformer.py``, kept here as aliases), and
-:func:`finalize_model_grads`, the sequence-parallel gradient all-reduce (Megatron-core's
-``_allreduce_layernorm_grads`` in ``core/distributed/finalize_model_grads.py``).
+``transformer_block.py``; ``ParallelTransformerLayer`` and ``ParallelTransformer`` in
+Megatron's legacy code), and :func:`finalize_model_grads`, the sequence-parallel gradient
+all-reduce (Megatron-core's ``_allreduce_layernorm_grads`` in
+``core/distributed/finalize_model_grads.py``).
 :class:`TransformerConfig` lives in :mod:`~mpu_lab.models.transformer_config` and is
 re-exported here.
 
@@ -108,11 +108,6 @@ class TransformerBlock(torch.nn.Module):
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
-
-
-# Megatron's legacy names (megatron/legacy/model/transformer.py)
-ParallelTransformerLayer = TransformerLayer
-ParallelTransformer = TransformerBlock
 
 
 def sequence_parallel_params(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:

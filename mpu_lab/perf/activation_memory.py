@@ -4,7 +4,7 @@ the terms of Korthikanti et al. 2022.
 The paper's terms (§4.1; tensor parallelism §4.2.1, sequence parallelism §4.2.2) and their sum,
 ``sbh (34 + 5as/h)`` and its Table 2 family, are in :mod:`mpu_lab.perf.cost_model.activations`
 (re-exported here). :func:`measure_layer_activation_bytes` counts what autograd really saves for
-one ``ParallelTransformerLayer`` forward (``torch.autograd.graph.saved_tensors_hooks``; every
+one ``TransformerLayer`` forward (``torch.autograd.graph.saved_tensors_hooks``; every
 storage counted once, parameters left out). :func:`mpu_lab_terms` is the list of terms that
 matches this package's layer byte for byte:
 
@@ -31,7 +31,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from mpu_lab import distributed, parallel_state
-from mpu_lab.models.transformer import ParallelTransformerLayer, TransformerConfig
+from mpu_lab.models.transformer import TransformerLayer, TransformerConfig
 from mpu_lab.perf.cost_model.activations import (  # noqa: F401  (the terms, one home)
     BOOKKEEPING, CATEGORIES, MASKS, REPLICATED, SCORES, SPLIT, Term,
     activation_memory_per_layer, layer_activation_terms, paper_terms, total)
@@ -40,7 +40,7 @@ from mpu_lab.perf.cost_model.activations import (  # noqa: F401  (the terms, one
 def mpu_lab_terms(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
                   attention: str = "explicit", activation: str = "gelu",
                   dtype: torch.dtype = torch.float32) -> List[Term]:
-    """The terms of this package's ``ParallelTransformerLayer`` with dropout 0 (the labs'
+    """The terms of this package's ``TransformerLayer`` with dropout 0 (the labs'
     setting): what :func:`measure_layer_activation_bytes` finds, byte for byte."""
     return layer_activation_terms(
         s, b, h, a, t, sequence_parallel, bytes_per_value=torch.finfo(dtype).bits // 8,
@@ -92,7 +92,7 @@ def measure_layer_activation_bytes(s: int, b: int, h: int, a: int,
                                    sequence_parallel: bool = False,
                                    attention_impl: str = "explicit", activation: str = "gelu",
                                    seed: int = 0) -> SavedTensors:
-    """Run one ``ParallelTransformerLayer`` forward on this rank (input ``[s, b, h]``, or the
+    """Run one ``TransformerLayer`` forward on this rank (input ``[s, b, h]``, or the
     rank's ``[s/t, b, h]`` with sequence parallelism, requiring grad) and return what autograd
     saved for its backward. The tensor-parallel size is the current group's (at TP=1 this
     runs in the calling process: :func:`mpu_lab.distributed.init_single_process`)."""
@@ -105,7 +105,7 @@ def measure_layer_activation_bytes(s: int, b: int, h: int, a: int,
     config.check(t, s)
     device = distributed.get_device()
     torch.manual_seed(seed)
-    layer = ParallelTransformerLayer(config)
+    layer = TransformerLayer(config)
     rows = s // t if sequence_parallel else s
     x = torch.randn(rows, b, h, device=device, requires_grad=True)   # [s(/t), b, h]
     with SavedTensors(exclude=layer.parameters()) as saved:
