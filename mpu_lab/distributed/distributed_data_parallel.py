@@ -20,7 +20,9 @@ How a step goes:
 3. :meth:`DistributedDataParallel.finish_grad_sync` starts the buckets not started yet and
    waits for all of them. The reduction is an average over the data-parallel group: an
    all-reduce (every rank gets the whole averaged gradient) or, for the distributed optimizer,
-   a reduce-scatter (each rank gets the average of its own shard of each bucket only).
+   a reduce-scatter (each rank gets the average of its own shard of each bucket only). With
+   context parallelism the trainer passes the data x context parallel group (Megatron's
+   dp-cp): its ranks hold the same weights and different tokens.
 
 Buckets of ``late_params`` (see :mod:`~mpu_lab.distributed.param_and_grad_buffer`) are reduced
 only by ``finish_grad_sync(late=True)``, which the caller runs after the model-parallel sums of

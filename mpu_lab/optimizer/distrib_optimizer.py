@@ -14,6 +14,10 @@ Each data-parallel rank owns one contiguous shard of every bucket of the gradien
    optimizer states per rank are 1/d of the plain optimizer's;
 3. the updated shards are **all-gathered** into every rank's parameter buffer.
 
+With context parallelism the group is data x context parallel (Megatron's dp-cp group): the
+context-parallel ranks hold the same weights, so they share the optimizer states like
+data-parallel ranks (:func:`mpu_lab.training.initialize.wrap_megatron_ddp` passes that group).
+
 A reduce-scatter plus an all-gather move the same bytes as the one all-reduce of plain data
 parallelism (an all-reduce *is* a reduce-scatter followed by an all-gather), so the memory is
 saved for free in communication volume.

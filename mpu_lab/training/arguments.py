@@ -210,7 +210,7 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
     _fill_batch_sizes(args, world_size, dp)
     _validate_pipeline(args)
     _check_optimizer_and_schedule(args)
-    _check_data_parallel_options(args, dp)
+    _check_data_parallel_options(args, dp * args.context_parallel_size)
     _check_save_interval(args)
     _check_vocabulary(args)
     _check_load(args, check_load)
@@ -279,12 +279,13 @@ def _check_optimizer_and_schedule(args) -> None:
                          f"({args.weight_decay}) must be >= 0")
 
 
-def _check_data_parallel_options(args, dp: int) -> None:
+def _check_data_parallel_options(args, dp_cp: int) -> None:
     """``--ddp-bucket-size``: positive, and only with Megatron's data parallelism."""
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ValueError(f"--ddp-bucket-size must be a positive number of elements, got "
                          f"{args.ddp_bucket_size} (leave it out for Megatron's default, "
-                         f"max(40000000, 1000000 x DP) = {max(40_000_000, 1_000_000 * dp)})")
+                         f"max(40000000, 1000000 x DP x CP) = "
+                         f"{max(40_000_000, 1_000_000 * dp_cp)})")
     if args.ddp_bucket_size is not None and not (args.use_distributed_optimizer
                                                  or args.overlap_grad_reduce):
         raise ValueError(f"--ddp-bucket-size {args.ddp_bucket_size} sizes the buckets of "
