@@ -59,7 +59,8 @@ def test_the_solution_passes_every_case_on_every_rank(grading_world, as_notebook
     assert exercises.grade(as_notebook(OWN_SOLUTION)["solution_groups"], RANK_GROUPS,
                            grading_world)
     out = capsys.readouterr().out
-    assert out.startswith("Right: solution_groups agrees with the reference on all 4 ranks for 8 inputs")
+    assert out.startswith("Right: solution_groups agrees with the reference on all 4 ranks for 8 "
+                          "inputs")
     assert "16 GPUs, t=2, p=4" in out and "checked against its live process groups" in out
 
 
@@ -80,7 +81,7 @@ def test_swapped_sizes_fail_naming_rank_input_expected_and_got(grading_world, as
     assert out.startswith("Not yet: rank 0, input 'the lab's world (its n, t, p), checked "
                           "against its live process groups': the tp group of rank 0 "
                           "(this world: n=4, t=2, p=1) expected [0, 1], got [0].")
-    assert "Hint: with order tp-cp-dp-pp" in out
+    assert "Hint: in Megatron-core's default order tp-cp-ep-dp-pp" in out
 
 
 def test_consecutive_data_parallel_groups_fail_on_the_rank_that_sees_it(grading_world,

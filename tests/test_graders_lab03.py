@@ -100,7 +100,8 @@ def test_solution_is_right(grading_world, capsys, as_notebook):
                grading_world)
     out = capsys.readouterr().out
     assert ok, out
-    assert out.startswith("Right: solution_row_forward agrees") and "all 4 ranks for 5 inputs" in out
+    assert out.startswith("Right: solution_row_forward agrees")
+    assert "all 4 ranks for 5 inputs" in out
 
 
 def test_a_right_answer_under_the_learners_name_is_right(grading_world, capsys, as_notebook):

@@ -226,3 +226,66 @@ def test_one_ranks_fp16_overflow_makes_every_rank_skip_the_step(grading_world, c
     no_fault = debugging.overflow_demo(grading_world, bad_rank=1, factor=1.0)
     capsys.readouterr()
     assert not any(row["skipped"] for row in no_fault)
+
+
+# --------------------------------------------------------------------------- the jobs, unnamed
+class _FakeRun:
+    """A broken run's report as the launcher prints it (worked from lab 09's stored hang job)."""
+    fault = "hang:1"
+
+    def show(self):
+        print("torchrun --nproc-per-node 2 launch/train_gpt.py --train-iters 3 "
+              "--inject-fault hang:1 (+ a tiny GPT)\n"
+              "Not in it: rank 1 was stopped at mpu_lab/labkit/faults.py:231 in hang.")
+
+    def diagnosis(self):
+        print("  rank 1: was stopped at mpu_lab/labkit/faults.py, in hang")
+
+    def likely_cause(self):
+        print("likely cause: rank 1 never reached the collective")
+
+
+def test_the_report_hides_the_fault_until_reveal(capsys):
+    run = _FakeRun()
+    lab09.print_report(run)
+    lab09.print_report(run, "diagnosis")
+    out = capsys.readouterr().out
+    assert out == ("torchrun --nproc-per-node 2 launch/train_gpt.py --train-iters 3 "
+                   "--inject-fault ? (+ a tiny GPT)\n"
+                   "Not in it: rank 1 was stopped at mpu_lab/labkit/faults.py:231 in "
+                   "(the injected fault).\n"
+                   "  rank 1: was stopped at mpu_lab/labkit/faults.py, in (the injected fault)\n")
+    assert "hang" not in out
+    lab09.reveal(run.fault, run)
+    assert capsys.readouterr().out == (
+        f"it was --inject-fault hang:1: {FAULT_KINDS['hang']['what']}\n"
+        "likely cause: rank 1 never reached the collective\n")
+    with pytest.raises(ValueError, match="part must be 'show' or 'diagnosis', got 'all'"):
+        lab09.print_report(run, "all")
+
+
+def test_jobs_are_numbered_in_the_labs_order_with_their_faults_hidden(capsys):
+    class Jobs:      # what the helpers read of broken_jobs.BrokenJobs: its jobs, by name
+        jobs = {n: j for n, j in broken_jobs.lab_jobs(4).items() if n not in broken_jobs.NOT_RUN}
+
+        def result(self, name):
+            return f"the {name} run"
+
+    jobs = Jobs()
+    assert lab09.job_names(jobs)[:2] == ["hang", "skip-collective"]
+    assert lab09.job_result(jobs, 1) == "the hang run"
+    assert lab09.lab_job(jobs, 5) is jobs.jobs["crash"]
+    lab09.print_jobs(jobs)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(jobs.jobs) and lines[0].startswith("job 1  2 ranks  --inject-fault ?")
+    assert lines[4].endswith("(you start this one yourself)")
+    assert not any(kind in line for line in lines for kind in FAULT_KINDS)
+    with pytest.raises(ValueError, match=f"there is no job 0: the jobs are 1 to {len(lines)}"):
+        lab09.job_result(jobs, 0)
+
+
+def test_check_cause_takes_the_jobs_fault_spec(capsys):
+    letter = lab09.letter_of("crash")
+    assert lab09.check_cause(letter, "crash:1")
+    assert lab09.check_cause(letter, "crash:1:2")
+    assert capsys.readouterr().out.startswith(f"Right: {letter}.")

@@ -89,7 +89,8 @@ def precision_bytes() -> Dict[str, Dict[str, int]]:
     state = optimizer.state[p]
     ours = {f"{str(p.dtype)[6:]} param": p.element_size(),
             f"{str(p.grad.dtype)[6:]} grad": p.grad.element_size(),
-            "Adam m": state["exp_avg"].element_size(), "Adam v": state["exp_avg_sq"].element_size()}
+            "Adam m": state["exp_avg"].element_size(),
+            "Adam v": state["exp_avg_sq"].element_size()}
     if sum(ours.values()) != mpu_lab_bytes_per_parameter():
         raise RuntimeError(f"measured {ours} but mpu_lab.perf.memory counts "
                            f"{mpu_lab_bytes_per_parameter():g} bytes per parameter")

@@ -297,7 +297,8 @@ def _grade_cases(learners: Tuple[Callable, ...], exercise: Exercise, world) -> V
                       f"{reply['expected']}, got {reply['got']}.\nHint: {exercise.hint}")
                 return Verdict(False)
     count = len(exercise.cases)
-    print(f"{RIGHT} {graded_name(learners, exercise)} agrees with the reference on all {world.world_size} ranks "
+    print(f"{RIGHT} {graded_name(learners, exercise)} agrees with the reference on all "
+          f"{world.world_size} ranks "
           f"for {count} input{'s' if count != 1 else ''}: "
           + "; ".join(c.name for c in exercise.cases) + ".")
     return Verdict(True)

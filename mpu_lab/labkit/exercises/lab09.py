@@ -1,17 +1,25 @@
 """Lab 09's checks: name the cause of a broken job from its diagnosis (:func:`check_cause`), the
-rank to look at first (:func:`check_culprit`), and the write-the-code exercise
+rank to look at first (:func:`check_culprit`), the jobs as the learner meets them (numbered,
+their fault hidden in the launcher's report until the learner has named the cause:
+:func:`print_jobs`, :func:`job_result`, :func:`print_report`, then :func:`reveal`), and the
+write-the-code exercise
 :data:`EXCHANGE`: one pipeline stage's blocking sends and receives with its neighbours, in an
 order that cannot deadlock, run with real point-to-point messages on a live world."""
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import string
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from mpu_lab import distributed, parallel_state
 from mpu_lab.labkit.exercises.common import Verdict, as_int, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, show
+from mpu_lab.labkit.broken_jobs import FOREGROUND
+from mpu_lab.labkit.debugging import overflow_demo
 from mpu_lab.labkit.faults import FAULT_KINDS
 
 
@@ -39,7 +47,10 @@ def print_suspects() -> None:
 
 
 def check_cause(answer: Any, kind: str) -> Verdict:
-    """The letter (see :func:`print_suspects`) of the cause behind the fault ``kind``."""
+    """The letter (see :func:`print_suspects`) of the cause behind the fault ``kind`` (a kind
+    of :data:`~mpu_lab.labkit.faults.FAULT_KINDS`, or a job's ``KIND:RANK[:ITERATION]`` as
+    ``run.fault`` gives it, so a notebook need not name the fault)."""
+    kind = str(kind).split(":")[0]
     letters = suspects()
     if unanswered(answer, f"a letter {', '.join(letters)} from the list of causes"):
         return Verdict(False)
@@ -69,6 +80,83 @@ def check_culprit(answer: Any, fault: str) -> Verdict:
                     f"only timed out waiting for it.",
                     f"{answer!r} is not it. Hint: the rank that raised first waited in a "
                     f"collective; look for the rank that was somewhere else.")
+
+
+# --------------------------------------------------------------------------- the jobs, unnamed
+# The learner reads each job's report before naming its cause, so the lab calls the jobs by
+# number and hides what would name the fault: the --inject-fault flag and the injected frame's
+# function name (faults.py's functions are named after their faults). reveal() shows both.
+_FAULT_FLAG = re.compile(r"--inject-fault [\w:.-]+")
+_FAULT_FRAME = re.compile(r"(faults\.py(?::\d+)?,? in )\w+")
+# The fault the lab runs on the playground's ranks rather than as a job (the last numbered one).
+PLAYGROUND_FAULT = "fp16-overflow:1"
+
+
+def masked(text: str) -> str:
+    """``text`` with the fault's name hidden: ``--inject-fault ?`` and ``faults.py, in (the
+    injected fault)``."""
+    return _FAULT_FRAME.sub(r"\1(the injected fault)", _FAULT_FLAG.sub("--inject-fault ?", text))
+
+
+def job_names(jobs) -> List[str]:
+    """The lab's jobs in the order the lab takes them (``jobs``: a
+    :class:`~mpu_lab.labkit.broken_jobs.BrokenJobs`); job ``k`` is ``job_names(jobs)[k - 1]``."""
+    return list(jobs.jobs)
+
+
+def _name(jobs, number: int) -> str:
+    names = job_names(jobs)
+    if not 1 <= number <= len(names):
+        raise ValueError(f"there is no job {number}: the jobs are 1 to {len(names)}")
+    return names[number - 1]
+
+
+def print_jobs(jobs) -> None:
+    """The jobs by number: ranks and flags, with the injected fault hidden."""
+    for k, name in enumerate(job_names(jobs), start=1):
+        job = jobs.jobs[name]
+        how = "  (you start this one yourself)" if name in FOREGROUND else ""
+        print(f"job {k}  {job.nproc} ranks  --inject-fault ?  " + " ".join(job.flags) + how)
+
+
+def lab_job(jobs, number: int):
+    """Job ``number``'s :class:`~mpu_lab.labkit.broken_jobs.BrokenJob` (to start it yourself)."""
+    return jobs.jobs[_name(jobs, number)]
+
+
+def job_result(jobs, number: int):
+    """What job ``number`` did (waiting for it if it has not ended)."""
+    return jobs.result(_name(jobs, number))
+
+
+def _printed(show: Callable[[], None]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        show()
+    return out.getvalue()
+
+
+def print_report(run, part: str = "show") -> None:
+    """The launcher's report of a broken job, ``run.show()`` (``part="show"``) or
+    ``run.diagnosis()`` (``part="diagnosis"``), with the fault's name hidden (:func:`masked`)."""
+    if part not in ("show", "diagnosis"):
+        raise ValueError(f"part must be 'show' or 'diagnosis', got {part!r}")
+    print(masked(_printed(getattr(run, part))), end="")
+
+
+def run_playground_job(world) -> List[Dict[str, Any]]:
+    """The last job, run on the playground's ranks (:data:`PLAYGROUND_FAULT`): each rank's one
+    step side by side (:func:`mpu_lab.labkit.debugging.overflow_demo`)."""
+    return overflow_demo(world, bad_rank=int(PLAYGROUND_FAULT.split(":")[1]))
+
+
+def reveal(fault: str, run=None) -> None:
+    """After the learner has named the cause: the fault (``--inject-fault`` as given), what it
+    does, and, for a job, the launcher's own likely cause."""
+    kind = str(fault).split(":")[0]
+    print(f"it was --inject-fault {fault}: {FAULT_KINDS[kind]['what']}")
+    if run is not None:
+        run.likely_cause()
 
 
 # --------------------------------------------------------------------------- write the code
