@@ -172,7 +172,8 @@ def _live_case(learner: Callable) -> Outcome:
 def run_rank_groups(learner: Callable, case: Case) -> Outcome:
     """Runs on every rank: the learner's ``my_groups(world_size, tp, pp, family)`` for the
     ``tp``, ``dp`` and ``pp`` families against :func:`mpu_lab.parallel_state.generate_rank_groups`
-    (order ``tp-cp-dp-pp``, cp = 1)."""
+    (Megatron-core's default order ``tp-cp-ep-dp-pp``, cp = ep = 1: the groups of
+    ``tp-cp-dp-pp``)."""
     if case.params.get("live"):
         return _live_case(learner)
     return _static_case(learner, case.params["n"], case.params["tp"], case.params["pp"])
@@ -192,8 +193,8 @@ RANK_GROUPS = Exercise(
         Case("8 GPUs, t=8, p=1 (t = n: one tensor-parallel group)", {"n": 8, "tp": 8, "pp": 1}),
         Case("1 GPU", {"n": 1, "tp": 1, "pp": 1}),
     ],
-    hint=("with order tp-cp-dp-pp and c=1, rank = tp_rank + t*(dp_rank + d*pp_rank), d = n/(t*p). "
-          "A family's group holds the ranks that share every coordinate except that family's: "
-          "tp groups are runs of t neighbours, dp groups step by t, pp groups step by t*d. List "
-          "each group in ascending rank order."),
+    hint=("in Megatron-core's default order tp-cp-ep-dp-pp with c = ep = 1 (the same groups "
+          "as tp-cp-dp-pp), rank = tp_rank + t*(dp_rank + d*pp_rank), d = n/(t*p). A family's "
+          "group holds the ranks that share every coordinate except that family's. List each "
+          "group in ascending rank order."),
 )
