@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from mpu_lab import comm
+from mpu_lab.comm import exchange
 from mpu_lab.models import TransformerConfig
 from mpu_lab.models.moe import (
     MoEAuxLossAutoScaler, MoELayer, apply_router_token_dropping, get_capacity, permute,
@@ -125,7 +125,7 @@ def test_check_moe_accepts_a_valid_layout():
 # --------------------------------------------------------------------------- the layer, one rank
 def test_all_to_all_with_splits_refuses_splits_that_do_not_add_up(world):
     with pytest.raises(ValueError, match=r"add up to 3, not the 4 rows"):
-        comm.all_to_all_with_splits(torch.zeros(4, 2), [3], [3])
+        exchange.all_to_all_with_splits(torch.zeros(4, 2), [3], [3])
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

@@ -18,22 +18,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab import comm
+from mpu_lab.comm import exchange
 from mpu_lab.context_parallel.layout import natural_to_rank_order, rank_order_to_natural
 
 
 class AllToAll(torch.autograd.Function):
-    """Forward: :func:`mpu_lab.comm.all_to_all` (split ``scatter_dim`` across the ranks,
+    """Forward: :func:`mpu_lab.comm.exchange.all_to_all` (split ``scatter_dim`` across the ranks,
     concatenate what arrives along ``gather_dim``). Backward: the same exchange reversed."""
 
     @staticmethod
     def forward(ctx, x, group, scatter_dim: int, gather_dim: int):
         ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
-        return comm.all_to_all(x, group, scatter_dim, gather_dim)
+        return exchange.all_to_all(x, group, scatter_dim, gather_dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+        return exchange.all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
 def all_to_all_cp2hp(x: torch.Tensor, group) -> torch.Tensor:

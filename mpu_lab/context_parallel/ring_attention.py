@@ -33,7 +33,7 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm
+from mpu_lab.comm import exchange
 from mpu_lab.context_parallel.block_attention import (block_backward, block_forward,
                                                       compute_dtype, merge, softmax_delta)
 
@@ -72,7 +72,7 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
         out = lse = None                           # [s/cp, b, n, d], [b, n, s/cp]
         for step in range(cp_size):
             if step + 1 < cp_size:                 # the next block travels while this one computes
-                incoming = comm.send_recv_async(kv, send_to, recv_from, group, tag=KV_TAG)
+                incoming = exchange.send_recv_async(kv, send_to, recv_from, group, tag=KV_TAG)
             kv_rank = (cp_rank - step) % cp_size
             rows, cols, diagonal = block_pair(kv_rank, cp_rank, causal, chunk)
             block_out, block_lse = block_forward(q_acc[rows], kv[0, cols].to(dtype),
@@ -104,7 +104,7 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)   # the travelling block's dK, dV
         for step in range(cp_size):
             if step + 1 < cp_size:
-                incoming = comm.send_recv_async(kv, send_to, recv_from, group, tag=KV_TAG)
+                incoming = exchange.send_recv_async(kv, send_to, recv_from, group, tag=KV_TAG)
             kv_rank = (cp_rank - step) % cp_size
             rows, cols, diagonal = block_pair(kv_rank, cp_rank, causal, chunk)
             dq_block, dk_block, dv_block = block_backward(
@@ -117,7 +117,7 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
                 kv = incoming.wait()
             # dK, dV follow their block to the rank that uses it next; after the last step the
             # next rank is the block's owner, and this rank receives its own block's gradient.
-            dkv = comm.send_recv(dkv, send_to, recv_from, group, tag=DKV_TAG)
+            dkv = exchange.send_recv(dkv, send_to, recv_from, group, tag=DKV_TAG)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 

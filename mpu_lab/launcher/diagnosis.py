@@ -71,7 +71,7 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 _C10D_FILES = ("distributed_c10d.py",)
 _P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 # mpu_lab's thin wrapper around torch.distributed: its frames say nothing about who called it.
-_PLUMBING = (pathlib.Path(__file__).resolve().parent.parent / "comm.py",)
+_PLUMBING = tuple((pathlib.Path(__file__).resolve().parent.parent / "comm").glob("*.py"))
 _SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 
 

@@ -5,7 +5,7 @@ timer:``), the functions of :mod:`mpu_lab.comm` (``all_reduce``, ``all_gather``,
 ``reduce_scatter``, ``broadcast``, ``all_to_all``, ``send_recv`` and the ``*_async`` ones) and
 ``pipeline_parallel.p2p_communication.communicate`` are replaced by timing wrappers, and put
 back when the last timer closes. Every caller in the package calls them as ``comm.all_reduce``
-(a lookup on the module at call time), so the wrappers see every call.
+or ``exchange.all_to_all`` (a lookup on the module at call time), so the wrappers see every call.
 
 What a call's time means: a blocking collective returns when the *last* rank of its group has
 arrived, so its time is the transfer plus the wait for the slowest peer (for p2p, for the
@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 from mpu_lab import comm, distributed, parallel_state
+from mpu_lab.comm import exchange
 from mpu_lab.pipeline_parallel import p2p_communication
 
-# The functions of mpu_lab.comm that are wrapped (those this version of it has).
-BLOCKING = tuple(name for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
-                                   "all_to_all", "send_recv") if hasattr(comm, name))
-ASYNC = tuple(name for name in ("all_reduce_async", "all_gather_async", "reduce_scatter_async",
-                                "send_recv_async") if hasattr(comm, name))
+# The functions of mpu_lab.comm and mpu_lab.comm.exchange that are wrapped, and their module.
+BLOCKING = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
+ASYNC = ("all_reduce_async", "all_gather_async", "reduce_scatter_async", "send_recv_async")
+HOME = {name: exchange if hasattr(exchange, name) else comm for name in BLOCKING + ASYNC}
 P2P = "communicate"     # the one function every p2p_communication call goes through
 
 
@@ -115,15 +115,15 @@ def _observe(delta: int) -> None:
     last one leaves."""
     if _OBSERVERS[0] == 0 and delta > 0:
         for name in BLOCKING + ASYNC:
-            _ORIGINALS[name] = getattr(comm, name)
+            _ORIGINALS[name] = getattr(HOME[name], name)
             wrap = _blocking if name in BLOCKING else _async
-            setattr(comm, name, wrap(name.replace("_async", ""), _ORIGINALS[name]))
+            setattr(HOME[name], name, wrap(name.replace("_async", ""), _ORIGINALS[name]))
         _ORIGINALS[P2P] = getattr(p2p_communication, P2P)
         setattr(p2p_communication, P2P, _p2p(_ORIGINALS[P2P]))
     _OBSERVERS[0] += delta
     if _OBSERVERS[0] == 0:
         for name, fn in _ORIGINALS.items():
-            setattr(p2p_communication if name == P2P else comm, name, fn)
+            setattr(p2p_communication if name == P2P else HOME[name], name, fn)
         _ORIGINALS.clear()
 
 

@@ -1,19 +1,9 @@
 """Tensor (intra-layer) model parallelism after Shoeybi et al. 2019, "Megatron-LM", §3,
 with the sequence-parallel operators of Korthikanti et al. 2022.
 
-Modules, named as in Megatron-core's ``megatron.core.tensor_parallel``:
-
-* :mod:`~mpu_lab.tensor_parallel.mappings` — the ``f``/``g`` operators and their
-  scatter/gather and sequence-parallel relatives (autograd Functions);
-* :mod:`~mpu_lab.tensor_parallel.layers` — ``ColumnParallelLinear``, ``RowParallelLinear``,
-  ``VocabParallelEmbedding``;
-* :mod:`~mpu_lab.tensor_parallel.linear_autograd` — the layers' autograd function after
-  Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` (keeps the sequence-parallel
-  block, re-gathers in backward, overlaps the reductions with the gradient GEMMs);
-* :mod:`~mpu_lab.tensor_parallel.cross_entropy` — loss over vocab-split logits;
-* :mod:`~mpu_lab.tensor_parallel.data` — ``broadcast_data`` within a tensor-parallel group;
-* :mod:`~mpu_lab.tensor_parallel.random` — RNG streams for dropout inside/outside regions;
-* :mod:`~mpu_lab.tensor_parallel.utils` — divisibility, splits, vocab ranges.
+Modules, named as in Megatron-core's ``megatron.core.tensor_parallel``: ``mappings`` (``f``,
+``g`` and their scatter/gather and sequence-parallel relatives), ``layers`` and their autograd
+function ``linear_autograd``, ``cross_entropy``, ``data``, ``random`` (RNG streams), ``utils``.
 """
 # The package's names, as Megatron-core's ``megatron.core.tensor_parallel`` exports them.
 from mpu_lab.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -31,7 +21,7 @@ from mpu_lab.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region)
 from mpu_lab.tensor_parallel.random import (
-    CudaRNGStatesTracker, RNGStatesTracker, checkpoint, get_cuda_rng_tracker, get_rng_tracker,
+    RNGStatesTracker, checkpoint, get_cuda_rng_tracker, get_rng_tracker,
     model_parallel_cuda_manual_seed, model_parallel_manual_seed)
 from mpu_lab.tensor_parallel.utils import (
     VocabUtility, divide, ensure_divisibility, gather_split_1d_tensor,

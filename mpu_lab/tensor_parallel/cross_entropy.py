@@ -12,13 +12,10 @@ Rank ``r`` holds the logits of vocabulary ids ``[r * V/t, (r + 1) * V/t)``. Mega
 
 Backward needs no communication: ``d loss / d logits = softmax - onehot`` on the local slice.
 
-Label smoothing. torch (``F.cross_entropy(..., label_smoothing=eps)``) mixes the one-hot target
-with a uniform distribution over all ``V`` classes: ``q = (1 - eps) onehot + eps / V``, so
-``loss = (1 - eps) * nll - eps * mean_v log p_v``. Megatron-core instead rescales
-``eps`` to ``eps * K / (K - 1)`` (the mass goes to the ``K - 1`` wrong classes) and takes the
-mean of ``log p`` over the local partition only (``K = V/t``). We follow torch's definition,
-which needs one more all-reduce SUM (of the shifted logits) to take the mean over the whole
-vocabulary; then the result matches ``F.cross_entropy`` at any tensor-parallel size.
+Label smoothing follows torch's ``F.cross_entropy``: ``q = (1 - eps) onehot + eps / V``, so
+``loss = (1 - eps) * nll - eps * mean_v log p_v``, the mean over the whole vocabulary (one more
+all-reduce SUM); it matches torch at any tensor-parallel size. Megatron-core rescales ``eps`` to
+``eps * K / (K - 1)`` and means ``log p`` over the local partition only (``K = V/t``).
 """
 from __future__ import annotations
 

@@ -27,11 +27,8 @@ def _check_data_types(keys: Sequence, data: Mapping, target_dtype: torch.dtype) 
 
 def _build_key_size_numel_dictionaries(keys: Sequence, data: Optional[Mapping]
                                        ) -> Tuple[Dict, Dict, int]:
-    """Shapes of ``data[key]`` on the source rank, broadcast to the group.
-
-    The shapes travel as one int64 tensor of ``_MAX_DATA_DIM`` slots per key, 0-padded — so a
-    dimension of size 0 cannot be sent (it would read as the end of the shape).
-    """
+    """Shapes of ``data[key]`` on the source rank, broadcast to the group as one int64 tensor of
+    ``_MAX_DATA_DIM`` slots per key, 0-padded (so a dimension of size 0 cannot be sent)."""
     group = parallel_state.get_tensor_model_parallel_group()
     src = parallel_state.get_tensor_model_parallel_src_rank()
     sizes = [0] * (_MAX_DATA_DIM * len(keys))

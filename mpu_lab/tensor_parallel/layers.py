@@ -96,8 +96,7 @@ def _initialize_affine_weight_cpu(weight: torch.Tensor, output_size: int, input_
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), \
         parallel_state.get_tensor_model_parallel_world_size()
-    # Built on the CPU in fp32 under the default generator: the same numbers on every rank and
-    # on every device; only this rank's slice is copied into ``weight`` (on the rank's device).
+    # On the CPU in fp32 under the default generator: the same numbers on every rank and device.
     master_weight = torch.empty(output_size, input_size, dtype=torch.float32, device="cpu",
                                 requires_grad=False)   # cpu: the master weight, on purpose
     init_method(master_weight)
@@ -156,23 +155,17 @@ class ColumnParallelLinear(torch.nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor):
-        # Megatron's linear (linear_autograd): under sequence parallelism it gathers the
-        # [s/t, b, h] block to [s, b, h] but keeps only the block for backward, where it gathers
-        # it again and reduce-scatters the input gradient; otherwise f's backward all-reduce of
-        # the input gradient happens inside it (allreduce_dgrad), overlapping the weight-gradient
-        # GEMM. With one rank there is nothing to communicate.
+        # Megatron's linear (linear_autograd) holds f: the sequence-parallel all-gather, or the
+        # all-reduce of the input gradient (allreduce_dgrad); one rank communicates nothing.
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         bias = self.bias if not self.skip_bias_add else None
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(   # [*, out/t]
             input_, self.weight, bias, self.gradient_accumulation_fusion,
             allreduce_dgrad=tp_size > 1 and not self.sequence_parallel,
             sequence_parallel=self.sequence_parallel and tp_size > 1)
-        if self.gather_output:
-            output = gather_from_tensor_model_parallel_region(output_parallel)  # [*, out]
-        else:
-            output = output_parallel
+        output = (gather_from_tensor_model_parallel_region(output_parallel)      # [*, out]
+                  if self.gather_output else output_parallel)
         return output, (self.bias if self.skip_bias_add else None)
-
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -235,7 +228,6 @@ class RowParallelLinear(torch.nn.Module):
             return output_, self.bias
         output = output_ + self.bias if self.bias is not None else output_
         return output, None
-
 
 
 class VocabParallelEmbedding(torch.nn.Module):

@@ -18,9 +18,8 @@ all-reduce, but the activations outside the tensor-parallel block are split alon
 sequence. Sequence-parallel tensors are sequence-first, ``[s, b, h]``, so "the sequence" is
 dimension 0.
 
-As in Megatron-core, every operator takes ``group=`` (default: the tensor-parallel group),
-``forward`` keeps it in ``ctx.group``, ``backward`` returns one gradient per ``forward``
-argument (``None`` for the group), and a group of one rank communicates nothing.
+As in Megatron-core, every operator takes ``group=`` (default: the tensor-parallel group), kept
+in ``ctx.group`` for ``backward``; a group of one rank communicates nothing.
 """
 from __future__ import annotations
 

@@ -11,17 +11,13 @@ happen inside ``get_rng_tracker().fork()``, a stream seeded differently on every
 tensor-parallel rank (``seed + 2718 + tp_rank``, Megatron's offset) and the same on ranks with
 the same tensor-parallel rank (the data-parallel replicas).
 
-Weights. Megatron by default (``use_cpu_initialization=False``) draws each rank's shard on its
-GPU inside this fork (``layers.py: _initialize_affine_weight_gpu``), so a TP = 1 and a TP = k
-run start from different numbers. mpu_lab builds the full master weight under the default
-generator and keeps its slice (``_initialize_affine_weight_cpu``, what Megatron does with
-``--use-cpu-initialization``), so every shard is a slice of the dense twin's weight; lab 02
-shows both.
+Weights: Megatron by default draws each rank's shard on its GPU inside this fork, so TP = 1
+and TP = k start from different numbers; mpu_lab builds the master weight under the default
+generator (Megatron's ``--use-cpu-initialization``, see :mod:`~.layers`); lab 02 shows both.
 
-Simplified: Megatron keeps only CUDA states (``CudaRNGStatesTracker``) and also tracks a
-data-parallel and an expert-parallel stream; this tracker keeps the CPU generator's state and,
-when this rank computes on a GPU, that GPU's state too, so the same code runs on a laptop, and
-has the tensor-parallel stream only.
+Simplified: Megatron's ``CudaRNGStatesTracker`` keeps CUDA states only, and also a data- and an
+expert-parallel stream; this one keeps the CPU state (and the GPU's when this rank has one), so
+the same code runs on a laptop, and has the tensor-parallel stream only.
 """
 from __future__ import annotations
 
@@ -113,9 +109,6 @@ class RNGStatesTracker:
             _set_state(outside)
 
 
-# Megatron's class name.
-CudaRNGStatesTracker = RNGStatesTracker
-
 _RNG_TRACKER = RNGStatesTracker()
 
 
@@ -148,12 +141,9 @@ model_parallel_cuda_manual_seed = model_parallel_manual_seed
 
 # --------------------------------------------------------------------------- activation checkpointing
 class CheckpointFunction(torch.autograd.Function):
-    """Activation recomputation (Chen et al. 2016; Megatron-LM's ``checkpoint``) that replays
-    the same random numbers: forward runs ``run_function`` without keeping its activations and
-    remembers the RNG states (default generator(s) *and* the tracker's streams); backward
-    restores them, runs ``run_function`` again with autograd on, then puts back the states it
-    found — so the recomputed dropout masks equal the original ones, inside and outside
-    ``fork()``."""
+    """Activation recomputation (Chen et al. 2016; Megatron-LM's ``checkpoint``): forward runs
+    ``run_function`` without keeping its activations and remembers the RNG states (default and
+    tracked); backward reruns it under those states, so the dropout masks are the same."""
 
     @staticmethod
     def forward(ctx, run_function, distribute_saved_activations, *args):

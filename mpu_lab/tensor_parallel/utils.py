@@ -1,8 +1,7 @@
 """Small helpers of tensor parallelism: sizes that must divide, tensor splits, vocab ranges.
 
-Names and semantics follow Megatron-core's ``tensor_parallel/utils.py``. The 1-D chunk helpers
-are what Megatron uses to spread an activation that every tensor-parallel rank holds in full
-over the group (each rank keeps ``1/t`` of it) and to put it back together.
+Megatron-core's ``tensor_parallel/utils.py``. The 1-D chunk helpers spread an activation every
+tensor-parallel rank holds in full over the group (each keeps ``1/t``) and put it back together.
 """
 from __future__ import annotations
 
@@ -27,11 +26,8 @@ def divide(numerator: int, denominator: int) -> int:
 
 def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
                                 contiguous_split_chunks: bool = False) -> Tuple[torch.Tensor, ...]:
-    """Split ``tensor`` into ``num_partitions`` equal pieces along its last dimension.
-
-    The pieces are views (no copy) unless ``contiguous_split_chunks`` asks for contiguous
-    copies, which the collectives need.
-    """
+    """Split ``tensor`` into ``num_partitions`` equal pieces along its last dimension: views,
+    or contiguous copies (which the collectives need) with ``contiguous_split_chunks``."""
     last_dim = tensor.dim() - 1
     chunk = divide(tensor.size(last_dim), num_partitions)
     pieces = torch.split(tensor, chunk, dim=last_dim)
@@ -66,11 +62,9 @@ def gather_split_1d_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class VocabUtility:
-    """Which rows ``[first, last)`` of the vocabulary a tensor-parallel rank owns.
-
-    The embedding table (and the logits of the output layer) is split along the vocabulary in
-    contiguous blocks: rank ``r`` owns ``[r * V/t, (r + 1) * V/t)``.
-    """
+    """Which rows ``[first, last)`` of the vocabulary a tensor-parallel rank owns: the embedding
+    table (and the output logits) is split in contiguous blocks, rank ``r`` owns
+    ``[r * V/t, (r + 1) * V/t)``."""
 
     @staticmethod
     def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,

@@ -29,6 +29,7 @@ from typing import List
 import torch
 
 from mpu_lab import comm, parallel_state
+from mpu_lab.comm import exchange
 from mpu_lab.models.moe.moe_utils import permute, sort_chunks_by_idxs, unpermute
 from mpu_lab.tensor_parallel import (gather_from_sequence_parallel_region,
                                      reduce_scatter_to_sequence_parallel_region)
@@ -43,7 +44,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.group, ctx.splits = group, (output_split_sizes, input_split_sizes)
         if comm.group_size(group) == 1:
             return input_
-        return comm.all_to_all_with_splits(input_, output_split_sizes, input_split_sizes, group)
+        return exchange.all_to_all_with_splits(input_, output_split_sizes, input_split_sizes, group)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -173,7 +174,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         counts = routing_map.sum(dim=0).long().reshape(self.ep_size, self.num_local_experts)
         self.input_splits = counts.sum(dim=1).tolist()                       # [ep]
         # all-to-all of the counts: row j = what ep rank j sends to each of my experts
-        received = (comm.all_to_all(counts, group=self.ep_group) if self.ep_size > 1
+        received = (exchange.all_to_all(counts, group=self.ep_group) if self.ep_size > 1
                     else counts)                                             # [ep, E/ep]
         # ... and what the other etp ranks of my experts receive: [etp, ep, E/ep]
         per_source = (comm.all_gather(received.unsqueeze(0), group=self.tp_group)
