@@ -36,7 +36,7 @@ Steps:
    profile's op classes (matmul, non-matmul, communication, optimizer, framework:
    mpu_lab.perf.op_classes) against the model's terms, one table per configuration.
    With ``--markdown FILE`` the table of step 4 is also written as markdown, headed by the
-   command and the date, for the README to include verbatim.
+   command and the date, for docs/BENCHMARKS.md to include verbatim.
 
 What the profiles found (2-core AMD EPYC, 2026-11-23): the layer GEMMs run at the calibrated
 rate (76-86 GFLOP/s per rank, forward and both backward GEMMs alike) and a layer's element-wise
@@ -68,6 +68,7 @@ import torch.distributed as dist
 from mpu_lab import comm, distributed, launcher
 from mpu_lab.perf import calibrate, op_classes, published_runs
 from mpu_lab.perf.calibrate import TrainConfig
+from mpu_lab.perf.calibrate_gpu import device_best_time
 from mpu_lab.perf.cost_model import ring_all_reduce_factor
 
 # Two ranks each (one thread each on a 2-core machine): a single rank with two OpenMP threads
@@ -108,7 +109,7 @@ def parse_args(argv):
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--markdown", default=None, metavar="FILE",
                    help="also write the table as markdown (with the command and the date) to "
-                        "FILE, for the README to include verbatim: between its markers "
+                        "FILE, for docs/BENCHMARKS.md to include verbatim: between its markers "
                         f"{MARKERS[0]!r} and {MARKERS[1]!r} where FILE has them")
     p.add_argument("--terms", action="store_true",
                    help="also profile each configuration once and print the model's terms "
@@ -167,10 +168,10 @@ def worker(args):
         dev = info.device                 # the CPU: this job calibrates the CPU (init above)
         a, b = torch.randn(1024, 256, device=dev), torch.randn(256, 1024, device=dev)
         small, big = torch.ones(1024, device=dev), torch.ones(1 << 20, device=dev)
-        alone = calibrate._best_time(lambda: a @ b, 20)
-        after = calibrate._best_time(lambda: (a @ b, comm.all_reduce(small)), 20)
-        t_small = calibrate._best_time(lambda: comm.all_reduce(small), 10)
-        t_big = calibrate._best_time(lambda: comm.all_reduce(big), 10)
+        alone = device_best_time(lambda: a @ b, dev, 20, warmup=2)
+        after = device_best_time(lambda: (a @ b, comm.all_reduce(small)), dev, 20, warmup=2)
+        t_small = device_best_time(lambda: comm.all_reduce(small), dev, 10, warmup=2)
+        t_big = device_best_time(lambda: comm.all_reduce(big), dev, 10, warmup=2)
         out["latency_s"] = max(after - alone, t_small)
         out["busbw"] = ring_all_reduce_factor(info.world_size) * (4 << 20) / max(
             t_big - t_small, 1e-9)
@@ -191,7 +192,7 @@ def wait_quiet(limit_s, busy_below=25.0):
 
 def markdown_table(rows, argv, worst, elapsed_s) -> str:
     """The measured-vs-predicted table as markdown, headed by the command, the date and the
-    machine (what the README includes verbatim)."""
+    machine (what docs/BENCHMARKS.md includes verbatim)."""
     import platform
     cpu = platform.processor() or platform.machine()
     try:
@@ -219,7 +220,7 @@ MARKERS = ("<!-- bench_cost_model: begin -->", "<!-- bench_cost_model: end -->")
 
 def write_markdown(path: str, table: str) -> None:
     """Put ``table`` in ``path``: between the two :data:`MARKERS` where the file has them (the
-    README includes the benchmark's own output that way), else as the whole file."""
+    docs/BENCHMARKS.md includes the benchmark's own output that way), else as the whole file."""
     text = open(path).read() if os.path.exists(path) else ""
     if MARKERS[0] in text and MARKERS[1] in text:
         head, rest = text.split(MARKERS[0], 1)

@@ -171,12 +171,12 @@ def test_the_benchmarks_markdown_goes_between_the_readmes_markers(tmp_path):
     assert other.read_text() == table
 
 
-def test_the_readme_holds_the_benchmarks_own_table():
-    """The README's cost-model table is what `--markdown README.md` wrote: between the
+def test_the_benchmarks_page_holds_the_benchmarks_own_table():
+    """docs/BENCHMARKS.md's cost-model table is what `--markdown docs/BENCHMARKS.md` wrote: between the
     markers, headed by the command and the date, one row per configuration."""
     import pathlib
     import re
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md").read_text()
     begin, end = _bench().MARKERS
     block = text.split(begin, 1)[1].split(end, 1)[0]
     assert re.match(r"\n`python launch/bench_cost_model\.py[^`]*`, 20\d\d-\d\d-\d\d, ", block)

@@ -25,7 +25,7 @@ GPT_1T = ModelShape(num_layers=128, hidden_size=25600, num_attention_heads=160,
 # --------------------------------------------------------------------------- published runs
 def test_one_efficiency_per_gpu_generation_predicts_every_published_run_within_15_percent():
     """The published-runs check. A100: fitted on the 1T run (the abstract's 502 PFLOP/s, 52 % of peak),
-    held fixed for the nine other rows of Narayanan et al. 2021 Table 1. H100: the README states
+    held fixed for the nine other rows of Narayanan et al. 2021 Table 1. H100: docs/BENCHMARKS.md states
     two runs in words (GPT-3 175B at 96 and at 4608 GPUs, 47 % and 42 % MFU): the first only
     calibrates, the second is predicted. No per-run factor anywhere: the runs differ only in
     their published shape, split and batch."""
