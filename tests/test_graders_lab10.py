@@ -82,7 +82,8 @@ def test_the_solution_passes_on_every_rank(grading_world, as_notebook, capsys):
     assert grade(as_notebook(OWN_SOLUTION)["solution_distributed_step"],
                  lab10.DISTRIBUTED_STEP, grading_world)
     out = capsys.readouterr().out
-    assert out.startswith("Right: solution_distributed_step agrees with the reference on all 4 ranks "
+    assert out.startswith("Right: solution_distributed_step agrees with the reference on all 4 "
+                          "ranks "
                           "for 4 inputs: 8 parameters, lr 0.1; 10 parameters (pad"), out
 
 
