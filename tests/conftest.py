@@ -114,6 +114,7 @@ EXPECTED_SECONDS = {
     "tests/test_dp_overlap.py": 30,
     "tests/test_context_parallel_mp.py": 35, "tests/test_moe_mp.py": 170,
     "tests/test_gpt_context_parallel_mp.py": 30,
+    "tests/test_gpt_moe_mp.py": 60,
 }
 
 

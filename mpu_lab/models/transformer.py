@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from mpu_lab import comm, distributed, parallel_state
 from mpu_lab.models.attention import SelfAttention
 from mpu_lab.models.mlp import MLP
+from mpu_lab.models.moe import MoELayer
 from mpu_lab.models.transformer_config import ACTIVATIONS, TransformerConfig  # noqa: F401  (re-exported)
 from mpu_lab.tensor_parallel import get_rng_tracker
 
@@ -61,7 +62,8 @@ def _hidden_dropout_context(config: TransformerConfig, training: bool):
 class TransformerLayer(torch.nn.Module):
     """Pre-LN GPT layer: ``x + attn(LN(x))`` then ``x + mlp(LN(x))``; ``[s, b, h]`` in and out
     (``[s/t, b, h]`` with sequence parallelism). ``layer_number`` (0-based) numbers the layer
-    across pipeline stages."""
+    across pipeline stages. With ``config.num_moe_experts`` the MLP is an
+    :class:`~mpu_lab.models.moe.MoELayer`."""
 
     def __init__(self, config: TransformerConfig, layer_number: int = 0):
         super().__init__()
@@ -70,7 +72,9 @@ class TransformerLayer(torch.nn.Module):
         self.input_layernorm = _layer_norm(config)
         self.self_attention = SelfAttention(config)
         self.pre_mlp_layernorm = _layer_norm(config)
-        self.mlp = MLP(config)
+        # mixture of experts: the MLP's place taken by an MoELayer (Megatron-core's layer spec
+        # with num_moe_experts); it returns (output, None), no bias to add
+        self.mlp = MoELayer(config) if config.num_moe_experts else MLP(config)
 
     def _bias_dropout_add(self, x, bias, residual):
         if bias is not None:

@@ -8,7 +8,8 @@ before ``torchrun`` starts (:func:`mpu_lab.launcher.precheck`); and :func:`model
 :class:`~mpu_lab.models.transformer.TransformerConfig` of the flags. Both the parser and the
 checks are built from named steps, one per argument group and one per check family, as
 Megatron's ``_add_*_args`` functions; the parallelism flags and their checks (tensor, pipeline,
-sequence and context parallelism) are in :mod:`~mpu_lab.training.parallel_args`.
+sequence and context parallelism) are in :mod:`~mpu_lab.training.parallel_args`, the
+mixture-of-experts flags in :mod:`~mpu_lab.training.moe_args`.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from mpu_lab.models.transformer import TransformerConfig
 from mpu_lab.pipeline_parallel import validate_pipeline_args
 from mpu_lab.training.parallel_args import (add_context_parallel_args, add_parallelism_args,
                                             check_context_parallel, check_parallel_sizes)
+from mpu_lab.training.moe_args import add_moe_args, check_moe_args, moe_config_fields
 
 
 def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -135,7 +137,8 @@ def _add_debugging_args(p: argparse.ArgumentParser) -> None:
 
 
 # In the order of the help text.
-ARGUMENT_GROUPS = (add_parallelism_args, add_context_parallel_args, _add_data_parallel_args,
+ARGUMENT_GROUPS = (add_parallelism_args, add_context_parallel_args, add_moe_args,
+                   _add_data_parallel_args,
                    _add_network_size_args, _add_data_args, _add_training_args,
                    _add_mixed_precision_args, _add_logging_and_checkpointing_args,
                    _add_debugging_args)
@@ -192,7 +195,7 @@ def model_config(args) -> TransformerConfig:
         activation=args.activation, sequence_parallel=args.sequence_parallel,
         layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
-        cp_comm_type=getattr(args, "cp_comm_type", "p2p"))
+        cp_comm_type=getattr(args, "cp_comm_type", "p2p"), **moe_config_fields(args))
 
 
 def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = True
@@ -207,6 +210,7 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
     dp = check_parallel_sizes(args, world_size)
     _check_model(args)
     check_context_parallel(args)
+    check_moe_args(args, world_size, model_config(args))
     _fill_batch_sizes(args, world_size, dp)
     _validate_pipeline(args)
     _check_optimizer_and_schedule(args)

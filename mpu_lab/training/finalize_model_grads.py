@@ -2,8 +2,9 @@
 ``core/distributed/finalize_model_grads.py``): the data-parallel average (over data x
 context parallel, Megatron's dp-cp group, with context parallelism) — torch DDP's bucket
 all-reduce routed through :mod:`mpu_lab.comm` at PP=1 (:func:`ddp_allreduce_hook`),
-one coalesced all-reduce after the pipeline schedule at PP > 1
-(:func:`allreduce_data_parallel_grads`, what Megatron's DDP does in ``finish_grad_sync``) —,
+one coalesced all-reduce after the pipeline schedule at PP > 1 or with experts
+(:func:`allreduce_data_parallel_grads`, what Megatron's DDP does in ``finish_grad_sync``; the
+expert gradients over the expert-data-parallel group) —,
 the sequence-parallel LayerNorm sums (:func:`mpu_lab.models.finalize_model_grads`, Megatron's
 ``_allreduce_layernorm_grads``) and the tied embedding summed over the first and last stage
 (:func:`mpu_lab.pipeline_parallel.allreduce_embedding_grads`); :func:`finalize_grads` runs
@@ -15,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from mpu_lab import comm, parallel_state
+from mpu_lab.models.moe import is_expert_parameter
 from mpu_lab.models.transformer import finalize_model_grads as allreduce_sequence_parallel_grads
 from mpu_lab.pipeline_parallel import allreduce_embedding_grads
 
@@ -30,25 +32,42 @@ def ddp_allreduce_hook(state, bucket):
     return fut
 
 
-def allreduce_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
-    """Average the gradients over the data x context parallel group (Megatron's dp-cp group:
-    context-parallel ranks hold the same weights and other tokens) in one coalesced
-    all-reduce: what DDP does at PP=1, done once after the pipeline schedule."""
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    size = comm.group_size(group)
-    if size == 1:
+def _average_coalesced(params: Sequence[torch.nn.Parameter], group, divisor: int) -> None:
+    """Sum the gradients of ``params`` over ``group`` in one flat all-reduce, then divide by
+    ``divisor``. A missing gradient counts as zeros (every rank must send the same sizes)."""
+    if not params or (comm.group_size(group) == 1 and divisor == 1):
         return
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    flat = comm.all_reduce(flat, group=group)
-    flat.div_(size)
+    if comm.group_size(group) > 1:
+        flat = comm.all_reduce(flat, group=group)
+    flat.div_(divisor)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def allreduce_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
+    """Average the gradients over the data x context parallel group (Megatron's dp-cp group:
+    context-parallel ranks hold the same weights and other tokens) in one coalesced
+    all-reduce: what DDP does at PP=1, done once after the pipeline schedule.
+
+    Expert parameters (mixture of experts, marked ``allreduce = False``) are summed over the
+    *expert*-data-parallel group instead — the ranks that hold the same experts — and divided
+    by the same dense size ``d`` (Megatron's DDP, its expert buffer): each expert's gradient
+    already holds every token of its expert-parallel group routed to it, so the sum over the
+    expert replicas covers the global batch once, and ``1/d`` makes it the mean's gradient."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    size = comm.group_size(group)
+    dense = [p for p in params if not is_expert_parameter(p)]
+    experts = [p for p in params if is_expert_parameter(p)]
+    _average_coalesced(dense, group, size)
+    if experts:
+        _average_coalesced(experts, parallel_state.get_expert_data_parallel_group(), size)
 
 
 def finalize_grads(model, data_parallel_params: Optional[Sequence[torch.nn.Parameter]] = None,

@@ -75,7 +75,9 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
-        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None))
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
     model_parallel_manual_seed(args.seed)
     device = distributed.get_device()
     model = get_model(args)
@@ -92,7 +94,9 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
     ddp_chunks: List[DistributedDataParallel] = []
     if getattr(args, "use_distributed_optimizer", False) or getattr(args, "overlap_grad_reduce", False):
         ddp_chunks = wrap_megatron_ddp(model_chunks_of(model), args)
-    elif dp_cp > 1 and args.pipeline_model_parallel_size == 1:
+    elif dp_cp > 1 and args.pipeline_model_parallel_size == 1 and not has_experts(args):
+        # (with experts no torch DDP: it would average the expert gradients over the dense
+        # data-parallel group; train_step reduces them after backward, finalize_grads)
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
                         process_group=group)   # GPTModel has no buffers to sync
@@ -121,6 +125,11 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
                 f"{info['tensor_model_parallel_size']} PP={info.get('pipeline_model_parallel_size', 1)}"
                 f", now TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size})")
     return state
+
+
+def has_experts(args: argparse.Namespace) -> bool:
+    """Whether the model's MLPs are mixture-of-experts layers (``--num-experts``)."""
+    return getattr(args, "num_experts", None) is not None
 
 
 def late_params(chunk: torch.nn.Module) -> List[torch.nn.Parameter]:

@@ -32,10 +32,11 @@ from mpu_lab.pipeline_parallel import (
 )
 from mpu_lab.checkpointing import gather_model_state_dict
 from mpu_lab.models import PlainGPT
+from mpu_lab.models.moe import MoEAuxLossAutoScaler
 from mpu_lab.training.arguments import model_config, parse_args, validate_args
 from mpu_lab.training.dense_twin import train_dense_twin
 from mpu_lab.training.finalize_model_grads import finalize_grads
-from mpu_lab.training.initialize import TrainState, get_batch, setup
+from mpu_lab.training.initialize import TrainState, get_batch, has_experts, setup
 
 
 def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -106,6 +107,10 @@ def _optimizer_step(args, state, params):
     the step.
     """
     mp_group = parallel_state.get_model_parallel_group()
+    # experts: their squares summed over the ranks that hold the other experts and slices
+    # (Megatron's expert tp-ep-pp group), the dense ones over the model-parallel group
+    expert_group = parallel_state.get_expert_tensor_model_pipeline_parallel_group() \
+        if has_experts(args) else None
     if isinstance(state.optimizer, DistributedOptimizer):
         params, mp_group = state.optimizer.shard_params, dist.group.WORLD
     skipped = False
@@ -115,13 +120,21 @@ def _optimizer_step(args, state, params):
     lr = state.scheduler.lr_for_next_step()
     grad_norm = float("nan")
     if not skipped:
-        grad_norm = clip_grad_norm(params, args.clip_grad, mp_group)
+        grad_norm = clip_grad_norm(params, args.clip_grad, mp_group, expert_group)
         state.optimizer.step()
         state.scheduler.step()   # as Megatron's train_step: only after a successful update
     else:
         state.skipped_iterations += 1
     state.iteration += 1
     return lr, grad_norm, skipped
+
+
+def _set_aux_loss_scale(state: TrainState, device) -> None:
+    """The gradient the MoE load-balancing losses get in backward (Megatron's
+    ``MoEAuxLossAutoScaler.set_loss_scale``): the main loss's factor, loss scale / M."""
+    if has_experts(state.args):
+        scale = _loss_scale(state) / state.args.num_micro_batches
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, device=device))
 
 
 def _zero_grads(state: TrainState) -> None:
@@ -140,6 +153,7 @@ def train_step(state: TrainState) -> Dict[str, float]:
     device = distributed.get_device()
     model.train()
     _zero_grads(state)
+    _set_aux_loss_scale(state, device)
     M = args.num_micro_batches
     scale = _loss_scale(state)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -155,8 +169,10 @@ def train_step(state: TrainState) -> Dict[str, float]:
             loss, reported = loss_across_context_parallel_ranks(losses, batch["loss_mask"])
             (loss * (scale / M)).backward()
         loss_sum += reported
-    finalize_grads(model, ddp_chunks=state.ddp_chunks)
     params = [p for p in model.parameters() if p.requires_grad]
+    # with experts no torch DDP: dense and expert gradients are averaged here, each over its group
+    finalize_grads(model, data_parallel_params=params if has_experts(args) else None,
+                   ddp_chunks=state.ddp_chunks)
     lr, grad_norm, skipped = _optimizer_step(args, state, params)
     # Loss of the global batch: mean over micro-batches, then over the data-parallel group.
     loss = average_losses_across_data_parallel_group(loss_sum / M)
@@ -206,6 +222,7 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
     for chunk in chunks:
         chunk.train()
     _zero_grads(state)
+    _set_aux_loss_scale(state, device)
     scale = _loss_scale(state)
     iterators = [_microbatches(state, state.iteration, chunk) for chunk in chunks]
     forward_backward = get_forward_backward_func(args.pipeline_schedule)

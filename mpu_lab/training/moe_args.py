@@ -1,0 +1,102 @@
+"""The mixture-of-experts flags of ``launch/train_gpt.py`` and their pure checks (Megatron's
+``_add_moe_args`` in ``megatron/training/arguments.py``, same flag names): the experts, the
+router and the token dispatcher (:func:`add_moe_args`), their config fields
+(:func:`moe_config_fields`) and :func:`check_moe_args`, which refuses before any process
+starts, naming the numbers, what cannot be split (E over ep, ``ffn_hidden_size`` over etp, the
+world over ``etp x ep x pp``) and what this trainer does not do with experts yet.
+
+The expert groups (issue 31): ``world = etp x ep x edp x pp`` beside the dense
+``world = t x cp x dp x pp``; ``--expert-tensor-parallel-size`` defaults to the
+tensor-parallel size, as in Megatron-core.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict
+
+from mpu_lab.utils import divisors
+
+DISPATCHERS = ("alltoall", "allgather")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    """Megatron's MoE flags (a subset)."""
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="experts per MoE layer; every MLP becomes an MoE layer (default: dense)")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token goes to")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="ranks the experts are spread over (each holds E / ep of them)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="ranks each expert's MLP is split over (default: the tensor-parallel size)")
+    g.add_argument("--moe-token-dispatcher-type", choices=DISPATCHERS, default="alltoall")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="weight of the Switch load-balancing loss")
+    g.add_argument("--moe-router-score-function", choices=SCORE_FUNCTIONS, default="softmax")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before the top-k (needed for top-1 softmax)")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="expert capacity in units of tokens x k / E; tokens beyond it dropped")
+
+
+def moe_config_fields(args) -> Dict[str, Any]:
+    """The :class:`~mpu_lab.models.transformer_config.TransformerConfig` fields of the flags."""
+    return dict(num_moe_experts=getattr(args, "num_experts", None),
+                moe_router_topk=getattr(args, "moe_router_topk", 2),
+                moe_router_score_function=getattr(args, "moe_router_score_function", "softmax"),
+                moe_router_pre_softmax=getattr(args, "moe_router_pre_softmax", False),
+                moe_token_dispatcher_type=getattr(args, "moe_token_dispatcher_type", "alltoall"),
+                moe_aux_loss_coeff=getattr(args, "moe_aux_loss_coeff", 0.0),
+                moe_expert_capacity_factor=getattr(args, "moe_expert_capacity_factor", None))
+
+
+def expert_tensor_parallel_size(args) -> int:
+    """``--expert-tensor-parallel-size``, or the tensor-parallel size when not given."""
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    return args.tensor_model_parallel_size if etp is None else etp
+
+
+def check_moe_args(args, world_size: int, config) -> None:
+    """The MoE flags against the world and the model ``config`` (its ``check_moe``: E over ep,
+    top-k, ``ffn_hidden_size`` over etp, SP with TP, top-1 softmax); then what this trainer
+    refuses rather than trains wrong: context parallelism, Megatron's DDP / distributed
+    optimizer, checkpoints and the dense twin (which hold no experts yet)."""
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    etp = expert_tensor_parallel_size(args)
+    e = getattr(args, "num_experts", None)
+    if e is None:
+        given = [f for f, v in (("--expert-model-parallel-size", ep != 1),
+                                ("--expert-tensor-parallel-size",
+                                 getattr(args, "expert_tensor_parallel_size", None) is not None))
+                 if v]
+        if given:
+            raise ValueError(f"{' and '.join(given)} need --num-experts (the model has no "
+                             f"experts without it; every MLP is dense)")
+        return
+    if ep < 1 or etp < 1:
+        raise ValueError(f"--expert-model-parallel-size {ep} and --expert-tensor-parallel-size "
+                         f"{etp} must be >= 1")
+    pp = args.pipeline_model_parallel_size
+    if world_size % (etp * ep * pp):
+        valid = [d for d in divisors(e) if world_size % (etp * d * pp) == 0]
+        raise ValueError(
+            f"world size {world_size} is not divisible by expert-tensor x expert-model x "
+            f"pipeline parallel size {etp} x {ep} x {pp} = {etp * ep * pp} (the expert groups "
+            f"lay out world = etp x ep x edp x pp); expert-model-parallel sizes that divide "
+            f"{e} experts and fit {world_size} ranks with etp {etp} and pp {pp}: {valid}")
+    config.check_moe(ep, etp, args.tensor_model_parallel_size)
+    refused = [(getattr(args, "context_parallel_size", 1) > 1,
+                f"--context-parallel-size {getattr(args, 'context_parallel_size', 1)}"),
+               (getattr(args, "use_distributed_optimizer", False), "--use-distributed-optimizer"),
+               (getattr(args, "overlap_grad_reduce", False), "--overlap-grad-reduce"),
+               (bool(getattr(args, "save", None)), f"--save {getattr(args, 'save', None)}"),
+               (bool(getattr(args, "load", None)), f"--load {getattr(args, 'load', None)}"),
+               (getattr(args, "dense_twin", False), "--dense-twin")]
+    names = [name for bad, name in refused if bad]
+    if names:
+        raise ValueError(
+            f"--num-experts {e} with {', '.join(names)}: not supported with experts yet (the "
+            f"expert gradients are averaged over the expert-data-parallel group only on the "
+            f"plain path, and checkpoints and the dense twin hold no experts); leave "
+            f"{'it' if len(names) == 1 else 'them'} out")
