@@ -9,7 +9,6 @@ from mpu_lab.checkpointing import CheckpointError, find_checkpoint, gather_model
 from mpu_lab.models import (GPTModel, SelfAttention, TransformerLayer, PlainGPT,
                             TransformerConfig, format_shape_table, pad_vocab_size, shape_table)
 from mpu_lab.models.attention import explicit_causal_attention
-from mpu_lab.models.gpt import _PlainLayer
 from mpu_lab.perf.comm_counts import count_collectives, expected_layer_counts
 
 
@@ -42,7 +41,8 @@ def test_transformer_layer_equals_dense_layer_within_5e_5():
     torch.manual_seed(1)
     cfg = small_config(activation="relu")
     layer = TransformerLayer(cfg)
-    dense = _PlainLayer(64, 4, 256, "relu", 1e-5)
+    dense = PlainGPT(1, 64, 4, vocab_size=256, max_sequence_length=16, ffn_hidden_size=256,
+                     activation="relu").decoder.layers[0]        # its one plain layer
     dense.load_state_dict({k: v for k, v in layer.state_dict().items()})
     x = torch.randn(16, 3, 64)                                   # [s, b, h]
     assert (layer(x).transpose(0, 1) - dense(x.transpose(0, 1))).abs().max() <= 5e-5

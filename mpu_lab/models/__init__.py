@@ -9,8 +9,8 @@
 * :class:`GPTModel` — vocab-parallel embedding, layers, tied vocab-parallel output and loss;
   :func:`build_model_chunks` — one pipeline rank's stages of it, with the one-stage weights;
   :class:`PlainGPT` — its single-process ``torch.nn`` twin with the same parameter names;
-* :mod:`mpu_lab.models.introspection` — the lecture's shape table (the blocks report their
-  tensors through :mod:`mpu_lab.models.activation_record`).
+* :mod:`mpu_lab.models.introspection` — the lecture's shape table, read off a layer's forward
+  from outside (hooks; the blocks carry no recording).
 """
 from mpu_lab.models.attention import SelfAttention
 from mpu_lab.models.gpt import (

@@ -48,7 +48,6 @@ import torch
 import torch.nn.functional as F
 
 from mpu_lab import context_parallel, parallel_state
-from mpu_lab.models.activation_record import record
 from mpu_lab.models.transformer_config import TransformerConfig
 from mpu_lab.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
 
@@ -60,7 +59,6 @@ def explicit_causal_attention(q, k, v, dropout_p: float = 0.0):
     future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     scores = scores.masked_fill(future, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)              # Score_i
-    record("Score", probs, ("B", "n", "L", "L"))
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
     return torch.matmul(probs, v)                                          # Z_i: [b, n, s, H]
@@ -138,9 +136,6 @@ class SelfAttention(torch.nn.Module):
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_local_heads, 3 * self.head_dim)   # [s, b, n, 3H]
         q, k, v = torch.split(qkv, self.head_dim, dim=-1)       # each [s, b, n, H]
-        record("Q", q, ("L", "B", "n", "H"))
-        record("K", k, ("L", "B", "n", "H"))
-        record("V", v, ("L", "B", "n", "H"))
         if self.cp_size > 1:
             # Context parallelism: this rank's s/cp tokens (chunks r and 2cp-1-r) attend to
             # the whole sequence, the other CP ranks' keys and values brought by cp_comm_type.
@@ -149,9 +144,6 @@ class SelfAttention(torch.nn.Module):
             z = z.permute(1, 2, 0, 3)                                    # [b, n, s/cp, H]
         else:
             z = self._core_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)))  # [b, n, s, H]
-        record("Z_i", z, ("B", "n", "L", "H"))        # [b, n, s, H]
         z = z.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)  # [s, b, D/t]
-        record("Z", z, ("L", "B", "D/t"))
         out, bias = self.linear_proj(z)                         # Out = Z W^O, all-reduced: [s, b, D]
-        record("Out", out, ("L", "B", "D"))
         return out, bias

@@ -5,8 +5,8 @@ counterpart.
 
 * :func:`shape_table` — the lecture's table (Q, K, V, Score, Z, Out, A, A', x') for given
   ``B, L, D, n_H, d_tp``, read off the live tensors of one ``TransformerLayer`` forward on this
-  rank (the blocks call :func:`~mpu_lab.models.activation_record.record` at each step; it
-  costs nothing when no recording is active).
+  rank, from outside the blocks (:func:`layer_shapes`: forward hooks on their linear layers,
+  and a ``TorchFunctionMode`` for the tensors inside the attention that no submodule returns).
 
 It runs inside a rank whose groups are initialised (a ``torchrun`` worker such as
 ``launch/inspect_gpt.py``); at ``d_tp = 1`` also in the notebook's own process
@@ -15,13 +15,65 @@ measured from outside the model: :mod:`mpu_lab.perf.comm_counts`.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from mpu_lab import distributed, parallel_state
-from mpu_lab.models.activation_record import record, record_activations  # noqa: F401  (re-exported)
 from mpu_lab.models.transformer import TransformerConfig, TransformerLayer
+
+Shapes = Dict[str, Tuple[tuple, tuple]]     # name -> (shape, the meaning of each dimension)
+
+
+class _InsideAttention(TorchFunctionMode):
+    """Notes the attention's tensors that no submodule returns: Q, K, V (the first
+    ``torch.split``, of ``linear_qkv``'s output into heads), Score (the softmax) and Z_i (the
+    product of the scores with V)."""
+
+    def __init__(self, note: Callable[[str, torch.Tensor, tuple], None]):
+        super().__init__()
+        self.note, self.scores = note, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.split:
+            for name, tensor in zip("QKV", out):                       # each [s, b, n, H]
+                self.note(name, tensor, ("L", "B", "n", "H"))
+        elif func is torch.softmax:
+            self.scores = out
+            self.note("Score", out, ("B", "n", "L", "L"))              # [b, n, s, s]
+        elif func is torch.matmul and self.scores is not None and args[0] is self.scores:
+            self.note("Z_i", out, ("B", "n", "L", "H"))                # [b, n, s, H]
+        return out
+
+
+def layer_shapes(layer: TransformerLayer, x: torch.Tensor) -> Shapes:
+    """One forward of ``layer`` on ``x`` (``[L, B, D]``, explicit attention), with the shape of
+    each tensor of the lecture's table noted from outside; the first tensor of a name wins."""
+    shapes: Shapes = {}
+
+    def note(name, tensor, dims):
+        shapes.setdefault(name, (tuple(tensor.shape), dims))
+
+    attention, mlp = layer.self_attention, layer.mlp
+    hooks = [
+        attention.linear_proj.register_forward_pre_hook(
+            lambda _, args: note("Z", args[0], ("L", "B", "D/t"))),
+        attention.linear_proj.register_forward_hook(
+            lambda _, args, out: note("Out", out[0], ("L", "B", "D"))),
+        mlp.linear_fc1.register_forward_hook(lambda _, args, out: note("A", out[0], ("L", "B", "F/t"))),
+        mlp.linear_fc2.register_forward_pre_hook(lambda _, args: note("A'", args[0], ("L", "B", "F/t"))),
+        mlp.linear_fc2.register_forward_hook(lambda _, args, out: note("x'", out[0], ("L", "B", "D"))),
+    ]
+    try:
+        with _InsideAttention(note):
+            layer(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return shapes
+
 
 def _batch_first(shape, dims, drop=()):
     """A recorded shape in the lecture's order: ``(B, L, product of the other dimensions)``;
@@ -87,8 +139,8 @@ def shape_table(batch_size: int = 2, seq_length: int = 8, hidden_size: int = 16,
         torch.manual_seed(0)
         layer = TransformerLayer(config).eval()
         x = torch.randn(seq_length, batch_size, hidden_size, device=device)   # [L, B, D]
-        with torch.no_grad(), record_activations() as rec:
-            layer(x)
+        with torch.no_grad():
+            rec = layer_shapes(layer, x)
 
     B, L, D, nH = batch_size, seq_length, hidden_size, num_attention_heads
     H, n, F = D // nH, nH // t, config.ffn_hidden_size

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from mpu_lab.models.activation_record import record
 from mpu_lab.models.transformer_config import ACTIVATIONS, TransformerConfig
 from mpu_lab.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -49,9 +48,6 @@ class MLP(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor):
         # hidden_states: [s, b, h] (or [s/t, b, h] with sequence parallelism)
         a, _ = self.linear_fc1(hidden_states)           # A  = x W^1: [s, b, ffn/t]
-        record("A", a, ("L", "B", "F/t"))
         a = self.activation(a)                          # A' = act(A): [s, b, ffn/t]
-        record("A'", a, ("L", "B", "F/t"))
         out, bias = self.linear_fc2(a)                  # x' = A' W^2, all-reduced: [s, b, h]
-        record("x'", out, ("L", "B", "D"))
         return out, bias

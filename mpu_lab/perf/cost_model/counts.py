@@ -30,7 +30,8 @@ __all__ = ["BYTES_PER_PARAM_ADAM", "parameter_count", "parameters_per_gpu", "flo
            "model_flops_per_iteration", "hardware_flops_per_iteration", "FLOP_FORMS",
            "paper_flops_per_iteration", "format_flop_counts", "bubble_fraction",
            "ring_all_reduce_factor", "tp_comm_per_layer", "pipeline_p2p_bytes",
-           "dp_allreduce_bytes", "in_flight_microbatches", "memory_per_gpu"]
+           "dp_allreduce_bytes", "in_flight_microbatches", "memory_per_gpu",
+           "layer_activation_bytes", "score_bytes"]
 
 # ZeRO §3.1's model of mixed precision (fp16 weight 2 + fp16 grad 2 + fp32 copy, m, v 12): not
 # what Megatron allocates (no fp32 main grad); the cost model counts bytes_per_parameter's.
@@ -211,12 +212,12 @@ def in_flight_microbatches(cfg: ParallelConfig) -> float:
     return float(min(cfg.p, cfg.m))
 
 
-def _layer_activation_bytes(model: ModelShape, cfg: ParallelConfig, stored: bool) -> float:
+def layer_activation_bytes(model: ModelShape, cfg: ParallelConfig, stored: bool) -> float:
     """Korthikanti Table 2 for one layer and one micro-batch. ``stored``: what the backward
     keeps (recomputation shrinks it); otherwise what the forward writes (for traffic)."""
     sp = cfg.sequence_parallel
     full = activation_memory_per_layer(model.s, cfg.b, model.h, model.a, cfg.tp, sp)
-    no_scores = full - _score_bytes(model, cfg)
+    no_scores = full - score_bytes(model, cfg)
     if stored and cfg.recompute == "full":
         # only the layer's input survives: 2sbh bytes, split t ways with sequence parallelism
         return 2 * model.s * cfg.b * model.h / (cfg.tp if sp else 1)
@@ -225,7 +226,7 @@ def _layer_activation_bytes(model: ModelShape, cfg: ParallelConfig, stored: bool
     return full
 
 
-def _score_bytes(model: ModelShape, cfg: ParallelConfig) -> float:
+def score_bytes(model: ModelShape, cfg: ParallelConfig) -> float:
     # the 5as²b/t of Table 2: softmax output, its dropout mask and the dropout's output
     return 5 * model.a * model.s * model.s * cfg.b / cfg.tp
 
@@ -257,9 +258,9 @@ def memory_per_gpu(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2,
         optimizer /= cfg.dp
     layers_per_stage = model.L / cfg.pp
     scale = dtype_bytes / 2             # Table 2 counts 16-bit activations
-    activations = (_layer_activation_bytes(model, cfg, stored=True) * layers_per_stage
+    activations = (layer_activation_bytes(model, cfg, stored=True) * layers_per_stage
                    * in_flight_microbatches(cfg)) * scale
     if cfg.recompute == "full":
-        activations += _layer_activation_bytes(model, cfg, stored=False) * scale
+        activations += layer_activation_bytes(model, cfg, stored=False) * scale
     return dict(weights=weights, gradients=grads, optimizer=optimizer, activations=activations,
                 total=weights + grads + optimizer + activations)

@@ -40,9 +40,9 @@ import math
 from typing import Dict, Sequence
 
 from mpu_lab.perf.cost_model.counts import (
-    _layer_activation_bytes, _score_bytes, dp_allreduce_bytes, flops_per_token,
-    hardware_flops_per_iteration, memory_per_gpu, model_flops_per_iteration,
-    parameters_per_gpu, pipeline_p2p_bytes, ring_all_reduce_factor, tp_comm_per_layer)
+    dp_allreduce_bytes, flops_per_token, hardware_flops_per_iteration, layer_activation_bytes,
+    memory_per_gpu, model_flops_per_iteration, parameters_per_gpu, pipeline_p2p_bytes,
+    ring_all_reduce_factor, score_bytes, tp_comm_per_layer)
 from mpu_lab.perf.cost_model.inputs import Cluster, ModelShape, ParallelConfig
 
 __all__ = ["ELEMENTWISE_PASSES", "ADAM_STEP_BYTES_PER_PARAM", "IterationPrediction",
@@ -243,9 +243,9 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     rate = cluster.peak_flops * cluster.matmul_efficiency
     matmul_mb = (layers * layer_flops_mb + logits_flops_mb) / rate
     passes = ELEMENTWISE_PASSES + (1 if cfg.recompute == "full" else 0)
-    traffic = _layer_activation_bytes(model, cfg, stored=False) * passes * layers
+    traffic = layer_activation_bytes(model, cfg, stored=False) * passes * layers
     if cfg.recompute == "selective" and not cfg.flash_attention:
-        traffic += _score_bytes(model, cfg) * layers        # the softmax written again
+        traffic += score_bytes(model, cfg) * layers        # the softmax written again
     elementwise_mb = keep["elementwise"] * traffic * dtype_bytes / 2 / cluster.hbm_bandwidth
     tp = tp_comm_per_layer(model, cfg, dtype_bytes)
     tp_mb = keep["tp_comm"] * layers * _collective_time(cluster, tp["bytes"], group_crosses_nodes(
