@@ -3,7 +3,8 @@ parallelism: per-iteration losses and gradient norms equal the EP=1 run of the s
 EP = 2, EP = 4 (both dispatchers), EP = 2 with TP = 2 and sequence parallelism (etp = 2 and
 etp = 1), EP = 2 x PP = 2, and top-1 routing with the load-balancing loss; the EP=1 run
 itself equals a one-process run of train_gpt.py (no data or expert parallelism). One 4-rank
-torchrun job (tests/mp/gpt_moe_checks.py), whose reports every test reads."""
+torchrun job (tests/mp/gpt_moe_checks.py), whose reports every test reads; in it a checkpoint
+saved at EP=2 resumes at EP=4, at EP=1 and at TP=2 x EP=2 with the experts split etp=2."""
 import pathlib
 
 import pytest
@@ -16,8 +17,8 @@ WORKER = pathlib.Path(__file__).parent / "mp" / "gpt_moe_checks.py"
 
 
 @pytest.fixture(scope="module")
-def reports():
-    job = run(WORKER, [], nproc=4, timeout_s=300, show="none")
+def reports(tmp_path_factory):
+    job = run(WORKER, [str(tmp_path_factory.mktemp("moe_ckpt"))], nproc=4, timeout_s=300, show="none")
     assert [rep["rank"] for rep in job.results] == [0, 1, 2, 3]
     return job.results
 
@@ -64,3 +65,12 @@ def test_the_ep1_run_equals_a_one_process_run(reports):
 def test_losses_learn(reports):
     losses = reports[0]["runs"]["ep1"]["losses"]
     assert losses[-1] < losses[0] - 0.05
+
+
+@pytest.mark.parametrize("name", ["ep4", "ep1", "tp2_sp_ep2"])
+def test_a_checkpoint_saved_at_ep2_resumes_at_another_layout(reports, name):
+    for r in reports:
+        resumed = r["resumed"][name]
+        assert resumed["iteration"] == 3
+        assert len(resumed["losses"]) == 3
+        assert rel_diff(resumed["losses"], r["resume_reference"]) <= RTOL

@@ -68,8 +68,6 @@ def test_expert_flags_without_experts_are_refused():
     (["--context-parallel-size", 2], "--context-parallel-size 2"),
     (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
     (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
-    (["--save", "ckpt"], "--save ckpt"),
-    (["--load", "ckpt"], "--load ckpt"),
     (["--dense-twin"], "--dense-twin")])
 def test_what_the_trainer_does_not_do_with_experts_yet_is_refused(flags, named):
     with pytest.raises(ValueError, match=rf"--num-experts 4 with {named}: not supported"):

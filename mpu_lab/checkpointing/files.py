@@ -16,7 +16,7 @@ MARKER = "mpu_lab_checkpoint.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                "padded_vocab_size", "max_position_embeddings", "activation")
+                "padded_vocab_size", "max_position_embeddings", "activation", "num_experts")
 
 
 class CheckpointError(ValueError):
@@ -131,7 +131,7 @@ def model_fields(args) -> Dict[str, Any]:
                 padded_vocab_size=args.padded_vocab_size,
                 max_position_embeddings=args.max_position_embeddings
                 if args.max_position_embeddings is not None else args.seq_length,
-                activation=args.activation)
+                activation=args.activation, num_experts=getattr(args, "num_experts", None))
 
 
 def check_compatible(info: Dict[str, Any], args) -> None:

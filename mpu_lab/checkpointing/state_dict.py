@@ -18,18 +18,36 @@ from mpu_lab.tensor_parallel import get_rng_tracker
 _MESHES: Dict[tuple, Any] = {}
 
 
-def _tp_mesh():
+def is_expert(param) -> bool:
+    """A mixture-of-experts parameter (Megatron's mark ``allreduce = False``): split over the
+    *expert*-tensor-parallel group, held by one expert-parallel rank."""
+    return not getattr(param, "allreduce", True)
+
+
+def _split_family(param) -> str:
+    """The group family a split parameter is sliced over."""
+    return "expert-tp" if is_expert(param) else "tp"
+
+
+def _tp_mesh(param=None):
     from torch.distributed.device_mesh import DeviceMesh   # heavy (torch.distributed.tensor)
-    group = parallel_state.get_tensor_model_parallel_group()
-    key = tuple(parallel_state.get_group_ranks("tp"))
+    family = _split_family(param)
+    group = parallel_state.get_expert_tensor_parallel_group() if family == "expert-tp" \
+        else parallel_state.get_tensor_model_parallel_group()
+    key = (family, tuple(parallel_state.get_group_ranks(family)))
     if key not in _MESHES:
         _MESHES[key] = DeviceMesh.from_group(group, "cpu")
     return _MESHES[key]
 
 
+def _split_size(param) -> int:
+    if is_expert(param):
+        return parallel_state.get_expert_tensor_parallel_world_size()
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
 def is_split(param) -> bool:
-    return bool(getattr(param, "tensor_model_parallel", False)) and \
-        parallel_state.get_tensor_model_parallel_world_size() > 1
+    return bool(getattr(param, "tensor_model_parallel", False)) and _split_size(param) > 1
 
 
 def global_shape(param, local_shape) -> torch.Size:
@@ -37,7 +55,7 @@ def global_shape(param, local_shape) -> torch.Size:
     if is_split(param):
         if getattr(param, "partition_stride", 1) != 1:
             raise NotImplementedError("interleaved (stride > 1) shards cannot be saved as DTensors")
-        shape[param.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
+        shape[param.partition_dim] *= _split_size(param)
     return torch.Size(shape)
 
 
@@ -48,11 +66,12 @@ def as_saved(local: torch.Tensor, param):
     from torch.distributed.tensor import DTensor, Shard   # heavy: only when saving a shard
     shape = global_shape(param, local.shape)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, _tp_mesh(), [Shard(param.partition_dim)], run_check=False,
+    return DTensor.from_local(local, _tp_mesh(param), [Shard(param.partition_dim)], run_check=False,
                               shape=shape, stride=stride)
 
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -60,7 +79,9 @@ def checkpoint_names(model) -> List[tuple]:
     """``(name, parameter, is_copy)`` for every parameter of ``model`` (a module, or a list of
     pipeline model chunks): the name the one-stage model gives it — layers numbered globally
     (their ``layer_number``) — and ``is_copy`` for the last stage's copy of the tied embedding,
-    which is named like the embedding, loaded from it and never saved."""
+    which is named like the embedding, loaded from it and never saved. Experts are named by
+    their global number (Megatron's ``local_experts.{i}`` of expert-parallel rank r is expert
+    ``r * E / ep + i``), so a checkpoint loads at any expert-parallel size."""
     out = []
     for chunk in model_chunks_of(model):
         for name, p in chunk.named_parameters():
@@ -71,7 +92,12 @@ def checkpoint_names(model) -> List[tuple]:
             if match:
                 layer = chunk.decoder.layers[int(match.group(1))]
                 number = getattr(layer, "layer_number", int(match.group(1)))
-                name = f"decoder.layers.{number}.{match.group(2)}"
+                rest = match.group(2)
+                expert = _LOCAL_EXPERT.match(rest)
+                if expert:   # local expert i is global expert ep_rank * E / ep + i
+                    index = layer.mlp.local_expert_indices[int(expert.group(1))]
+                    rest = f"mlp.experts.local_experts.{index}.{expert.group(2)}"
+                name = f"decoder.layers.{number}.{rest}"
             out.append((name, p, False))
     return out
 
@@ -82,13 +108,18 @@ def named_params(model):
 
 
 def pipeline_union(names: List[str]) -> List[str]:
-    """The names held by the whole pipeline (every stage's), on every stage."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return list(names)
-    gathered: List[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(gathered, list(names),
-                           group=parallel_state.get_pipeline_model_parallel_group())
-    return sorted({n for part in gathered for n in part})
+    """The names held by the whole pipeline (every stage's), on every stage; with experts
+    spread over expert-parallel ranks, every expert's too."""
+    names = list(names)
+    for size, group in ((parallel_state.get_pipeline_model_parallel_world_size(),
+                         parallel_state.get_pipeline_model_parallel_group),
+                        (parallel_state.get_expert_model_parallel_world_size(),
+                         parallel_state.get_expert_model_parallel_group)):
+        if size > 1:
+            gathered: List[Any] = [None] * size
+            dist.all_gather_object(gathered, names, group=group())
+            names = sorted({n for part in gathered for n in part})
+    return names
 
 
 def rng_state_dict(prefix: str) -> Dict[str, torch.Tensor]:

@@ -61,7 +61,7 @@ def check_moe_args(args, world_size: int, config) -> None:
     """The MoE flags against the world and the model ``config`` (its ``check_moe``: E over ep,
     top-k, ``ffn_hidden_size`` over etp, SP with TP, top-1 softmax); then what this trainer
     refuses rather than trains wrong: context parallelism, Megatron's DDP / distributed
-    optimizer, checkpoints and the dense twin (which hold no experts yet)."""
+    optimizer and the dense twin (which holds no experts)."""
     ep = getattr(args, "expert_model_parallel_size", 1)
     etp = expert_tensor_parallel_size(args)
     e = getattr(args, "num_experts", None)
@@ -90,13 +90,11 @@ def check_moe_args(args, world_size: int, config) -> None:
                 f"--context-parallel-size {getattr(args, 'context_parallel_size', 1)}"),
                (getattr(args, "use_distributed_optimizer", False), "--use-distributed-optimizer"),
                (getattr(args, "overlap_grad_reduce", False), "--overlap-grad-reduce"),
-               (bool(getattr(args, "save", None)), f"--save {getattr(args, 'save', None)}"),
-               (bool(getattr(args, "load", None)), f"--load {getattr(args, 'load', None)}"),
                (getattr(args, "dense_twin", False), "--dense-twin")]
     names = [name for bad, name in refused if bad]
     if names:
         raise ValueError(
             f"--num-experts {e} with {', '.join(names)}: not supported with experts yet (the "
             f"expert gradients are averaged over the expert-data-parallel group only on the "
-            f"plain path, and checkpoints and the dense twin hold no experts); leave "
+            f"plain path, and the dense twin holds no experts); leave "
             f"{'it' if len(names) == 1 else 'them'} out")

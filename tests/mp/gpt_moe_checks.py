@@ -1,19 +1,21 @@
 """torchrun worker: train_gpt.py's training with mixture-of-experts MLPs under expert
 parallelism against the EP=1 run of the same flags, in one 4-rank job.
 
-    torchrun --standalone --nproc-per-node 4 tests/mp/gpt_moe_checks.py
+    torchrun --standalone --nproc-per-node 4 tests/mp/gpt_moe_checks.py CHECKPOINT_DIR
 
 Each configuration re-initialises the groups in the same processes and trains through the
 functions launch/train_gpt.py calls (parse_args, validate_args, setup, train). Every rank
 reports a dict; tests/test_gpt_moe_mp.py asserts on it (and compares the EP=1 run with a
-one-process run of train_gpt.py, which has no data or expert parallelism at all).
+one-process run of train_gpt.py, which has no data or expert parallelism at all). Then a
+checkpoint saved at EP=2 is resumed at EP=4, EP=1 and TP=2 x EP=2 with etp=2.
 """
+import sys
 import time
 import traceback
 
 import torch.distributed as dist
 
-from mpu_lab import distributed, launcher, parallel_state, training
+from mpu_lab import checkpointing, distributed, launcher, parallel_state, training
 
 ITERS = 6
 BASE = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
@@ -72,6 +74,26 @@ def training_runs(out):
         out["seconds"][name] = round(time.perf_counter() - t0, 2)
 
 
+RESUMES = ("ep4", "ep1", "tp2_sp_ep2")
+
+
+def resume_at_other_ep(out, ckpt_dir):
+    """EP=2: 3 iterations, save, 3 more (the reference); then each of RESUMES from the
+    checkpoint for the same 3 (weights, Adam moments and the schedule read back, the experts
+    under their global numbers)."""
+    args = args_for(CONFIGS["ep2"][1])
+    state = training.setup(args, log=lambda s: None)
+    training.train(state, train_iters=3, log=lambda s: None)
+    checkpointing.save_checkpoint(ckpt_dir, state)
+    out["resume_reference"] = [m["lm_loss"] for m in training.train(state, log=lambda s: None)]
+    out["resumed"] = {}
+    for name in RESUMES:
+        args = args_for(CONFIGS[name][1] + ["--load", ckpt_dir])
+        state = training.setup(args, log=lambda s: None)
+        out["resumed"][name] = dict(iteration=state.iteration, losses=[
+            m["lm_loss"] for m in training.train(state, log=lambda s: None)])
+
+
 @launcher.entrypoint
 def main():
     t_start = time.perf_counter()
@@ -82,6 +104,9 @@ def main():
            "seconds": {"init": round(time.perf_counter() - t_start, 2)}}
     try:
         training_runs(out)
+        t0 = time.perf_counter()
+        resume_at_other_ep(out, sys.argv[1])
+        out["seconds"]["resume"] = round(time.perf_counter() - t0, 2)
     finally:
         launcher.report(out)
     distributed.shutdown()
