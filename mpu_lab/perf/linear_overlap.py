@@ -86,7 +86,7 @@ def record_backward():
     when the block ends, in order of start."""
     events: List[Tuple[str, float, float]] = []
     with GemmRecorder():            # the first op under a dispatch mode pays its set-up (seconds)
-        torch.mm(torch.ones(1, 1), torch.ones(1, 1))
+        torch.mm(torch.ones(1, 1), torch.ones(1, 1))   # cpu: a 1x1 warm-up of the mode, not rank data
     with CommTimer() as timer, GemmRecorder() as gemms:
         yield events
     events += [("dX = dY W" if k % 2 == 0 else "dW = dY^T X", start, end)
