@@ -1,4 +1,4 @@
-"""Train a small GPT with tensor, sequence, context, pipeline and data parallelism
+"""Train a small GPT with tensor, sequence, context, pipeline, expert and data parallelism
 (Megatron-style flags).
 
     torchrun --standalone --nproc-per-node 4 launch/train_gpt.py \
@@ -16,6 +16,11 @@
     torchrun --standalone --nproc-per-node 8 launch/train_gpt.py \
         --context-parallel-size 2 --cp-comm-type p2p --tensor-model-parallel-size 2 \
         --seq-length 128 --micro-batch-size 4 --global-batch-size 8
+
+    # mixture of experts: 8 experts, top-2, spread over 4 ranks (EP=4; the dense parts DP=4):
+    torchrun --standalone --nproc-per-node 4 launch/train_gpt.py \
+        --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 4 \
+        --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01
 
     # interleaved 1F1B, 2 model chunks of 1 layer per stage, with each rank's timeline:
     torchrun --standalone --nproc-per-node 2 launch/train_gpt.py \

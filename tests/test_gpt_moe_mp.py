@@ -4,7 +4,9 @@ EP = 2, EP = 4 (both dispatchers), EP = 2 with TP = 2 and sequence parallelism (
 etp = 1), EP = 2 x PP = 2, and top-1 routing with the load-balancing loss; the EP=1 run
 itself equals a one-process run of train_gpt.py (no data or expert parallelism). One 4-rank
 torchrun job (tests/mp/gpt_moe_checks.py), whose reports every test reads; in it a checkpoint
-saved at EP=2 resumes at EP=4, at EP=1 and at TP=2 x EP=2 with the experts split etp=2."""
+saved at EP=2 resumes at EP=4, at EP=1, at TP=2 x EP=2 with the experts split etp=2 and at
+EP=2 x PP=2; the distributed optimizer (saving, resuming, and training: a second gradient
+buffer for the experts over expert-DP) and --overlap-grad-reduce give the same losses too."""
 import pathlib
 
 import pytest
@@ -18,7 +20,8 @@ WORKER = pathlib.Path(__file__).parent / "mp" / "gpt_moe_checks.py"
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    job = run(WORKER, [str(tmp_path_factory.mktemp("moe_ckpt"))], nproc=4, timeout_s=300, show="none")
+    job = run(WORKER, [str(tmp_path_factory.mktemp("moe_ckpt"))], nproc=4, timeout_s=300,
+              show="none")
     assert [rep["rank"] for rep in job.results] == [0, 1, 2, 3]
     return job.results
 
@@ -31,7 +34,9 @@ def rel_diff(a, b):
 # name: (tp, pp, dp, ep, etp, edp) at 4 ranks; edp = 4 / (etp x ep x pp)
 SIZES = {"ep2": (1, 1, 4, 2, 1, 2), "ep4": (1, 1, 4, 4, 1, 1), "ep4_allgather": (1, 1, 4, 4, 1, 1),
          "tp2_sp_ep2": (2, 1, 2, 2, 2, 1), "tp2_sp_ep2_etp1": (2, 1, 2, 2, 1, 2),
-         "ep2_pp2": (1, 2, 2, 2, 1, 1), "ep4_aux_top1": (1, 1, 4, 4, 1, 1)}
+         "ep2_pp2": (1, 2, 2, 2, 1, 1), "ep4_aux_top1": (1, 1, 4, 4, 1, 1),
+         "ep2_distopt": (1, 1, 4, 2, 1, 2), "tp2_sp_ep2_etp1_distopt": (2, 1, 2, 2, 1, 2),
+         "ep4_overlap": (1, 1, 4, 4, 1, 1), "ep2_pp2_distopt": (1, 2, 2, 2, 1, 1)}
 
 
 @pytest.mark.parametrize("name", list(SIZES))
@@ -54,6 +59,15 @@ def test_the_load_balancing_loss_changes_the_training(reports):
     assert abs(aux["grad_norms"][0] - plain["grad_norms"][0]) > 1e-3
 
 
+def test_the_logged_load_balancing_loss_is_the_same_at_ep4_and_ep1(reports):
+    # logged only with --moe-aux-loss-coeff; 1 for a uniform load, E = 4 for one expert
+    assert reports[0]["runs"]["ep1"]["load_balancing"] == [None] * 6
+    for r in reports:
+        ep1, ep4 = (r["runs"][n]["load_balancing"] for n in ("ep1_aux_top1", "ep4_aux_top1"))
+        assert all(0.5 < x < 4 for x in ep1)
+        assert rel_diff(ep4, ep1) <= RTOL
+
+
 def test_the_ep1_run_equals_a_one_process_run(reports):
     # the reference itself against train_gpt.py in one process: 4 micro-batches of 2, no
     # data-parallel or expert-parallel reduction at all
@@ -67,7 +81,7 @@ def test_losses_learn(reports):
     assert losses[-1] < losses[0] - 0.05
 
 
-@pytest.mark.parametrize("name", ["ep4", "ep1", "tp2_sp_ep2"])
+@pytest.mark.parametrize("name", ["ep4", "ep1", "tp2_sp_ep2", "ep2_pp2_distopt"])
 def test_a_checkpoint_saved_at_ep2_resumes_at_another_layout(reports, name):
     for r in reports:
         resumed = r["resumed"][name]

@@ -21,7 +21,8 @@ def test_the_flags_reach_the_config_and_etp_defaults_to_tp():
                            "--moe-expert-capacity-factor", 1.5], 4)
     cfg = training.model_config(args)
     assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_token_dispatcher_type,
-            cfg.moe_aux_loss_coeff, cfg.moe_expert_capacity_factor) == (4, 2, "allgather", 0.01, 1.5)
+            cfg.moe_aux_loss_coeff, cfg.moe_expert_capacity_factor) == \
+        (4, 2, "allgather", 0.01, 1.5)
     assert training.model_config(validate([], 1)).num_moe_experts is None
     # etp = t by default: TP=2 x EP=2 fills 4 ranks (etp x ep x edp x pp = 2 x 2 x 1 x 1)
     validate(MOE + ["--tensor-model-parallel-size", 2, "--sequence-parallel",
@@ -66,8 +67,6 @@ def test_expert_flags_without_experts_are_refused():
 
 @pytest.mark.parametrize("flags, named", [
     (["--context-parallel-size", 2], "--context-parallel-size 2"),
-    (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
-    (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
     (["--dense-twin"], "--dense-twin")])
 def test_what_the_trainer_does_not_do_with_experts_yet_is_refused(flags, named):
     with pytest.raises(ValueError, match=rf"--num-experts 4 with {named}: not supported"):

@@ -85,7 +85,8 @@ def save_checkpoint(save_dir, state) -> pathlib.Path:
                     virtual_pipeline_model_parallel_size=getattr(
                         args, "virtual_pipeline_model_parallel_size", None),
                     data_parallel_size=parallel_state.get_data_parallel_world_size(),
-                    expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+                    expert_model_parallel_size=(
+                        parallel_state.get_expert_model_parallel_world_size()),
                     sequence_parallel=bool(args.sequence_parallel),
                     has_optimizer=has_optimizer, model=model_fields(args),
                     vocab_size=args.vocab_size, seq_length=args.seq_length,

@@ -47,12 +47,21 @@ class DistributedDataParallel(torch.nn.Module):
     the averaged gradient of its shard only). ``bucket_size``: elements per bucket (``None``:
     one bucket). ``num_micro_batches``: backward passes per step (gradient accumulation; a
     parameter is ready after that many). ``late_params``: see the module docstring.
+
+    Mixture of experts (Megatron keeps the expert parameters in a buffer of their own):
+    ``params`` picks which of ``module``'s parameters this instance reduces (default: all), and
+    ``gradient_scaling_factor`` what the reduced sum is multiplied by (default ``1 / group
+    size``, the average). The trainer wraps a chunk twice: the dense parameters over the
+    data-parallel group, the expert ones over the expert-data-parallel group, both scaled by
+    ``1 / d``, ``d`` the dense data-parallel size.
     """
 
     def __init__(self, module: torch.nn.Module, data_parallel_group=None, *,
                  overlap_grad_reduce: bool = False, use_distributed_optimizer: bool = False,
                  bucket_size: Optional[int] = None, num_micro_batches: int = 1,
-                 late_params: Iterable[torch.nn.Parameter] = ()):
+                 late_params: Iterable[torch.nn.Parameter] = (),
+                 params: Optional[Iterable[torch.nn.Parameter]] = None,
+                 gradient_scaling_factor: Optional[float] = None):
         super().__init__()
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
@@ -64,7 +73,9 @@ class DistributedDataParallel(torch.nn.Module):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         self.num_micro_batches = num_micro_batches
-        self.buffer = ParamAndGradBuffer(list(module.parameters()), self.data_parallel_size,
+        self.gradient_scaling_factor = gradient_scaling_factor
+        params = list(module.parameters()) if params is None else list(params)
+        self.buffer = ParamAndGradBuffer(params, self.data_parallel_size,
                                          bucket_size, late_params)
         self._counts: Dict[int, int] = {}
         self._pending: Dict[int, comm.Pending] = {}
@@ -123,20 +134,30 @@ class DistributedDataParallel(torch.nn.Module):
         d = self.data_parallel_size
         if self.use_distributed_optimizer:
             start, end = bucket.shard_range(self.data_parallel_rank)
-            bucket.grad_data[start:end].copy_(result).div_(d)
+            self._scale(bucket.grad_data[start:end].copy_(result), d)
         else:
-            bucket.grad_data.copy_(result).div_(d)
+            self._scale(bucket.grad_data.copy_(result), d)
         self.sync_log.append(dict(
             bucket=bucket.index, kind=pending.kind, numel=bucket.numel,
             nbytes=bucket.numel * bucket.grad_data.element_size(),
             started_in_backward=self._in_backward[bucket.index]))
 
+    def _scale(self, grads: torch.Tensor, d: int) -> None:
+        if self.gradient_scaling_factor is None:
+            grads.div_(d)       # the average over the group
+        else:
+            grads.mul_(self.gradient_scaling_factor)
+
     def finish_grad_sync(self, late: bool = False) -> None:
         """Start the reductions of the buckets (``late``: the late ones) not started yet, then
         wait for all of them and write the averages into the gradient buffer. With one
-        data-parallel rank there is nothing to reduce."""
+        data-parallel rank there is nothing to reduce (only a ``gradient_scaling_factor`` to
+        apply)."""
         buckets = [b for b in self.buffer.buckets if b.late == late]
         if self.data_parallel_size == 1:
+            if self.gradient_scaling_factor not in (None, 1.0):
+                for b in buckets:
+                    self._scale(b.grad_data, 1)
             return
         for b in buckets:
             if b.index not in self._pending:

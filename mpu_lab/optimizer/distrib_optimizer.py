@@ -39,7 +39,7 @@ from mpu_lab.distributed.distributed_data_parallel import DistributedDataParalle
 
 # what a shard tensor copies from its parameter (clipping and the loss scaler read them)
 _ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared",
-               "sequence_parallel")
+               "sequence_parallel", "allreduce")
 
 
 class DistributedOptimizer:

@@ -21,6 +21,7 @@ from mpu_lab import checkpointing, datasets, distributed, parallel_state
 from mpu_lab.context_parallel import get_batch_on_this_cp_rank
 from mpu_lab.distributed.distributed_data_parallel import DistributedDataParallel
 from mpu_lab.models.gpt import build_model_chunks
+from mpu_lab.models.moe import is_expert_parameter
 from mpu_lab.models.transformer import sequence_parallel_params
 from mpu_lab.optimizer import DistributedOptimizer, DynamicLossScaler, build_optimizer
 from mpu_lab.pipeline_parallel import (
@@ -153,15 +154,31 @@ def wrap_megatron_ddp(chunks: List[torch.nn.Module], args: argparse.Namespace
     per model chunk over the data x context parallel group (Megatron's dp-cp group: the
     distributed optimizer shards over it too), with buckets of ``--ddp-bucket-size`` elements,
     Megatron's default ``max(40M, 1M x DP x CP)``. The chunks keep running their own forward:
-    the wrapper's hooks sit on the parameters."""
+    the wrapper's hooks sit on the parameters.
+
+    With experts (Megatron's separate expert buffer), each chunk gets a second wrapper for its
+    expert parameters, over the expert-data-parallel group — the ranks holding the same
+    experts; the distributed optimizer shards those over it — their sums scaled by ``1 / d``
+    as the dense average (see :func:`mpu_lab.models.moe.finish_grad_sync` for why ``d``)."""
     dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     size = args.ddp_bucket_size or max(40_000_000, 1_000_000 * dp_cp)
-    return [DistributedDataParallel(
-        chunk, parallel_state.get_data_parallel_group(with_context_parallel=True),
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=size,
-        num_micro_batches=args.num_micro_batches, late_params=late_params(chunk))
-        for chunk in chunks]
+    options = dict(overlap_grad_reduce=args.overlap_grad_reduce,
+                   use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=size,
+                   num_micro_batches=args.num_micro_batches)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if not has_experts(args):
+        return [DistributedDataParallel(chunk, group, late_params=late_params(chunk), **options)
+                for chunk in chunks]
+    wrapped = []
+    for chunk in chunks:
+        dense = [p for p in chunk.parameters() if not is_expert_parameter(p)]
+        experts = [p for p in chunk.parameters() if is_expert_parameter(p)]
+        wrapped.append(DistributedDataParallel(chunk, group, late_params=late_params(chunk),
+                                               params=dense, **options))
+        wrapped.append(DistributedDataParallel(
+            chunk, parallel_state.get_expert_data_parallel_group(), params=experts,
+            gradient_scaling_factor=1.0 / dp_cp, **options))
+    return wrapped
 
 
 def get_batch(state: TrainState, iteration: int, micro_batch: int) -> Dict[str, torch.Tensor]:

@@ -60,8 +60,8 @@ def expert_tensor_parallel_size(args) -> int:
 def check_moe_args(args, world_size: int, config) -> None:
     """The MoE flags against the world and the model ``config`` (its ``check_moe``: E over ep,
     top-k, ``ffn_hidden_size`` over etp, SP with TP, top-1 softmax); then what this trainer
-    refuses rather than trains wrong: context parallelism, Megatron's DDP / distributed
-    optimizer and the dense twin (which holds no experts)."""
+    refuses rather than trains wrong: context parallelism and the dense twin (which holds no
+    experts)."""
     ep = getattr(args, "expert_model_parallel_size", 1)
     etp = expert_tensor_parallel_size(args)
     e = getattr(args, "num_experts", None)
@@ -88,13 +88,11 @@ def check_moe_args(args, world_size: int, config) -> None:
     config.check_moe(ep, etp, args.tensor_model_parallel_size)
     refused = [(getattr(args, "context_parallel_size", 1) > 1,
                 f"--context-parallel-size {getattr(args, 'context_parallel_size', 1)}"),
-               (getattr(args, "use_distributed_optimizer", False), "--use-distributed-optimizer"),
-               (getattr(args, "overlap_grad_reduce", False), "--overlap-grad-reduce"),
                (getattr(args, "dense_twin", False), "--dense-twin")]
     names = [name for bad, name in refused if bad]
     if names:
         raise ValueError(
             f"--num-experts {e} with {', '.join(names)}: not supported with experts yet (the "
-            f"expert gradients are averaged over the expert-data-parallel group only on the "
-            f"plain path, and the dense twin holds no experts); leave "
+            f"router's load-balancing loss counts no context-parallel ranks, and the dense twin "
+            f"holds no experts); leave "
             f"{'it' if len(names) == 1 else 'them'} out")

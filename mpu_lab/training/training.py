@@ -37,6 +37,7 @@ from mpu_lab.training.arguments import model_config, parse_args, validate_args
 from mpu_lab.training.dense_twin import train_dense_twin
 from mpu_lab.training.finalize_model_grads import finalize_grads
 from mpu_lab.training.initialize import TrainState, get_batch, has_experts, setup
+from mpu_lab.training.moe_metrics import load_balancing_loss
 
 
 def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -112,7 +113,8 @@ def _optimizer_step(args, state, params):
     expert_group = parallel_state.get_expert_tensor_model_pipeline_parallel_group() \
         if has_experts(args) else None
     if isinstance(state.optimizer, DistributedOptimizer):
-        params, mp_group = state.optimizer.shard_params, dist.group.WORLD
+        # every rank's shards are distinct (experts included): one sum over the world
+        params, mp_group, expert_group = state.optimizer.shard_params, dist.group.WORLD, None
     skipped = False
     if state.scaler:
         skipped = state.scaler.unscale_and_check(params, mp_group)
@@ -170,8 +172,10 @@ def train_step(state: TrainState) -> Dict[str, float]:
             (loss * (scale / M)).backward()
         loss_sum += reported
     params = [p for p in model.parameters() if p.requires_grad]
-    # with experts no torch DDP: dense and expert gradients are averaged here, each over its group
-    finalize_grads(model, data_parallel_params=params if has_experts(args) else None,
+    # with experts and no Megatron-DDP (no torch DDP either): dense and expert gradients are
+    # averaged here, each over its group
+    plain_experts = has_experts(args) and not state.ddp_chunks
+    finalize_grads(model, data_parallel_params=params if plain_experts else None,
                    ddp_chunks=state.ddp_chunks)
     lr, grad_norm, skipped = _optimizer_step(args, state, params)
     # Loss of the global batch: mean over micro-batches, then over the data-parallel group.
@@ -281,6 +285,8 @@ def train(state: TrainState, train_iters: Optional[int] = None,
                               skipped_iter=bool(step["skipped"]))
                 if "loss_scale" in step:
                     record["loss_scale"] = step["loss_scale"]
+                if has_experts(args) and args.moe_aux_loss_coeff > 0:
+                    record["load_balancing_loss"] = load_balancing_loss(state.model_chunks)
                 logged.append(record)
                 if metrics_out:
                     metrics_out.write(json.dumps(record) + "\n")

@@ -7,7 +7,8 @@ Each configuration re-initialises the groups in the same processes and trains th
 functions launch/train_gpt.py calls (parse_args, validate_args, setup, train). Every rank
 reports a dict; tests/test_gpt_moe_mp.py asserts on it (and compares the EP=1 run with a
 one-process run of train_gpt.py, which has no data or expert parallelism at all). Then a
-checkpoint saved at EP=2 is resumed at EP=4, EP=1 and TP=2 x EP=2 with etp=2.
+checkpoint saved at EP=2 (distributed optimizer) is resumed at EP=4, EP=1, TP=2 x EP=2 with
+etp=2 and EP=2 x PP=2 (distributed optimizer).
 """
 import sys
 import time
@@ -36,6 +37,19 @@ CONFIGS = {
                                 "--expert-tensor-parallel-size", 1, "--micro-batch-size", 4]),
     "ep2_pp2": ("ep1", ["--pipeline-model-parallel-size", 2, "--expert-model-parallel-size", 2,
                         "--micro-batch-size", 2]),
+    # Megatron's data parallelism: a second gradient buffer for the experts, over expert-DP
+    "ep2_distopt": ("ep1", ["--expert-model-parallel-size", 2, "--micro-batch-size", 1,
+                            "--use-distributed-optimizer", "--overlap-grad-reduce",
+                            "--ddp-bucket-size", 5000]),
+    "tp2_sp_ep2_etp1_distopt": ("ep1", ["--tensor-model-parallel-size", 2, "--sequence-parallel",
+                                        "--expert-model-parallel-size", 2,
+                                        "--expert-tensor-parallel-size", 1,
+                                        "--micro-batch-size", 2, "--use-distributed-optimizer"]),
+    "ep4_overlap": ("ep1", ["--expert-model-parallel-size", 4, "--micro-batch-size", 2,
+                            "--overlap-grad-reduce"]),
+    "ep2_pp2_distopt": ("ep1", ["--pipeline-model-parallel-size", 2,
+                                "--expert-model-parallel-size", 2, "--micro-batch-size", 2,
+                                "--use-distributed-optimizer"]),
     # the load-balancing loss and top-1 routing depend on which tokens a rank routes together:
     # compared with the EP=1 run of the same data-parallel layout
     "ep1_aux_top1": (None, ["--micro-batch-size", 2, "--moe-aux-loss-coeff", 0.1,
@@ -61,6 +75,7 @@ def training_runs(out):
             out["runs"][name] = dict(
                 ok=True, losses=[m["lm_loss"] for m in metrics],
                 grad_norms=[m["grad_norm"] for m in metrics],
+                load_balancing=[m.get("load_balancing_loss") for m in metrics],
                 sizes=dict(tp=parallel_state.get_tensor_model_parallel_world_size(),
                            pp=parallel_state.get_pipeline_model_parallel_world_size(),
                            dp=parallel_state.get_data_parallel_world_size(),
@@ -74,14 +89,15 @@ def training_runs(out):
         out["seconds"][name] = round(time.perf_counter() - t0, 2)
 
 
-RESUMES = ("ep4", "ep1", "tp2_sp_ep2")
+RESUMES = ("ep4", "ep1", "tp2_sp_ep2", "ep2_pp2_distopt")
 
 
 def resume_at_other_ep(out, ckpt_dir):
-    """EP=2: 3 iterations, save, 3 more (the reference); then each of RESUMES from the
-    checkpoint for the same 3 (weights, Adam moments and the schedule read back, the experts
-    under their global numbers)."""
-    args = args_for(CONFIGS["ep2"][1])
+    """EP=2 with the distributed optimizer (expert Adam states sharded over expert-DP = 2):
+    3 iterations, save, 3 more (the reference); then each of RESUMES from the checkpoint for
+    the same 3 (weights, Adam moments and the schedule read back, the experts under their
+    global numbers)."""
+    args = args_for(CONFIGS["ep2_distopt"][1])
     state = training.setup(args, log=lambda s: None)
     training.train(state, train_iters=3, log=lambda s: None)
     checkpointing.save_checkpoint(ckpt_dir, state)
