@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mpu_lab import comm, context_parallel, distributed, launcher
+from mpu_lab.comm import exchange
 from mpu_lab import parallel_state as ps
 
 BATCH, HEADS, HEAD_DIM = 2, 4, 8     # tests/test_context_parallel_mp.py counts with these
@@ -82,10 +83,11 @@ def attention_checks(results, prefix, group):
 
 def message_counts(cp_size):
     """``{comm_type: {"forward"|"backward": {function: [calls, elements sent]}}}`` of one
-    causal attention call at s = 2*cp*CHUNK, counted by wrapping mpu_lab.comm's functions from
-    outside (a call made inside another counted one is not counted twice)."""
+    causal attention call at s = 2*cp*CHUNK, counted by wrapping the functions of mpu_lab.comm
+    and comm.exchange from outside (a call made inside another counted one is not counted twice)."""
     names = ("send_recv_async", "send_recv", "all_to_all", "all_gather", "reduce_scatter")
-    originals = {name: getattr(comm, name) for name in names}
+    home = {name: exchange if hasattr(exchange, name) else comm for name in names}
+    originals = {name: getattr(home[name], name) for name in names}
     tally, depth = {}, [0]
 
     def counted(name):
@@ -104,7 +106,7 @@ def message_counts(cp_size):
     out = {}
     try:
         for name in names:
-            setattr(comm, name, counted(name))
+            setattr(home[name], name, counted(name))
         for comm_type in context_parallel.COMM_TYPES:
             q, k, v = (torch.randn(2 * CHUNK, BATCH, HEADS, HEAD_DIM, requires_grad=True)
                        for _ in range(3))
@@ -116,7 +118,7 @@ def message_counts(cp_size):
             out[comm_type] = {"forward": forward, "backward": dict(tally)}
     finally:
         for name, fn in originals.items():
-            setattr(comm, name, fn)
+            setattr(home[name], name, fn)
     return out
 
 
