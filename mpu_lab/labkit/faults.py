@@ -321,12 +321,12 @@ class Injection:
             return original(torch.stack([loss, torch.ones_like(loss)]))
         return original(loss)
 
-    def clip_grad_norm(self, params, max_norm, group):
+    def clip_grad_norm(self, params, max_norm, group, expert_group=None):
         """wrong-group: the norm summed over the data-parallel group, not the model-parallel
         one."""
         if self.armed:
             group = parallel_state.get_data_parallel_group()
-        return self.originals["clip_grad_norm"](params, max_norm, group)
+        return self.originals["clip_grad_norm"](params, max_norm, group, expert_group)
 
 
 # the call of mpu_lab.training.training each kind replaces, besides train_step
