@@ -15,7 +15,14 @@ iteration, TFLOP/s per GPU, MFU and memory per GPU. Pure Python: no torch, no pr
 * :mod:`~mpu_lab.perf.cost_model.optimizer_state` — bytes per parameter of weights, gradients
   and Adam's states, as Megatron-core's distributed-optimizer guide gives them;
 * :mod:`~mpu_lab.perf.cost_model.predict` — the time of one iteration, with the modelling
-  assumptions stated plainly in its docstring.
+  assumptions stated plainly in its docstring;
+* :mod:`~mpu_lab.perf.cost_model.context` — context parallelism: activation memory divided by
+  cp, the ring's (and a2a's, allgather's) bytes per layer, whether the ring hides behind
+  attention, a (t, p, d, cp) ranking (Korthikanti et al. 2022; Liu et al. 2023; Jacobs et al.
+  2023);
+* :mod:`~mpu_lab.perf.cost_model.moe` — mixture of experts: parameters and FLOPs per token with
+  E and k, memory per rank with ep, the all-to-all bytes per layer, a (t, p, d, ep) ranking
+  (Lepikhin et al. 2020; Fedus et al. 2021; Jiang et al. 2024).
 
 Sources, one per formula (each function's docstring says which):
 
@@ -35,6 +42,10 @@ Sources, one per formula (each function's docstring says which):
 """
 from mpu_lab.perf.cost_model.activations import (  # noqa: F401
     activation_memory_per_layer, layer_activation_terms, paper_terms)
+from mpu_lab.perf.cost_model.context import (  # noqa: F401
+    CP_COMM_TYPES, ContextParallelPrediction, cp_activation_memory_per_layer,
+    cp_comm_bytes_per_layer, cp_memory_per_gpu, predict_context_parallel,
+    rank_context_parallel, ring_overlap)
 from mpu_lab.perf.cost_model.counts import (  # noqa: F401
     BYTES_PER_PARAM_ADAM, bubble_fraction, dp_allreduce_bytes, flops_per_token,
     hardware_flops_per_iteration, in_flight_microbatches, memory_per_gpu,
@@ -43,6 +54,9 @@ from mpu_lab.perf.cost_model.counts import (  # noqa: F401
 from mpu_lab.perf.cost_model.inputs import (
     CLUSTERS, DGX_A100_80GB, DGX_H100, GPT2_SMALL, GPT3_175B, MODELS, RECOMPUTE_MODES,
     SCHEDULES, Cluster, ModelShape, ParallelConfig)
+from mpu_lab.perf.cost_model.moe import (  # noqa: F401
+    MIXTRAL_8X7B, MoEModelShape, MoEPrediction, moe_a2a_bytes_per_layer, moe_flops_per_token,
+    moe_memory_per_gpu, moe_parameter_count, predict_moe, rank_expert_parallel)
 from mpu_lab.perf.cost_model.optimizer_state import (  # noqa: F401
     bytes_per_parameter, bytes_per_parameter_terms, canonical_dtype,
     format_bytes_per_parameter)
