@@ -70,6 +70,8 @@ _DETAIL_MISMATCH = re.compile(r"Detected mismatch between collectives", re.I)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 _C10D_FILES = ("distributed_c10d.py",)
 _P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+_COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
+             "all_to_all_with_splits", "send_recv")
 # mpu_lab's thin wrapper around torch.distributed: its frames say nothing about who called it.
 _PLUMBING = tuple((pathlib.Path(__file__).resolve().parent.parent / "comm").glob("*.py"))
 _SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
@@ -111,10 +113,17 @@ def short_path(path: str) -> str:
 
 
 def _collective_in(traceback_text: str) -> Optional[str]:
-    """The ``torch.distributed`` call a traceback ended in (``all_reduce``, ``barrier``...)."""
-    ops = [func for path, _, func in _FRAME.findall(traceback_text)
+    """The ``torch.distributed`` call a traceback ended in (``all_reduce``, ``barrier``...), or,
+    for a collective started asynchronously and failed in its ``wait()``, the
+    :mod:`mpu_lab.comm` function that started it (``all_reduce_async`` -> ``all_reduce``)."""
+    frames = _FRAME.findall(traceback_text)
+    ops = [func for path, _, func in frames
            if pathlib.Path(path).name in _C10D_FILES and func != "wrapper"]
-    return ops[-1] if ops else None
+    if ops:
+        return ops[-1]
+    ours = [func.removesuffix("_async") for path, _, func in frames
+            if pathlib.Path(path).resolve() in _PLUMBING]
+    return next((op for op in ours if op in _COMM_OPS), None)
 
 
 def _torch_call(traceback_text: str) -> Optional[str]:
