@@ -17,6 +17,11 @@ interleaved schedule also needs m to be a multiple of p (Megatron's rule).
 :meth:`Exploration.assumptions` says what the ranking took for granted (read from the
 configurations and the cluster), :meth:`Exploration.ranking_under_error` how much of the
 ranking survives a given error of the model.
+
+Two worked examples rank splits with the newer dimensions: :func:`long_sequence_example`
+(t, p, d, cp) for GPT-3 175B at a 32k sequence, where context parallelism is what makes it fit,
+and :func:`moe_example` (t, p, d, ep) for Mixtral 8x7B (:mod:`mpu_lab.perf.cost_model.context`,
+:mod:`mpu_lab.perf.cost_model.moe`).
 """
 from __future__ import annotations
 

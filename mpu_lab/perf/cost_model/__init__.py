@@ -74,4 +74,10 @@ __all__ = [
     "dp_allreduce_bytes", "in_flight_microbatches", "memory_per_gpu",
     "IterationPrediction", "predict_iteration", "EFFECTS",
     "bytes_per_parameter", "bytes_per_parameter_terms", "format_bytes_per_parameter",
+    "CP_COMM_TYPES", "ContextParallelPrediction", "cp_activation_memory_per_layer",
+    "cp_comm_bytes_per_layer", "cp_memory_per_gpu", "predict_context_parallel",
+    "rank_context_parallel", "ring_overlap",
+    "MIXTRAL_8X7B", "MoEModelShape", "MoEPrediction", "moe_a2a_bytes_per_layer",
+    "moe_flops_per_token", "moe_memory_per_gpu", "moe_parameter_count", "predict_moe",
+    "rank_expert_parallel",
 ]

@@ -172,7 +172,11 @@ def cp_memory_per_gpu(model: ModelShape, cfg: ParallelConfig, cp: int, dtype_byt
 
 @dataclasses.dataclass(frozen=True)
 class ContextParallelPrediction:
-    """One (t, p, d, cp) prediction: seconds per iteration, memory per GPU, the ring's verdict."""
+    """One (t, p, d, cp) prediction: seconds per iteration, memory per GPU, the ring's verdict.
+
+    ``extra_attention_s``: the q-chunks against the other ranks' keys; ``ring_exposed_s``: the
+    exchange on the critical path; ``ring_hidden``: for p2p whether one ring step hides behind
+    its block pair (:func:`ring_overlap`); a2a and allgather are not overlapped (False)."""
     model: ModelShape
     config: ParallelConfig
     cp: int
@@ -205,7 +209,9 @@ def predict_context_parallel(model: ModelShape, cfg: ParallelConfig, cp: int, cl
     selective recomputation's forward) and the exposed part of the exchange. p2p overlaps
     step by step (:func:`ring_overlap`); a2a and allgather are counted on the critical path.
     ``cfg`` holds t, p, d (without cp) and the global batch in sequences of length s;
-    ``grad_bytes`` defaults to ``dtype_bytes``."""
+    ``grad_bytes`` defaults to ``dtype_bytes``. The memory-bound passes are the twin's, whose
+    scores are a q-chunk against a k-chunk: without flash attention that undercounts the HBM
+    traffic of the softmax by a factor cp."""
     check_context_parallel(model, cfg, cp, comm_type)
     cfg.check(model)
     grad_bytes = dtype_bytes if grad_bytes is None else grad_bytes
