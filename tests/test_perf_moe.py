@@ -105,3 +105,17 @@ def test_top_k_above_the_experts_is_refused():
     with pytest.raises(ValueError, match="top_k 3 is more than num_experts 2"):
         MoEModelShape(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
                       vocab_size=16, ffn_hidden_size=16, num_experts=2, top_k=3)
+
+
+def test_recomputation_modes_change_the_activations_by_the_terms_worked_by_hand():
+    # t 2 with SP, p 2, d 16, B 256: m = 16, so stage 0 holds p = 2 micro-batches of its 16
+    # layers. Keeping the scores adds 5 · a · s² · b / t = 5 · 32 · 4096² / 2 = 1,342,177,280
+    # bytes per layer: 1,342,177,280 · 16 · 2 = 42,949,672,960 bytes.
+    def act(recompute):
+        cfg = ParallelConfig(tp=2, pp=2, dp=16, global_batch_size=256, sequence_parallel=True,
+                             recompute=recompute, distributed_optimizer=True)
+        return moe_memory_per_gpu(MIXTRAL_8X7B, cfg, ep=8)["activations"]
+    assert act("none") - act("selective") == 42_949_672_960
+    # full recomputation keeps each layer's input, 2 · s · b · h / t = 16,777,216 bytes, for
+    # 16 layers x 2 micro-batches (536,870,912), plus one selective layer live at a time
+    assert act("full") == pytest.approx(536_870_912 + act("selective") / (16 * 2), rel=1e-12)

@@ -169,7 +169,8 @@ def moe_memory_per_gpu(model: MoEModelShape, cfg: ParallelConfig, ep: int,
     Megatron's bytes per parameter (:mod:`~mpu_lab.perf.cost_model.optimizer_state`); the
     optimizer states are sharded with the distributed optimizer over d for dense parameters and
     over the expert data-parallel group ``t·d/ep`` for experts. Activations: Korthikanti et al.
-    2022 Table 2 without the scores (selective recomputation or flash attention), with the
+    2022 Table 2 (without the scores under selective recomputation or flash attention; only
+    each layer's input, plus one layer live, under full recomputation), with the
     MLP's inner terms (4·ffn bytes per token) replaced by k experts' (6·ffn when gated: fc1's
     two halves and the product), split t ways with sequence parallelism.
     """
@@ -189,8 +190,15 @@ def moe_memory_per_gpu(model: MoEModelShape, cfg: ParallelConfig, ep: int,
     no_scores = table2 - 5 * model.a * s * s * b / t
     mlp_dense = 4 * s * b * 4 * h / t                   # GeLU input + fc2 input, 16-bit
     mlp_moe = model.k * (6 if model.gated_mlp else 4) * s * b * model.ffn / t
-    act = (no_scores - mlp_dense + mlp_moe) * layers * in_flight_microbatches(cfg) \
-        * dtype_bytes / 2
+    layer = no_scores - mlp_dense + mlp_moe
+    if cfg.recompute == "none" and not cfg.flash_attention:
+        layer += table2 - no_scores                     # the scores are kept too
+    stored = layer
+    if cfg.recompute == "full":                         # only each layer's input survives
+        stored = 2 * s * b * h / (t if cfg.sequence_parallel else 1)
+    act = stored * layers * in_flight_microbatches(cfg) * dtype_bytes / 2
+    if cfg.recompute == "full":
+        act += layer * dtype_bytes / 2                  # one layer recomputed at a time
     weights = terms["replicated"]["param"] * (dense + experts)
     grads = terms["replicated"]["grad"] * (dense + experts)
     return dict(weights=weights, gradients=grads, optimizer=optimizer, activations=act,
