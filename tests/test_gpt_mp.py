@@ -110,6 +110,18 @@ def test_shape_table_read_off_live_tensors_matches_the_lecture(reports, tp):
     for row in rows:
         assert row["shape"] == row["expected"], row
     by_name = {r["name"]: r for r in rows}
+    # The lecture's table worked by hand for B = 2, L = 8, D = 16, n_H = 4 (so H = 4):
+    # Q, K, V: B x L x D/d_tp; a head: B x L x H; Score_i: B x L x L; Z: B x L x D/d_tp;
+    # Out and x': B x L x D; A, A': B x L x 4D/d_tp.
+    lecture = {2: {"Q": [2, 8, 8], "K": [2, 8, 8], "V": [2, 8, 8], "Q_i": [2, 8, 4],
+                   "K_i": [2, 8, 4], "V_i": [2, 8, 4], "Score_i": [2, 8, 8], "Z_i": [2, 8, 4],
+                   "Z": [2, 8, 8], "Out": [2, 8, 16], "A": [2, 8, 32], "A'": [2, 8, 32],
+                   "x'": [2, 8, 16]},
+               4: {"Q": [2, 8, 4], "K": [2, 8, 4], "V": [2, 8, 4], "Q_i": [2, 8, 4],
+                   "K_i": [2, 8, 4], "V_i": [2, 8, 4], "Score_i": [2, 8, 8], "Z_i": [2, 8, 4],
+                   "Z": [2, 8, 4], "Out": [2, 8, 16], "A": [2, 8, 16], "A'": [2, 8, 16],
+                   "x'": [2, 8, 16]}}[tp]
+    assert {name: list(r["shape"]) for name, r in by_name.items()} == lecture
     assert by_name["Q"]["shape"] == [2, 8, 16 // tp]          # B x L x D/d_tp
     assert by_name["Score_i"]["per_rank"] == 4 // tp          # n_H/d_tp heads here
     assert by_name["A"]["shape"] == [2, 8, 64 // tp]          # B x L x 4D/d_tp
