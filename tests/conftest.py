@@ -62,7 +62,8 @@ _GRADING = {}   # the grading world while its unit runs
 @pytest.fixture
 def grading_world():
     """One 4-rank playground world (tp = 2, pp = 1, so dp = 2; a 4 s collective timeout) for
-    every write-the-code grader test (tests/test_graders_lab*.py, one unit: see SHARED_JOBS):
+    every write-the-code grader test (tests/labkit/exercises/test_graders_lab*.py, one unit:
+    see SHARED_JOBS):
     started by the unit's first test, stopped after its last (pytest_runtest_teardown below),
     so no engine outlives the unit into tests that count this process's children."""
     from mpu_lab.labkit import playground
@@ -101,31 +102,35 @@ def as_notebook():
 # measured one unit at a time on the 2-core machine, or estimated from runs under load (a
 # unit not listed counts as short).
 EXPECTED_SECONDS = {
-    "labs/08_performance.ipynb": 180, "tests/test_reliability.py": 150, "grading world": 150,
+    "labs/08_performance.ipynb": 180, "tests/launcher/test_reliability.py": 150,
+    "grading world": 150,
     "labs/04_collectives.ipynb": 100, "labs/07_train_gpt.ipynb": 90,
     "labs/09_debugging.ipynb": 90, "labs/02_column_parallel.ipynb": 90, "8-rank job": 85,
     "4-rank job": 130, "labs/01_rank_groups.ipynb": 70, "labs/03_row_parallel.ipynb": 70,
-    "tests/test_faults.py": 60, "labs/05_parallel_transformer.ipynb": 60,
-    "labs/06_pipeline_parallel.ipynb": 60, "tests/test_playground.py": 45,
-    "tests/test_launch.py": 40, "tests/test_layer_and_training_views.py": 18,
-    "tests/test_reshard_vocab_padding.py": 15, "tests/test_lab08_content.py": 13,
-    "tests/test_perf_model.py": 9, "Start_Here.ipynb": 9,
-    "labs/10_data_parallel.ipynb": 70, "tests/test_memory_accounting.py": 45,
-    "tests/test_dp_overlap.py": 30,
-    "tests/test_context_parallel_mp.py": 35, "tests/test_moe_mp.py": 170,
-    "tests/test_gpt_context_parallel_mp.py": 30,
-    "tests/test_gpt_moe_mp.py": 60,
+    "tests/labkit/test_faults.py": 60, "labs/05_parallel_transformer.ipynb": 60,
+    "labs/06_pipeline_parallel.ipynb": 60, "tests/labkit/playground/test_playground.py": 45,
+    "tests/launcher/test_launch.py": 40, "tests/labkit/test_layer_and_training_views.py": 18,
+    "tests/checkpointing/test_reshard_vocab_padding.py": 15, "tests/labs/test_lab08_content.py": 13,
+    "tests/perf/cost_model/test_perf_model.py": 9, "Start_Here.ipynb": 9,
+    "labs/10_data_parallel.ipynb": 70, "tests/perf/test_memory_accounting.py": 45,
+    "tests/perf/test_dp_overlap.py": 30,
+    "tests/context_parallel/test_context_parallel_mp.py": 35,
+    "tests/models/moe/test_moe_mp.py": 170,
+    "tests/models/test_gpt_context_parallel_mp.py": 30,
+    "tests/models/moe/test_gpt_moe_mp.py": 60,
 }
 
 
 # Files that share a session fixture's job are one unit, so the job starts once.
-SHARED_JOBS = {"tests/test_tensor_parallel_mp.py": "8-rank job",
+SHARED_JOBS = {"tests/tensor_parallel/test_tensor_parallel_mp.py": "8-rank job",
                "tests/test_parallel_state_mp.py": "8-rank job",
-               "tests/test_gpt_pipeline_mp.py": "8-rank job",
-               "tests/test_gpt_mp.py": "4-rank job", "tests/test_pipeline_mp.py": "4-rank job",
-               "tests/test_perf_measure.py": "4-rank job",
-               "tests/test_distrib_optimizer.py": "4-rank job",
-               **{f"tests/test_graders_lab{n:02d}.py": "grading world" for n in range(1, 11)}}
+               "tests/models/test_gpt_pipeline_mp.py": "8-rank job",
+               "tests/models/test_gpt_mp.py": "4-rank job",
+               "tests/pipeline_parallel/test_pipeline_mp.py": "4-rank job",
+               "tests/perf/test_perf_measure.py": "4-rank job",
+               "tests/optimizer/test_distrib_optimizer.py": "4-rank job",
+               **{f"tests/labkit/exercises/test_graders_lab{n:02d}.py": "grading world"
+                  for n in range(1, 11)}}
 
 
 def _unit(nodeid: str) -> str:
@@ -141,10 +146,10 @@ def _unit(nodeid: str) -> str:
 # `pytest.mark.slow` in its file where the test starts the job itself. Notebooks are slow.
 SLOW_FIXTURES = {
     "eight_rank_job", "grading_world",                   # the other two shared worlds
-    "tests/test_faults.py::fault_jobs",                  # eight faulty train_gpt.py jobs
-    "tests/test_kernel_timeline.py::pp2_results",        # a profiled PP=2 job
-    "tests/test_memory_accounting.py::rows",             # 4-rank jobs at three layouts
-    "tests/test_dp_overlap.py::result",                  # DP jobs with and without overlap
+    "tests/labkit/test_faults.py::fault_jobs",           # eight faulty train_gpt.py jobs
+    "tests/perf/test_kernel_timeline.py::pp2_results", # a profiled PP=2 job
+    "tests/perf/test_memory_accounting.py::rows",      # 4-rank jobs at three layouts
+    "tests/perf/test_dp_overlap.py::result",           # DP jobs with and without overlap
 }
 
 

@@ -229,7 +229,7 @@ def _run_broken(job: BrokenJob, env: Dict[str, str], limit_s: float) -> BrokenRu
 # The lab runs this one itself, in the foreground, to show how any of them is started.
 FOREGROUND = ("crash",)
 # Jobs the lab leaves out, and why (the lab shows the fault another way).
-NOT_RUN = {"fp16-overflow": "the job itself runs in tests/test_faults.py (every rank skips the "
+NOT_RUN = {"fp16-overflow": "the job itself runs in tests/labkit/test_faults.py (every rank skips the "
                             "step, the scale halves); here the overflowing step runs on the "
                             "playground's ranks, so each rank's scaler can be printed side by side"}
 

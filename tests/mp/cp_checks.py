@@ -9,7 +9,7 @@ attention over the whole sequence in fp64 with torch's SDPA, and its gradients -
 its own positions of everything (Megatron's layout, spelled out here by hand) and runs
 ``context_parallel.attention`` in fp32 on its part for every comm type, causal and not. The
 errors ``max|cp - reference|`` of the output and of dq, dk, dv are reported, not asserted:
-tests/context_parallel/test_attention.py asserts each where it reports it.
+tests/context_parallel/test_context_parallel_mp.py asserts each where it reports it.
 
 Then, at 4 ranks, the world is re-initialised with tp = 2, cp = 2 (CP groups [0, 2] and
 [1, 3]: group ranks are not global ranks) and the checks run again, with the group passed
@@ -29,7 +29,7 @@ from mpu_lab import comm, context_parallel, distributed, launcher
 from mpu_lab.comm import exchange
 from mpu_lab import parallel_state as ps
 
-BATCH, HEADS, HEAD_DIM = 2, 4, 8     # tests/test_context_parallel_mp.py counts with these
+BATCH, HEADS, HEAD_DIM = 2, 4, 8     # test_context_parallel_mp.py counts with these
 CHUNK = 4                      # tokens per chunk: s = 2 * cp * CHUNK
 
 

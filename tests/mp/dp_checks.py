@@ -7,7 +7,7 @@ loaded at DP = 2 x TP = 2 and by the plain optimizer.
     torchrun --standalone --nproc-per-node 4 tests/mp/dp_checks.py CHECKPOINT_DIR
 
 Part of tests/mp/four_rank_checks.py (one 4-rank job for all 4-rank checks); every rank
-reports a dict, tests/test_distrib_optimizer.py asserts on it.
+reports a dict, tests/optimizer/test_distrib_optimizer.py asserts on it.
 """
 import sys
 

@@ -12,9 +12,9 @@ In the same world, one after the other, model parallel re-initialised by each pa
   checkpoints resharded across pipeline sizes).
 
 Every rank reports ``{"rank", "tp", "state", "gpt_pipeline", "seconds"}``; the session fixture
-``eight_rank_job`` (tests/conftest.py) starts the job once for tests/test_tensor_parallel_mp.py,
-tests/test_parallel_state_mp.py and tests/test_gpt_pipeline_mp.py. Each script still runs on
-its own too.
+``eight_rank_job`` (tests/conftest.py) starts the job once for
+tests/tensor_parallel/test_tensor_parallel_mp.py, tests/test_parallel_state_mp.py and
+tests/models/test_gpt_pipeline_mp.py. Each script still runs on its own too.
 """
 import sys
 import time

@@ -14,8 +14,10 @@ In the same world, one after the other, model parallel re-initialised by each pa
   the plain path at DP = 4 and at DP = 2 with TP or PP, checkpoints across DP sizes).
 
 Every rank reports ``{"rank", "gpt", "pipeline", "perf", "dp", "seconds"}``; the session
-fixture ``four_rank_job`` (tests/conftest.py) starts the job once for tests/test_gpt_mp.py,
-tests/test_pipeline_mp.py, tests/test_perf_measure.py and tests/test_distrib_optimizer.py. Each script still runs on its own too.
+fixture ``four_rank_job`` (tests/conftest.py) starts the job once for
+tests/models/test_gpt_mp.py, tests/pipeline_parallel/test_pipeline_mp.py,
+tests/perf/test_perf_measure.py and tests/optimizer/test_distrib_optimizer.py. Each script still
+runs on its own too.
 """
 import pathlib
 import sys

@@ -4,7 +4,7 @@ the collective count, the shape table, and checkpoint resharding, in one 4-rank 
     torchrun --standalone --nproc-per-node 4 tests/mp/gpt_checks.py CHECKPOINT_DIR
 
 Each configuration re-initialises the groups in the same processes (one launch instead of
-many). Every rank reports a dict; tests/test_gpt_mp.py asserts on them.
+many). Every rank reports a dict; tests/models/test_gpt_mp.py asserts on them.
 """
 import hashlib
 import sys

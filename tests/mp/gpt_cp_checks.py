@@ -5,7 +5,8 @@ run and its dense twin, and a checkpoint saved at CP=2 resumed at CP=1, in one 4
 
 Each configuration re-initialises the groups in the same processes (one launch instead of
 many) and trains through the functions launch/train_gpt.py calls (parse_args, validate_args,
-setup, train). Every rank reports a dict; tests/test_gpt_context_parallel_mp.py asserts on it.
+setup, train). Every rank reports a dict; tests/models/test_gpt_context_parallel_mp.py asserts
+on it.
 """
 import sys
 import time

@@ -5,7 +5,7 @@ parallelism against the EP=1 run of the same flags, in one 4-rank job.
 
 Each configuration re-initialises the groups in the same processes and trains through the
 functions launch/train_gpt.py calls (parse_args, validate_args, setup, train). Every rank
-reports a dict; tests/test_gpt_moe_mp.py asserts on it (and compares the EP=1 run with a
+reports a dict; tests/models/moe/test_gpt_moe_mp.py asserts on it (and compares the EP=1 run with a
 one-process run of train_gpt.py, which has no data or expert parallelism at all). Then a
 checkpoint saved at EP=2 (distributed optimizer) is resumed at EP=4, EP=1, TP=2 x EP=2 with
 etp=2 and EP=2 x PP=2 (distributed optimizer).

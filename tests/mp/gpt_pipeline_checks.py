@@ -7,9 +7,9 @@ Every configuration re-initialises the groups in the same processes (one launch 
 many): PP=4 x DP=2 and TP=2 x PP=2 x DP=2 with GPipe, 1F1B and interleaved (v=2), 10 iterations
 each at the same global batch, against the TP=1/PP=1 reference — the one-process twin
 (PlainGPT) trained by rank 0 on the weights GPTModel gets at TP=1/PP=1 (the DP and TP runs of
-tests/test_gpt_mp.py equal that twin; one process is much cheaper here than 8 ranks of DDP on
+tests/models/test_gpt_mp.py equal that twin; one process is much cheaper here than 8 ranks of DDP on
 two cores). Then a TP=2 x PP=2 checkpoint loaded at PP=1 (TP=1, DP=8, torch DDP) and at PP=4.
-Every rank reports a dict; tests/test_gpt_pipeline_mp.py asserts.
+Every rank reports a dict; tests/models/test_gpt_pipeline_mp.py asserts.
 """
 import sys
 import time

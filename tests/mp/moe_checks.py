@@ -16,7 +16,7 @@ does the same maths in one process: outputs per rank, and gradients of
 Every rank reports ``{"rank", "world", "groups": {layout: {"dp", "expert-dp"}},
 "cases": {name: {"out", "dx", "router", "fc1", "fc2", "kept_equal", "dropped"}}}``: max abs
 errors, whether the kept (token, expert) pairs equal the reference's, and how many pairs the
-reference dropped. tests/test_moe_mp.py asserts.
+reference dropped. tests/models/moe/test_moe_mp.py asserts.
 """
 import torch
 import torch.distributed as dist

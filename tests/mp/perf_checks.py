@@ -8,7 +8,7 @@
   collectives from outside;
 * the bandwidth benchmark's functions (launch/bench_bandwidth.py) over the whole world.
 
-Every rank reports a dict; tests/test_perf_measure.py asserts on them (and samples the
+Every rank reports a dict; tests/perf/test_perf_measure.py asserts on them (and samples the
 workers' CPU use from the launcher while this runs).
 """
 import importlib.util

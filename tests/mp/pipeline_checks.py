@@ -8,7 +8,7 @@ with m = p (all forwards first) and 1F1B with m < p (micro-batches merged, so th
 stays the same): three SGD steps, comparing the loss and every gradient with ToyModel's at the
 same global batch. The groups are re-initialised in the same processes for each (PP, v). A
 ScheduleRecorder hooked on the chunks records the order each rank ran. Every rank reports a
-dict; tests/test_pipeline_mp.py asserts.
+dict; tests/pipeline_parallel/test_pipeline_mp.py asserts.
 """
 from unittest import mock
 

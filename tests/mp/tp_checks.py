@@ -5,7 +5,8 @@
 For tp=4/pp=2 and then tp=2/pp=4 (model parallel re-initialised in between) every check runs
 on every rank, asserts, and records ``{"ok", "values"}`` (or ``{"ok": False, "error"}``);
 the dict ``{"rank", "checks": {"tp4-pp2/copy_to_backward": ..., ...}}`` goes back through
-:func:`mpu_lab.launcher.report`, and tests/test_tensor_parallel_mp.py checks it rank by rank.
+:func:`mpu_lab.launcher.report`, and tests/tensor_parallel/test_tensor_parallel_mp.py checks it
+rank by rank.
 Dense twins are built from the layers' master weights. Tolerances are for fp32: an error is
 ``max|parallel - dense| / max(1, max|dense|)`` and must be <= 1e-6.
 A failed assertion is recorded and the run goes on to the next check, so one bug does not

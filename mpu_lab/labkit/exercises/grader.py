@@ -21,7 +21,8 @@ say): its ``parts`` names them, the learner passes them as a tuple in that order
 
 The reference is always mpu_lab's own implementation, which the package tests hold against the
 dense twin and hand-worked values; the grader itself is tested with right answers, wrong ones,
-a raising one and a partial collective on a live world (``tests/test_graders_lab*.py``).
+a raising one and a partial collective on a live world
+(``tests/labkit/exercises/test_graders_lab*.py``).
 
 The learner's function is sent as ipyparallel sends any function: its code, with the rank's
 namespace (``torch``, ``dist``, ``parallel_state``, ``rank``, ``device`` ...) as its globals,

@@ -10,7 +10,7 @@ from mpu_lab import parallel_state
 from mpu_lab.labkit import exercises, viz
 from mpu_lab.labkit.exercises import Verdict
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- rank groups

@@ -1,7 +1,7 @@
 """mpu_lab.context_parallel in one process: Megatron's layout against positions worked by hand,
 the causal block pattern of the ring against a brute-force mask, the log-sum-exp merge and the
 block backward against torch's SDPA and autograd, and the errors bad inputs raise.
-The multi-rank attention itself: tests/test_context_parallel_mp.py."""
+The multi-rank attention itself: tests/context_parallel/test_context_parallel_mp.py."""
 import pytest
 import torch
 import torch.nn.functional as F

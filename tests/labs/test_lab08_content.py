@@ -25,7 +25,7 @@ from mpu_lab.perf.cost_model import (
     model_flops_per_iteration, predict_iteration)
 from mpu_lab.perf.cost_model.counts import FLOP_FORMS, format_flop_counts, paper_flops_per_iteration
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LAB = ROOT / "labs" / "08_performance.ipynb"
 GPT3 = ModelShape(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048,
                   vocab_size=51200, name="GPT-3 175B")

@@ -9,7 +9,7 @@ import pytest
 
 from mpu_lab.labkit import notebooks, profiles
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 LABS = sorted((REPO / "labs").glob("*.ipynb"))
 
 

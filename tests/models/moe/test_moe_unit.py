@@ -17,7 +17,7 @@ from mpu_lab.models.moe import (
     sort_chunks_by_idxs, switch_load_balancing_loss_func, topk_routing_with_score_function,
     unpermute)
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent / "mp"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "mp"))
 import moe_reference  # noqa: E402  (the plain MoE, shared with the multi-rank worker)
 
 

@@ -113,7 +113,8 @@ def test_megatron_core_0_17_on_without_triton_says_how_to_add_it(monkeypatch):
 def test_requirements_give_each_python_the_newest_megatron_core_it_can_install():
     """0.17 on need Python >= 3.12 (cp312+ wheels only): requirements.txt gives 3.10 and 3.11
     the 0.16 series and 3.12+ 0.19 or newer, with triton, which 0.17+ imports."""
-    lines = (pathlib.Path(__file__).parents[1] / "requirements.txt").read_text().splitlines()
+    requirements = pathlib.Path(__file__).resolve().parents[2] / "requirements.txt"
+    lines = requirements.read_text().splitlines()
     specs = [line.split("#", 1)[0].strip() for line in lines if not line.startswith("-")]
     reqs = [Requirement(spec) for spec in specs if spec]
     linux = {"platform_system": "Linux", "platform_machine": "x86_64"}

@@ -2,7 +2,7 @@
 (mpu_lab.optimizer.DistributedOptimizer): the bucket layout worked by hand; in the shared
 4-rank job (tests/mp/dp_checks.py), losses and gradient norms equal to the plain path's
 (torch DDP or the explicit all-reduce, and AdamW: itself checked against the dense twin in
-tests/test_gpt_mp.py) at DP = 4 and at DP = 2 with TP + SP or PP; optimizer states 1/d per
+tests/models/test_gpt_mp.py) at DP = 4 and at DP = 2 with TP + SP or PP; optimizer states 1/d per
 rank; buckets started during backward only with --overlap-grad-reduce; checkpoints across DP
 sizes and optimizers; the flags' checks."""
 import pytest

@@ -15,7 +15,7 @@ import pytest
 
 from mpu_lab.labkit import notebooks
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[3]
 LABS = sorted((REPO / "labs").glob("*.ipynb"))
 SANITIZE = REPO / "tests" / "nbval_sanitize.cfg"
 

@@ -27,7 +27,7 @@ from mpu_lab.launcher import LaunchError, run
 from mpu_lab.launcher import diagnosis, runner
 from process_watch import ProcessWatch
 
-MP = pathlib.Path(__file__).parent / "mp"
+MP = pathlib.Path(__file__).resolve().parents[1] / "mp"
 PROBE = MP / "launch_probe.py"
 TINY = MP / "tiny_job.py"
 

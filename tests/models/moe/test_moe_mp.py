@@ -15,13 +15,14 @@ import pytest
 
 from mpu_lab.launcher import run
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent / "mp"))
+MP = pathlib.Path(__file__).resolve().parents[2] / "mp"
+sys.path.insert(0, str(MP))
 import moe_checks  # noqa: E402  (the worker's case list, imported from its folder)
 
 pytestmark = pytest.mark.slow
 
 TOL = 1e-5
-WORKER = pathlib.Path(__file__).parent / "mp" / "moe_checks.py"
+WORKER = MP / "moe_checks.py"
 _JOBS = {}
 
 
@@ -73,7 +74,7 @@ def test_layouts_where_expert_data_parallel_group_differs_from_dense_one(world, 
 def test_moe_layer_equals_megatron_cores_own_moe_layer():
     """tests/mp/moe_megatron_checks.py: Megatron-core's MoELayer loads mpu_lab's state dict with
     no key missing or left over, and gives the same output and gradients (fp32, same ops)."""
-    job = run(pathlib.Path(__file__).parent / "mp" / "moe_megatron_checks.py", [], nproc=4,
+    job = run(MP / "moe_megatron_checks.py", [], nproc=4,
               timeout_s=300, show="none")
     if "skipped" in job.results[0]:
         pytest.skip(job.results[0]["skipped"])

@@ -5,7 +5,7 @@ import io
 import json
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run_cell(notebook: str, marker: str, namespace: dict) -> str:

@@ -1,7 +1,7 @@
 """mpu_lab.launcher: torchrun from Python with results, clear failures and no orphans.
 
 The failure cases (a rank raising, hanging or skipping a collective, KeyboardInterrupt, many
-launches at once or in a row) are in tests/test_reliability.py, which watches the workers by
+launches at once or in a row) are in tests/launcher/test_reliability.py, which watches the workers by
 PID and times each case.
 """
 import pathlib
@@ -15,7 +15,7 @@ import pytest
 
 from mpu_lab.launcher import LaunchTimeout, prechecks, run
 
-PROBE = pathlib.Path(__file__).parent / "mp" / "launch_probe.py"
+PROBE = pathlib.Path(__file__).resolve().parents[1] / "mp" / "launch_probe.py"
 pytestmark = pytest.mark.slow
 
 

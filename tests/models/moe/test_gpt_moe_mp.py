@@ -15,7 +15,7 @@ from mpu_lab.launcher import run
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
-WORKER = pathlib.Path(__file__).parent / "mp" / "gpt_moe_checks.py"
+WORKER = pathlib.Path(__file__).resolve().parents[2] / "mp" / "gpt_moe_checks.py"
 
 
 @pytest.fixture(scope="module")

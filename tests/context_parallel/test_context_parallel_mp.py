@@ -15,7 +15,7 @@ from mpu_lab.launcher import run
 pytestmark = pytest.mark.slow
 
 TOL = 1e-5     # fp32 against the fp64 reference
-WORKER = pathlib.Path(__file__).parent / "mp" / "cp_checks.py"
+WORKER = pathlib.Path(__file__).resolve().parents[1] / "mp" / "cp_checks.py"
 _JOBS = {}
 
 

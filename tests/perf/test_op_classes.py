@@ -1,7 +1,7 @@
 """mpu_lab.perf.op_classes (a profiled step by op class against the cost model's terms) and the
 cost model's host-overhead term: hand-made traces and values worked by hand.
 
-The real 2-rank profiled job is checked in tests/test_kernel_timeline.py (it shares that job).
+The real 2-rank profiled job is checked in tests/perf/test_kernel_timeline.py (it shares that job).
 """
 import types
 
@@ -146,7 +146,7 @@ def test_host_overhead_is_the_tiny_runs_excess_over_its_prediction(monkeypatch):
 def _bench():
     import importlib.util
     import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "launch" / "bench_cost_model.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "launch" / "bench_cost_model.py"
     spec = importlib.util.spec_from_file_location("bench_cost_model", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -176,7 +176,7 @@ def test_the_benchmarks_page_holds_the_benchmarks_own_table():
     markers, headed by the command and the date, one row per configuration."""
     import pathlib
     import re
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "BENCHMARKS.md").read_text()
     begin, end = _bench().MARKERS
     block = text.split(begin, 1)[1].split(end, 1)[0]
     assert re.match(r"\n`python launch/bench_cost_model\.py[^`]*`, 20\d\d-\d\d-\d\d, ", block)
