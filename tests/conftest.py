@@ -111,7 +111,7 @@ EXPECTED_SECONDS = {
     "labs/06_pipeline_parallel.ipynb": 60, "tests/labkit/playground/test_playground.py": 45,
     "tests/launcher/test_launch.py": 40, "tests/labkit/test_layer_and_training_views.py": 18,
     "tests/checkpointing/test_reshard_vocab_padding.py": 15, "tests/labs/test_lab08_content.py": 13,
-    "tests/perf/cost_model/test_perf_model.py": 9, "Start_Here.ipynb": 9,
+    "tests/perf/cost_model/test_cost_model.py": 9, "Start_Here.ipynb": 9,
     "labs/10_data_parallel.ipynb": 70, "tests/perf/test_memory_accounting.py": 45,
     "tests/perf/test_dp_overlap.py": 30,
     "tests/context_parallel/test_context_parallel_mp.py": 35,

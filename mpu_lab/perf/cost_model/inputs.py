@@ -202,7 +202,7 @@ class Cluster:
 
 # Datasheet figures; matmul_efficiency is the one constant fitted per GPU generation on one
 # published run (mpu_lab.perf.published_runs: A100 on the 1T run of Narayanan et al. 2021, H100 on
-# Megatron-core's 175B run on 96 GPUs), rounded; tests/perf/cost_model/test_perf_model.py keeps
+# Megatron-core's 175B run on 96 GPUs), rounded; tests/perf/cost_model/test_cost_model.py keeps
 # them in step.
 # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): BF16/FP16 dense
 # 312 TFLOP/s, HBM2e 2,039 GB/s, NVLink 600 GB/s (both directions, so 300 GB/s each way).
