@@ -11,3 +11,10 @@ def divisors(n: int) -> List[int]:
     if n < 1:
         raise ValueError(f"divisors needs a positive integer, got {n}")
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def nearest_multiples(n: int, step: int) -> str:
+    """The multiples of ``step`` on either side of ``n``, as an error message suggests them
+    (``nearest_multiples(10, 4) == "8 or 12"``; ``"4"`` when the one below is 0)."""
+    below, above = n // step * step, (n // step + 1) * step
+    return f"{below} or {above}" if below else f"{above}"

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mpu_lab import parallel_state
+from mpu_lab.utils import nearest_multiples
 
 
 def chunk_ids(cp_rank: int, cp_size: int) -> Tuple[int, int]:
@@ -34,8 +35,7 @@ def check_sequence_length(seq_length: int, cp_size: int, what: str = "sequence l
     """``ValueError`` unless ``seq_length`` splits into ``2 * cp_size`` equal chunks."""
     if seq_length % (2 * cp_size):
         step = 2 * cp_size
-        below, above = seq_length // step * step, (seq_length // step + 1) * step
-        nearest = f"{below} or {above}" if below else f"{above}"
+        nearest = nearest_multiples(seq_length, step)
         raise ValueError(
             f"{what} s={seq_length} is not divisible by 2*cp = {step} (cp={cp_size}): context "
             f"parallelism cuts the sequence into 2*cp equal chunks; use a multiple of {step}, "

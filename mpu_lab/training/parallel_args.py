@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from mpu_lab.context_parallel import COMM_TYPES
-from mpu_lab.utils import divisors
+from mpu_lab.utils import divisors, nearest_multiples
 
 
 def add_parallelism_args(p: argparse.ArgumentParser) -> None:
@@ -85,8 +85,7 @@ def check_context_parallel(args) -> None:
         return
     if s % (2 * cp):
         step = 2 * cp
-        below, above = s // step * step, (s // step + 1) * step
-        nearest = f"{below} or {above}" if below else f"{above}"
+        nearest = nearest_multiples(s, step)
         raise ValueError(
             f"--seq-length {s} is not divisible by 2 x --context-parallel-size = 2 x {cp} = "
             f"{step}: context parallelism cuts the sequence into 2*cp equal chunks (rank r keeps "
