@@ -58,7 +58,7 @@ steps from outside; ``mpu_lab.perf.breakdown.format_breakdown`` tabulates it::
 ``--breakdown-profile DIR`` also runs the timed steps under ``torch.profiler`` and writes a
 Chrome trace per rank to DIR.
 
-Debugging (lab 09): ``--inject-fault KIND[:RANK[:ITERATION]]`` makes one rank misbehave on
+Debugging (lab 14): ``--inject-fault KIND[:RANK[:ITERATION]]`` makes one rank misbehave on
 purpose (hang, skip-collective, mismatched-shape, wrong-group, crash, pp-deadlock, divergence,
 fp16-overflow; ``mpu_lab.labkit.faults.FAULT_KINDS`` says what each does). The flag and the
 injection come from the lab kit (``faults.add_fault_args``, ``faults.inject``), which wraps the

@@ -1,5 +1,5 @@
 """Benchmark: a bad and a good split of the same GPT, side by side — utilisation over time and
-where each rank's step goes (the pictures of lab 08), from the command line.
+where each rank's step goes (the pictures of lab 12), from the command line.
 
     python launch/utilisation.py                         # 4 ranks: PP=4 with 1 micro-batch vs DP=4
     python launch/utilisation.py --nproc 8 --hidden 1024 --heads 16 --seq-length 512 --out runs/util

@@ -7,7 +7,7 @@ The rest of :mod:`mpu_lab` mirrors Megatron-LM (``parallel_state``, ``tensor_par
 * :mod:`~mpu_lab.labkit.exercises` — the labs' ``check_*`` functions, one module per lab;
 * :mod:`~mpu_lab.labkit.playground` — a live multi-rank world for notebook cells (``%%ranks``);
 * :mod:`~mpu_lab.labkit.notebooks` — instructor tooling: regenerate, check, the nbval plugin;
-* :mod:`~mpu_lab.labkit.gpt_runs` — lab 07/08's ``launch/train_gpt.py`` jobs and their losses;
+* :mod:`~mpu_lab.labkit.gpt_runs` — lab 11/12's ``launch/train_gpt.py`` jobs and their losses;
 * :mod:`~mpu_lab.labkit.collective_layouts` — the layouts of Megatron's collective tests, shared
   with ``launch/collectives.py``.
 

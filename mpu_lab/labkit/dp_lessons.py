@@ -1,4 +1,4 @@
-"""Lab 10's drivers and printed lessons: data parallelism as Megatron does it.
+"""Lab 03's drivers and printed lessons: data parallelism as Megatron does it.
 
 * :func:`print_dp_groups`, :func:`live_dp_groups` — the data-parallel groups, from the pure
   rank-group arithmetic of :mod:`mpu_lab.parallel_state` and from a live playground world;
@@ -14,7 +14,7 @@
   bytes per parameter of weights, gradients and optimizer states, next to mpu_lab's fp32 figure
   (:func:`mpu_lab.perf.memory.mpu_lab_bytes_per_parameter`); :func:`print_megatron_bytes` —
   Megatron-core's table (:func:`mpu_lab.perf.cost_model.bytes_per_parameter`) next to it;
-* :func:`fit_counts`, :func:`print_fit_counts` — lab 08's explorer with and without the
+* :func:`fit_counts`, :func:`print_fit_counts` — lab 12's explorer with and without the
   distributed optimizer.
 """
 from __future__ import annotations
@@ -191,7 +191,7 @@ def print_megatron_bytes(data_parallel_size: int) -> None:
 
 # --------------------------------------------------------------------------- 6. explorer
 def fit_counts(model, cluster, num_gpus: int, global_batch_size: int) -> Dict[bool, tuple]:
-    """``{distributed_optimizer: (fitting, total, best)}`` from lab 08's explorer."""
+    """``{distributed_optimizer: (fitting, total, best)}`` from lab 12's explorer."""
     out = {}
     for flag in (False, True):
         result = explore(model, cluster, num_gpus, global_batch_size,

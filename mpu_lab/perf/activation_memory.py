@@ -21,7 +21,7 @@ matches this package's layer byte for byte:
   ``LinearWithGradAccumulationAndAsyncCommunication`` does
   (:mod:`mpu_lab.tensor_parallel.linear_autograd`): the paper's ``/t`` (§4.2.2).
 
-:func:`compare`, :func:`format_comparison` and :func:`format_terms` make lab 05's tables
+:func:`compare`, :func:`format_comparison` and :func:`format_terms` make lab 07's tables
 (``launch/activation_memory.py`` runs the measurement at TP > 1).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ data-parallel, sequence-parallel and tied-embedding gradient reductions),
 :mod:`~mpu_lab.training.initialize` (``get_model``, ``setup``, ``get_batch``),
 :mod:`~mpu_lab.training.training` (``megatron/training/training.py``: ``train_step``,
 ``train``, ``pretrain``) and :mod:`~mpu_lab.training.dense_twin` (the single-process twin);
-AdamW, clipping and the fp16 loss scale are in :mod:`mpu_lab.optimizer`. Lab 09's injected
+AdamW, clipping and the fp16 loss scale are in :mod:`mpu_lab.optimizer`. Lab 14's injected
 faults (``--inject-fault``) live in the lab kit (:mod:`mpu_lab.labkit.faults`), which wraps
 this package's calls from outside: the loop has no fault branch.
 

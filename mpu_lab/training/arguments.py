@@ -29,7 +29,7 @@ from mpu_lab.training.moe_args import add_moe_args, check_moe_args, moe_config_f
 
 def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     """Megatron's data parallelism: the distributed optimizer, overlapped gradient reduction, buckets."""
-    g = p.add_argument_group("data parallelism (lab 10)")
+    g = p.add_argument_group("data parallelism (lab 03)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron's distributed optimizer (ZeRO-1): gradients reduce-scattered, "
                         "each data-parallel rank updates its shard, parameters all-gathered")
@@ -128,8 +128,8 @@ def _add_logging_and_checkpointing_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_debugging_args(p: argparse.ArgumentParser) -> None:
-    """The dense twin (lab 09)."""
-    g = p.add_argument_group("debugging (lab 09)")
+    """The dense twin (lab 14)."""
+    g = p.add_argument_group("debugging (lab 14)")
     g.add_argument("--dense-twin", action="store_true",
                    help="rank 0 also trains the dense TP=1 twin from the run's initial weights "
                         "and reports its per-iteration losses under \"dense_losses\" "
@@ -147,7 +147,7 @@ ARGUMENT_GROUPS = (add_parallelism_args, add_context_parallel_args, add_moe_args
 def build_parser(extra_args_provider: Optional[Callable[[argparse.ArgumentParser], Any]] = None
                  ) -> argparse.ArgumentParser:
     """The parser of ``launch/train_gpt.py``, one argument group at a time (as Megatron's
-    ``parse_args``); ``extra_args_provider(parser)`` adds more (Megatron's own hook: lab 09's
+    ``parse_args``); ``extra_args_provider(parser)`` adds more (Megatron's own hook: lab 14's
     ``--inject-fault`` comes in this way, from :mod:`mpu_lab.labkit.faults`)."""
     p = argparse.ArgumentParser(
         prog="train_gpt.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -1,4 +1,4 @@
-"""Labs 05 and 07's helpers: the layer and loss pictures (mpu_lab.labkit.viz), lab 07's runs and launch
+"""Labs 07 and 11's helpers: the layer and loss pictures (mpu_lab.labkit.viz), lab 11's runs and launch
 lines (mpu_lab.labkit.gpt_runs), the labs' checks (mpu_lab.labkit.exercises) and launcher.run's on_line."""
 import pytest
 from matplotlib.figure import Figure
@@ -10,7 +10,7 @@ from mpu_lab.perf import activation_memory as memory
 
 
 
-# --------------------------------------------------------------------------- lab 05
+# --------------------------------------------------------------------------- lab 07
 def test_lecture_shapes_are_what_the_live_layer_records_at_d_tp_1(world):
     from mpu_lab.models import shape_table
     rows = shape_table(2, 8, 16, 4, tensor_model_parallel_size=1)
@@ -83,7 +83,7 @@ def test_layer_shape_check_names_the_tensors_it_knows():
         exercises.check_layer_shape((1,), "B", 1, 1, 4, 2, 1)
 
 
-# --------------------------------------------------------------------------- lab 07
+# --------------------------------------------------------------------------- lab 11
 def test_gpt_flags_and_command_line():
     flags = gpt_runs.gpt_flags(20, tensor_model_parallel_size=2, sequence_parallel=True, load=None)
     assert flags[-3:] == ["--tensor-model-parallel-size", "2", "--sequence-parallel"]

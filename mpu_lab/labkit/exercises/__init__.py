@@ -4,9 +4,9 @@ A check prints one verdict line and returns a :class:`Verdict`, true when the an
 and false when it is wrong or missing (the labs ship with ``answer = None``). The expected
 value is never hard-coded: it is computed from :mod:`mpu_lab` itself (the pure rank-group
 math, the shard arithmetic of :mod:`mpu_lab.labkit.viz`), so a check stays right for any
-parameters an instructor picks. Write-the-code exercises (labs 01-06) are :class:`Exercise` s graded by :func:`grade` on a
-live playground world (:mod:`~mpu_lab.labkit.exercises.grader`). One module per lab (:mod:`~mpu_lab.labkit.exercises.lab01` ...
-``lab08``), the live-world checks of labs 02-04 in
+parameters an instructor picks. Write-the-code exercises (labs 01, 04, 05, 06, 07, 09) are :class:`Exercise` s graded by :func:`grade` on a
+live playground world (:mod:`~mpu_lab.labkit.exercises.grader`). One module per lab (:mod:`~mpu_lab.labkit.exercises.rank_groups` ...
+``performance``), the live-world checks of labs 04-06 in
 :mod:`~mpu_lab.labkit.exercises.playground`, what they share in
 :mod:`~mpu_lab.labkit.exercises.common`; every public name is importable from here.
 
@@ -16,20 +16,20 @@ live playground world (:mod:`~mpu_lab.labkit.exercises.grader`). One module per 
 """
 from mpu_lab.labkit.exercises.common import EMPTY, RIGHT, WRONG, Verdict, summarize
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, grade
-from mpu_lab.labkit.exercises.lab01 import RANK_GROUPS, check_crossing_count, check_group_of_rank
-from mpu_lab.labkit.exercises.lab02 import (
+from mpu_lab.labkit.exercises.rank_groups import RANK_GROUPS, check_crossing_count, check_group_of_rank
+from mpu_lab.labkit.exercises.column_parallel import (
     COLUMN_FORWARD,
     check_column_weight_shape,
     check_strided_rows,
 )
-from mpu_lab.labkit.exercises.lab03 import (
+from mpu_lab.labkit.exercises.row_parallel import (
     MLP_ALL_REDUCES,
     ROW_FORWARD,
     check_mlp_all_reduces,
     check_row_weight_shape,
     row_forward_exercise,
 )
-from mpu_lab.labkit.exercises.lab04 import (
+from mpu_lab.labkit.exercises.tp_mappings import (
     F_EXERCISE,
     G_EXERCISE,
     check_all_reduce_of_ranks,
@@ -38,7 +38,7 @@ from mpu_lab.labkit.exercises.lab04 import (
     gather_split_expected,
     group_sum_of_ranks,
 )
-from mpu_lab.labkit.exercises.lab05 import (
+from mpu_lab.labkit.exercises.parallel_transformer import (
     VOCAB_PARALLEL_CE,
     check_activation_memory_mib,
     check_layer_collectives,
@@ -47,15 +47,15 @@ from mpu_lab.labkit.exercises.lab05 import (
     lecture_shapes,
     valid_tensor_parallel_sizes,
 )
-from mpu_lab.labkit.exercises.lab06 import ONE_F_ONE_B, check_bubble_share, check_peak_in_flight
-from mpu_lab.labkit.exercises.lab07 import check_micro_batches, check_padded_vocab
-from mpu_lab.labkit.exercises.lab08 import (
+from mpu_lab.labkit.exercises.pipeline_parallel import ONE_F_ONE_B, check_bubble_share, check_peak_in_flight
+from mpu_lab.labkit.exercises.train_gpt import check_micro_batches, check_padded_vocab
+from mpu_lab.labkit.exercises.performance import (
     check_best_config,
     check_dominant_communication,
     check_min_microbatches,
 )
-from mpu_lab.labkit.exercises.lab09 import EXCHANGE, check_cause, check_culprit, print_suspects
-from mpu_lab.labkit.exercises.lab10 import (
+from mpu_lab.labkit.exercises.debugging import EXCHANGE, check_cause, check_culprit, print_suspects
+from mpu_lab.labkit.exercises.data_parallel import (
     DISTRIBUTED_STEP,
     check_optimizer_state_gb,
     check_ring_all_reduce_mb,

@@ -1,4 +1,4 @@
-"""The live-world checks of labs 02-04: predict one rank's tensor before the operator runs.
+"""The live-world checks of labs 04-06: predict one rank's tensor before the operator runs.
 
 Each lab runs the operator live on a playground world (:mod:`mpu_lab.labkit.playground`); the
 learner predicts one rank's tensor first. The expected tensors below come from the pure

@@ -45,16 +45,16 @@ class Solution:
 
 SOLUTIONS: Dict[str, Solution] = {
     "01": Solution("01_rank_groups.py", {"my_groups": "solution_groups"}),
-    "02": Solution("02_column_parallel.py", {"my_column_forward": "solution_column_forward"}),
-    "03": Solution("03_row_parallel.py", {"my_row_forward": "solution_row_forward"}),
-    "04": Solution("04_collectives.py", {
+    "04": Solution("04_column_parallel.py", {"my_column_forward": "solution_column_forward"}),
+    "05": Solution("05_row_parallel.py", {"my_row_forward": "solution_row_forward"}),
+    "06": Solution("06_tp_mappings.py", {
         "f_forward": "solution_f_forward", "f_backward": "solution_f_backward",
         "g_forward": "solution_g_forward", "g_backward": "solution_g_backward"}),
-    "05": Solution("05_parallel_transformer.py",
+    "07": Solution("07_parallel_transformer.py",
                    {"my_vocab_parallel_ce": "solution_vocab_parallel_ce"}),
-    "06": Solution("06_pipeline_parallel.py", {"my_1f1b_order": "solution_1f1b_order"}),
-    "09": Solution("09_debugging.py", {"my_exchange": "solution_exchange"}),
-    "10": Solution("10_data_parallel.py", {"my_distributed_step": "solution_distributed_step"}),
+    "09": Solution("09_pipeline_parallel.py", {"my_1f1b_order": "solution_1f1b_order"}),
+    "14": Solution("14_debugging.py", {"my_exchange": "solution_exchange"}),
+    "03": Solution("03_data_parallel.py", {"my_distributed_step": "solution_distributed_step"}),
 }
 
 LEARNER_NAMES = frozenset(n for s in SOLUTIONS.values() for n in s.names)
@@ -65,7 +65,7 @@ _VERDICT = re.compile(rf"\bRight: (?:{_EXERCISE_NAMES})\b.*\bagrees\b")
 
 
 def solution_source(lab: str) -> str:
-    """The text of lab ``lab``'s solution file ("02" -> labs/solutions/02_column_parallel.py)."""
+    """The text of lab ``lab``'s solution file ("04" -> labs/solutions/04_column_parallel.py)."""
     if lab not in SOLUTIONS:
         raise ValueError(f"lab {lab!r} has no solution file; labs with one: {sorted(SOLUTIONS)}")
     return SOLUTIONS[lab].path.read_text()

@@ -9,14 +9,14 @@ compares). Every public name is importable from here (``viz.plot_rank_grid``).
 * :mod:`~mpu_lab.labkit.viz.style` — the fixed style and colours every picture shares;
 * lab 01, :mod:`~mpu_lab.labkit.viz.rank_groups` — the GPUs in their boxes, coloured by group,
   the walkthrough's tables, the interactive view;
-* labs 02/03, :mod:`~mpu_lab.labkit.viz.splits` — column and row splits, ``f`` and ``g``;
-* lab 04, :mod:`~mpu_lab.labkit.viz.collectives` — each rank's tensor before and after a
+* labs 04/05, :mod:`~mpu_lab.labkit.viz.splits` — column and row splits, ``f`` and ``g``;
+* lab 06, :mod:`~mpu_lab.labkit.viz.collectives` — each rank's tensor before and after a
   collective, the collectives job's logs;
-* lab 05, :mod:`~mpu_lab.labkit.viz.layer` — a transformer layer's collectives, its
+* lab 07, :mod:`~mpu_lab.labkit.viz.layer` — a transformer layer's collectives, its
   activation memory;
-* lab 06, :mod:`~mpu_lab.labkit.viz.pipeline` — a pipeline's Gantt chart;
-* lab 07, :mod:`~mpu_lab.labkit.viz.losses` — loss curves, a live loss plot;
-* lab 08, :mod:`~mpu_lab.labkit.viz.performance` — utilisation, kernel timelines, step
+* lab 09, :mod:`~mpu_lab.labkit.viz.pipeline` — a pipeline's Gantt chart;
+* lab 11, :mod:`~mpu_lab.labkit.viz.losses` — loss curves, a live loss plot;
+* lab 12, :mod:`~mpu_lab.labkit.viz.performance` — utilisation, kernel timelines, step
   breakdowns, bandwidth, the cost model;
 * :mod:`~mpu_lab.labkit.viz.figures` — the catalogue of ``figures/`` and byte-stable PNGs.
 """

@@ -1,6 +1,6 @@
-"""Lab 10: data parallelism on a timeline, from a real run (:mod:`mpu_lab.perf.dp_overlap`).
+"""Lab 03: data parallelism on a timeline, from a real run (:mod:`mpu_lab.perf.dp_overlap`).
 
-:func:`plot_dp_timeline` draws one step per mode, lab 08's way (time across, one block of rows
+:func:`plot_dp_timeline` draws one step per mode, lab 12's way (time across, one block of rows
 per rank, compute green, data-parallel communication orange; the colours of
 :data:`~mpu_lab.labkit.viz.performance.BREAKDOWN_COLORS`): per rank a **backward** row (the
 compute) and one row per **bucket** (its reduction, from issued to done; a thin line goes on to

@@ -1,4 +1,4 @@
-"""Lab 05: one transformer layer under tensor parallelism, and its activation memory.
+"""Lab 07: one transformer layer under tensor parallelism, and its activation memory.
 
 :func:`plot_transformer_layer` draws ``f`` and ``g`` (or the sequence-parallel all-gather and
 reduce-scatter) around both blocks of a layer; :func:`plot_activation_memory` puts

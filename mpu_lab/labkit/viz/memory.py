@@ -1,4 +1,4 @@
-"""Lab 10: where a rank's memory goes — measured next to predicted, term by term.
+"""Lab 03: where a rank's memory goes — measured next to predicted, term by term.
 
 The rows come from :func:`mpu_lab.perf.memory.run_memory_breakdown` (dicts with ``config``,
 ``optimizer``, ``rank``, ``term``, ``measured``, ``predicted``): :func:`plot_memory_breakdown`

@@ -1,4 +1,4 @@
-"""Lab 08: where the time goes — utilisation, step-time breakdowns, bandwidth, the cost model.
+"""Lab 12: where the time goes — utilisation, step-time breakdowns, bandwidth, the cost model.
 
 :func:`plot_utilisation` (one heat row per rank), :func:`plot_kernel_timeline` (compute /
 communication / idle per rank from the profiler's traces), :func:`plot_step_breakdown` (stacked

@@ -1,0 +1,18 @@
+# Lab 07, the vocabulary-parallel cross-entropy: one answer to my_vocab_parallel_ce. Load it on
+# purpose, in a new cell:
+#     %load solutions/07_parallel_transformer.py
+# run that cell, then grade it:
+#     exercises.grade(solution_vocab_parallel_ce, exercises.parallel_transformer.VOCAB_PARALLEL_CE, world)
+# It runs on the ranks, where torch, dist and parallel_state exist.
+
+
+def solution_vocab_parallel_ce(logits_shard, target, vocab_start, vocab_end):
+    group = parallel_state.get_tensor_model_parallel_group()
+    row_max = logits_shard.max(dim=1).values
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)      # 1. M, over all V ids
+    mine = torch.arange(vocab_start, vocab_end, device=target.device) == target[:, None]
+    target_logit = (logits_shard * mine).sum(dim=1)                   # 0 unless this rank holds y
+    dist.all_reduce(target_logit, group=group)                        # 2. z_y
+    sum_exp = (logits_shard - row_max[:, None]).exp().sum(dim=1)
+    dist.all_reduce(sum_exp, group=group)                             # 3. the sum of e^(z - M)
+    return sum_exp.log() + row_max - target_logit

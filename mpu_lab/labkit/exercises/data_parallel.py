@@ -1,0 +1,208 @@
+"""Lab 03's checks: the optimizer-state bytes per rank with and without the distributed
+optimizer (:func:`check_optimizer_state_gb`), the bytes a rank sends in a ring all-reduce of
+the gradients (:func:`check_ring_all_reduce_mb`), and the write-the-code exercise
+:data:`DISTRIBUTED_STEP`: the distributed optimizer's step for one flat buffer
+(reduce-scatter the gradient, update this rank's shard, all-gather the parameters), run on a
+live world and compared on every rank with the plain step (all-reduce the gradient, update
+everything)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from mpu_lab import comm, distributed, parallel_state
+from mpu_lab.labkit.exercises.common import Verdict, unanswered, verdict
+from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
+from mpu_lab.perf.bandwidth import bus_factor
+from mpu_lab.perf.cost_model import bytes_per_parameter_terms
+
+
+def _as_number(answer: Any) -> Optional[float]:
+    if isinstance(answer, bool):
+        return None
+    try:
+        return float(answer)
+    except (TypeError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- predictions
+def optimizer_state_terms(params_dtype: str = "bf16", grads_dtype: str = "fp32") -> Dict[str, int]:
+    """The bytes per parameter that the optimizer keeps, which the distributed optimizer splits
+    over the data-parallel ranks: the ``sharded`` terms of Megatron-core's table
+    (:func:`mpu_lab.perf.cost_model.bytes_per_parameter_terms`): the fp32 main weight (and the
+    fp32 main gradient when the gradients are 16-bit), Adam's m and v. The defaults are
+    Megatron's bf16 training (bf16 weights, fp32 gradients)."""
+    return bytes_per_parameter_terms(params_dtype, grads_dtype)["sharded"]
+
+
+def optimizer_state_bytes(num_params: float, d: int, distributed_optimizer: bool,
+                          params_dtype: str = "bf16", grads_dtype: str = "fp32") -> float:
+    """Bytes of optimizer state per data-parallel rank for ``num_params`` parameters held by
+    that rank's model replica (:func:`optimizer_state_terms` per parameter), split over the
+    ``d`` ranks by the distributed optimizer."""
+    if d < 1 or int(d) != d:
+        raise ValueError(f"d must be a whole number >= 1, got {d!r}")
+    state = sum(optimizer_state_terms(params_dtype, grads_dtype).values()) * num_params
+    return state / d if distributed_optimizer else state
+
+
+def check_optimizer_state_gb(answer: Any, num_params: float, d: int,
+                             distributed_optimizer: bool = True, params_dtype: str = "bf16",
+                             grads_dtype: str = "fp32", rtol: float = 0.01) -> Verdict:
+    """GB (1e9 bytes) of optimizer state on each data-parallel rank
+    (:func:`optimizer_state_bytes`)."""
+    if unanswered(answer, "a number of GB"):
+        return Verdict(False)
+    expected = optimizer_state_bytes(num_params, d, distributed_optimizer, params_dtype,
+                                     grads_dtype) / 1e9
+    terms = optimizer_state_terms(params_dtype, grads_dtype)
+    given = _as_number(answer)
+    who = "the distributed optimizer" if distributed_optimizer else "the plain optimizer"
+    how = (f"{sum(terms.values())} bytes per parameter ("
+           + " + ".join(f"{v} {k}" for k, v in terms.items())
+           + f") x {num_params:,.0f} parameters" + (f" / d = {d}" if distributed_optimizer else ""))
+    return verdict(given is not None and abs(given - expected) <= rtol * expected,
+                    f"{expected:g} GB per rank: {how}.",
+                    f"{answer!r} is not it. Hint: which of Megatron's bytes per parameter "
+                    f"({params_dtype} weights, {grads_dtype} gradients) belong to the "
+                    f"optimizer, and does {who} split them over the {d} data-parallel ranks?")
+
+
+def ring_all_reduce_bytes(grad_bytes: float, d: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``grad_bytes`` over ``d`` ranks:
+    ``2 (d - 1) / d`` of the array (nccl-tests' bus factor,
+    :func:`mpu_lab.perf.bandwidth.bus_factor`)."""
+    return bus_factor("all_reduce", d) * grad_bytes
+
+
+def check_ring_all_reduce_mb(answer: Any, grad_mb: float, d: int, rtol: float = 0.01) -> Verdict:
+    """MB each rank sends per step when a ring all-reduces ``grad_mb`` MB of gradients over
+    ``d`` data-parallel ranks."""
+    if unanswered(answer, "a number of MB"):
+        return Verdict(False)
+    expected = ring_all_reduce_bytes(grad_mb, d)
+    given = _as_number(answer)
+    return verdict(given is not None and abs(given - expected) <= rtol * expected,
+                    f"{expected:g} MB: a ring all-reduce is a reduce-scatter ((d-1)/d of the "
+                    f"array) then an all-gather (again (d-1)/d): 2 x {d - 1}/{d} x {grad_mb:g} MB.",
+                    f"{answer!r} is not it. Hint: cut the array into d = {d} chunks; in the "
+                    f"reduce-scatter each rank passes on d-1 chunks, in the all-gather d-1 more.")
+
+
+# --------------------------------------------------------------------------- write the code
+# The learner writes ``my_distributed_step(param, grad, lr, group)``: this rank's copy of a
+# flat fp32 parameter buffer, its own gradient, a learning rate and the data-parallel group;
+# it returns the parameters after one plain-SGD step on the gradient averaged over the group,
+# computed the distributed optimizer's way. Graded on every rank against the plain step
+# (mpu_lab.comm's all-reduce, then the update of every element), and by the collectives it
+# called: a reduce-scatter and an all-gather, never an all-reduce.
+_REDUCE_SCATTER = "reduce-scatter"
+_ALL_GATHER = "all-gather"
+# torch.distributed's and mpu_lab.comm's collectives, by what they do
+_DIST_CALLS = {"all_reduce": "all-reduce", "reduce_scatter_tensor": _REDUCE_SCATTER,
+               "reduce_scatter": _REDUCE_SCATTER, "all_gather_into_tensor": _ALL_GATHER,
+               "all_gather": _ALL_GATHER, "broadcast": "broadcast", "reduce": "reduce",
+               "all_to_all_single": "all-to-all", "all_to_all": "all-to-all",
+               "gather": "gather", "scatter": "scatter"}
+_COMM_CALLS = {"all_reduce": "all-reduce", "reduce_scatter": _REDUCE_SCATTER,
+               "all_gather": _ALL_GATHER, "broadcast": "broadcast",
+               "all_reduce_async": "all-reduce", "reduce_scatter_async": _REDUCE_SCATTER,
+               "all_gather_async": _ALL_GATHER}
+
+
+@contextlib.contextmanager
+def watch_collectives(seen: List[str]):
+    """Note in ``seen`` each collective called while active, by what it does (``"all-reduce"``,
+    ``"reduce-scatter"``...), whether through ``torch.distributed`` or :mod:`mpu_lab.comm`.
+    A call of ``mpu_lab.comm`` is noted once, as itself (on gloo its reduce-scatter runs an
+    all-reduce inside, which is not the learner's call)."""
+    depth = [0]
+    saved: Dict[tuple, Callable] = {}
+
+    def wrap(module, name: str, what: str):
+        original = getattr(module, name)
+        saved[(module, name)] = original
+
+        def call(*args, **kwargs):
+            if depth[0] == 0:
+                seen.append(what)
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        setattr(module, name, call)
+
+    try:
+        for name, what in _DIST_CALLS.items():
+            if hasattr(dist, name):
+                wrap(dist, name, what)
+        for name, what in _COMM_CALLS.items():
+            if hasattr(comm, name):
+                wrap(comm, name, what)
+        yield seen
+    finally:
+        for (module, name), original in saved.items():
+            setattr(module, name, original)
+
+
+def step_inputs(n: int, seed: int, rank: int, device=None):
+    """``(param, grad)`` of a case: the same ``n`` parameters on every rank (from ``seed``),
+    a gradient that differs per rank (from ``seed`` and the global ``rank``)."""
+    gen = torch.Generator().manual_seed(seed)
+    param = torch.randn(n, generator=gen)  # cpu: CPU generator, the same on every device
+    grad_gen = torch.Generator().manual_seed(seed * 1000 + 7 * rank + 1)
+    grad = torch.randn(n, generator=grad_gen)  # cpu: CPU generator, moved below
+    grad = grad * (1.0 + rank)            # ranks differ in size too, so a missed average shows
+    return param.to(device), grad.to(device)
+
+
+def plain_step(param: torch.Tensor, grad: torch.Tensor, lr: float, group) -> torch.Tensor:
+    """The reference: the plain data-parallel step. All-reduce the gradient
+    (:func:`mpu_lab.comm.all_reduce`), divide by the group's size, update every element."""
+    mean = comm.all_reduce(grad, group) / dist.get_world_size(group=group)
+    return param - lr * mean
+
+
+def run_distributed_step_case(learner: Callable, case: Case) -> Outcome:
+    """Runs on every rank: the learner's step on this rank's inputs, against the plain step,
+    and the collectives it called."""
+    group = parallel_state.get_data_parallel_group()
+    d = dist.get_world_size(group=group)
+    rank = dist.get_rank()
+    device = distributed.get_device()
+    n, lr, seed = case.params["n"], case.params["lr"], case.params["seed"]
+    param, grad = step_inputs(n, seed, rank, device)
+    expected = plain_step(param.clone(), grad.clone(), lr, group)
+    seen: List[str] = []
+    with watch_collectives(seen):
+        got = learner(param.clone(), grad.clone(), lr, group)
+    where = f"data-parallel rank {parallel_state.get_data_parallel_rank()} of {d}:"
+    out = compare(f"{where} the updated parameters", expected, got)
+    if not out.ok:
+        return out
+    called = ", ".join(seen) or "none"
+    if _REDUCE_SCATTER not in seen or _ALL_GATHER not in seen or "all-reduce" in seen:
+        return Outcome(False, f"{where} the collectives called (the values were right)",
+                       "a reduce-scatter of the gradient and an all-gather of the parameters, "
+                       "no all-reduce", called)
+    return Outcome(True)
+
+
+DISTRIBUTED_STEP = Exercise(
+    name="my_distributed_step",
+    run_case=run_distributed_step_case,
+    cases=[
+        Case("8 parameters, lr 0.1", dict(n=8, lr=0.1, seed=1)),
+        Case("10 parameters (pad to a multiple of d)", dict(n=10, lr=0.1, seed=2)),
+        Case("1 parameter (every other rank's shard is padding)", dict(n=1, lr=0.5, seed=3)),
+        Case("37 parameters, lr 0.01", dict(n=37, lr=0.01, seed=4)),
+    ],
+    hint="pad the gradient with zeros to a multiple of d = dist.get_world_size(group) (the "
+         "data-parallel group, not the world), reduce-scatter it over the group and divide by "
+         "d: your shard of the average. Update the same shard of the (padded) parameters, "
+         "all-gather the shards over the group, and drop the padding.")
