@@ -85,15 +85,16 @@ def format_utilisation(runs: Dict[str, ProfiledRun]) -> str:
 
 
 def profile_training(flags: Sequence, nproc: int, label: str = "", interval_s: float = 0.05,
-                     barrier: bool = False, cpu_metric: str = "cpu", **run_kwargs) -> ProfiledRun:
+                     barrier: bool = False, cpu_metric: str = "cpu", pin: bool = False,
+                     **run_kwargs) -> ProfiledRun:
     """Run ``launch/train_gpt.py`` with ``flags`` plus ``--breakdown`` (or
     ``--breakdown-barrier``) on ``nproc`` ranks under a :class:`UtilisationSampler`
-    (``cpu_metric``: see :class:`Utilisation`)."""
+    (``cpu_metric``: see :class:`Utilisation`; ``pin``: each rank on a core of its own)."""
     flags = [str(f) for f in flags] + ["--breakdown-barrier" if barrier else "--breakdown"]
     training.validate_args(training.parse_args(flags), nproc)   # a bad line fails here
     run_kwargs.setdefault("show", "none")
     job, util = run_with_utilisation("train_gpt.py", flags, nproc=nproc, interval_s=interval_s,
-                                     cpu_metric=cpu_metric, **run_kwargs)
+                                     cpu_metric=cpu_metric, pin=pin, **run_kwargs)
     reports = breakdowns(job.results)
     return ProfiledRun(label, nproc, reports, util.crop(*training_window(reports)),
                        job.results[0]["metrics"], job.elapsed_s)

@@ -1,8 +1,10 @@
 """How busy each rank is over time: samples of a ``torchrun`` job, and the ideal picture.
 
 * :class:`UtilisationSampler` — for every ``torchrun`` worker (found in the launcher's process
-  tree) whether it is running or runnable, or its CPU use (psutil); GPU utilisation through
-  NVML where there is a GPU; :func:`run_with_utilisation` wraps :func:`mpu_lab.launcher.run` in
+  tree) whether it is running or runnable, its CPU use (psutil), or its main thread's own CPU
+  clock (``"clock"``: busy and idle seconds per rank, :mod:`mpu_lab.perf.rank_clock`), each
+  worker optionally pinned to a core of its own; GPU utilisation through NVML where there is
+  a GPU; :func:`run_with_utilisation` wraps :func:`mpu_lab.launcher.run` in
   one. :func:`mpu_lab.labkit.viz.plot_utilisation` draws the result as one row per rank.
 * :func:`schedule_utilisation` — what a perfect machine would show for a pipeline schedule
   (the 1F1B and GPipe schedules of Narayanan et al. 2021 §2.2, simulated by
@@ -25,10 +27,12 @@ import math
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mpu_lab import launcher
 from mpu_lab.launcher import descendants
+from mpu_lab.perf.rank_clock import (RankBusy, busy_between, core_for, main_thread_cpu_s,
+                                     pin_process, usable_cores)
 from mpu_lab.pipeline_parallel.timeline import simulate
 
 __all__ = ["Utilisation", "schedule_utilisation", "UtilisationSampler", "run_with_utilisation"]
@@ -41,9 +45,16 @@ class Utilisation:
     core, psutil; above 100 when a rank runs several threads), ``"runnable"`` (100 when the
     rank's main thread was running or waiting for a core at the sample, 0 when it was blocked,
     e.g. in a collective: what the rank *wanted* to do, whatever other processes took) or
-    ``"gpu"`` (NVML's percent of time a kernel ran on the rank's GPU); ``"schedule"`` for the
-    ideal pictures of :func:`schedule_utilisation`. ``machine[i]``: the whole machine's CPU
-    use, percent of all its ``cores`` (every process, not only the job's: it shows contention).
+    ``"clock"`` (the share of the time since the previous sample that the rank's main thread
+    spent on a core, from its own CPU clock: 100 computing, 0 waiting), ``"gpu"`` (NVML's
+    percent of time a kernel ran on the rank's GPU); ``"schedule"`` for the ideal pictures of
+    :func:`schedule_utilisation`. ``machine[i]``: the whole machine's CPU use, percent of all
+    its ``cores`` (every process, not only the job's: it shows contention).
+
+    Under ``"clock"`` sampling, ``cpu_seconds[rank]`` is the rank's cumulative main-thread CPU
+    time at ``clock_times`` (kept one sample beyond each end of a :meth:`crop`, so that
+    :meth:`busy` interpolates the clock at the window's edges); ``pinned[rank]`` the core a
+    rank was pinned to.
     """
     kind: str
     interval_s: float
@@ -51,13 +62,34 @@ class Utilisation:
     values: Dict[int, List[float]]
     cores: int
     machine: List[float] = dataclasses.field(default_factory=list)
+    clock_times: List[float] = dataclasses.field(default_factory=list)
+    cpu_seconds: Dict[int, List[float]] = dataclasses.field(default_factory=dict)
+    pinned: Dict[int, int] = dataclasses.field(default_factory=dict)
+    window: Optional[Tuple[float, float]] = None
 
     def crop(self, start: float, end: float) -> "Utilisation":
         """The samples between ``start`` and ``end`` (e.g. :func:`training_window`)."""
         keep = [i for i, t in enumerate(self.times) if start <= t <= end]
+        ct = self.clock_times      # the clock samples from the last at or before start ...
+        lo = max([i for i, t in enumerate(ct) if t <= start], default=0)
+        hi = min([i for i, t in enumerate(ct) if t >= end], default=len(ct) - 1)
+        around = range(lo, hi + 1)  # ... to the first at or after end
         return Utilisation(self.kind, self.interval_s, [self.times[i] for i in keep],
                            {r: [v[i] for i in keep] for r, v in self.values.items()}, self.cores,
-                           [self.machine[i] for i in keep] if self.machine else [])
+                           [self.machine[i] for i in keep] if self.machine else [],
+                           [self.clock_times[i] for i in around],
+                           {r: [v[i] for i in around] for r, v in self.cpu_seconds.items()},
+                           dict(self.pinned), (start, end))
+
+    def busy(self) -> List[RankBusy]:
+        """Each rank's busy and idle seconds over the window of the last :meth:`crop` (the
+        whole sampling otherwise), from its own CPU clock (``"clock"`` sampling only)."""
+        if not self.cpu_seconds:
+            raise ValueError(f"busy() needs the ranks' own clocks: sample with "
+                             f"cpu_metric='clock' (this is {self.kind!r})")
+        start, end = self.window or (self.clock_times[0], self.clock_times[-1])
+        return [busy_between(r, self.clock_times, c, start, end)
+                for r, c in sorted(self.cpu_seconds.items())]
 
     def mean(self) -> Dict[int, float]:
         """Per rank, the mean over its valid samples."""
@@ -75,7 +107,7 @@ def schedule_utilisation(schedule: str, p: int, m: int, v: int = 1, iterations: 
                          samples_per_slot: int = 4) -> Utilisation:
     """The utilisation picture a perfect machine would show: each pipeline rank 100 % busy
     inside its forward and backward passes and 0 % between them, for ``iterations``
-    back-to-back runs of the logical schedule of lab 06
+    back-to-back runs of the logical schedule of lab 09
     (:func:`mpu_lab.pipeline_parallel.timeline.simulate`; a forward takes one time slot).
     ``times`` are in slots, sampled ``samples_per_slot`` times per slot (mid-points)."""
     timeline = simulate(schedule, p, m, v)
@@ -116,16 +148,22 @@ class UtilisationSampler:
     ``"auto"``: where NVML finds one): NVML's utilisation of each rank's GPU, ``LOCAL_RANK``
     modulo the GPU count as :func:`mpu_lab.distributed.choose_device` assigns them (NVML
     numbers GPUs by PCI bus; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA agrees).
+
+    ``cpu_metric="clock"`` reads each worker's main-thread CPU clock instead
+    (:func:`mpu_lab.perf.rank_clock.main_thread_cpu_s`); ``pin=True`` pins each worker, as
+    soon as it is found, to the usable core of its ``LOCAL_RANK`` (round robin,
+    :func:`mpu_lab.perf.rank_clock.core_for`). Under NVML sampling ``pin`` does nothing.
     """
 
     def __init__(self, interval_s: float = 0.05, gpu="auto", root_pid: Optional[int] = None,
-                 cpu_metric: str = "cpu"):
+                 cpu_metric: str = "cpu", pin: bool = False):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         if gpu not in ("auto", True, False):
             raise ValueError(f"gpu must be 'auto', True or False, got {gpu!r}")
-        if cpu_metric not in ("cpu", "runnable"):
-            raise ValueError(f"cpu_metric must be 'cpu' or 'runnable', got {cpu_metric!r}")
+        if cpu_metric not in ("cpu", "runnable", "clock"):
+            raise ValueError(f"cpu_metric must be 'cpu', 'runnable' or 'clock', got "
+                             f"{cpu_metric!r}")
         self.interval_s = interval_s
         self.root_pid = os.getpid() if root_pid is None else root_pid
         self._gpu_handles = self._open_nvml() if gpu else []
@@ -135,6 +173,11 @@ class UtilisationSampler:
         self.times: List[float] = []
         self.values: Dict[int, List[float]] = {}
         self.machine: List[float] = []
+        self.clock_times: List[float] = []
+        self.cpu_seconds: Dict[int, List[float]] = {}
+        self.pin = bool(pin) and not self._gpu_handles
+        self._cores = usable_cores()
+        self.pinned: Dict[int, int] = {}
         self._procs: Dict[int, Any] = {}         # pid -> psutil.Process of a worker
         self._rank_of: Dict[int, int] = {}       # pid -> rank
         self._local_rank: Dict[int, int] = {}    # rank -> local rank
@@ -185,6 +228,10 @@ class UtilisationSampler:
                 proc.cpu_percent(None)           # the first call only starts the clock
             except psutil.Error:
                 pass
+            if self.pin:
+                core = core_for(self._local_rank.get(rank, rank), self._cores)
+                if pin_process(pid, core):
+                    self.pinned[rank] = core
 
     def _sample(self):
         import psutil
@@ -195,6 +242,25 @@ class UtilisationSampler:
             util = [pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._gpu_handles]
             for rank, local in self._local_rank.items():
                 row[rank] = float(util[local % len(util)])
+        elif self.kind == "clock":
+            clock: Dict[int, float] = {}
+            for pid in list(self._procs):
+                try:
+                    clock[self._rank_of[pid]] = main_thread_cpu_s(pid)
+                except (ProcessLookupError, OSError):
+                    del self._procs[pid]
+            for rank, seconds in clock.items():
+                series = self.cpu_seconds.get(rank)
+                if series and self.clock_times and series[-1] == series[-1]:
+                    dt = now - self.clock_times[-1]
+                    row[rank] = 100.0 * (seconds - series[-1]) / dt if dt > 0 else math.nan
+                else:
+                    row[rank] = math.nan
+            self.clock_times.append(now)
+            for rank in set(clock) | set(self.cpu_seconds):
+                column = self.cpu_seconds.setdefault(rank,
+                                                     [math.nan] * (len(self.clock_times) - 1))
+                column.append(clock.get(rank, math.nan))
         else:
             for pid, proc in list(self._procs.items()):
                 try:
@@ -236,14 +302,17 @@ class UtilisationSampler:
     def result(self) -> Utilisation:
         return Utilisation(self.kind, self.interval_s, list(self.times),
                            {r: list(v) for r, v in sorted(self.values.items())},
-                           os.cpu_count() or 1, list(self.machine))
+                           os.cpu_count() or 1, list(self.machine), list(self.clock_times),
+                           {r: list(v) for r, v in sorted(self.cpu_seconds.items())},
+                           dict(sorted(self.pinned.items())))
 
 
 def run_with_utilisation(script, args: Sequence = (), nproc: int = 2, interval_s: float = 0.05,
-                         gpu="auto", cpu_metric: str = "cpu", **run_kwargs):
+                         gpu="auto", cpu_metric: str = "cpu", pin: bool = False, **run_kwargs):
     """:func:`mpu_lab.launcher.run` with a :class:`UtilisationSampler` around it; returns
     ``(job, utilisation)``."""
-    with UtilisationSampler(interval_s=interval_s, gpu=gpu, cpu_metric=cpu_metric) as sampler:
+    with UtilisationSampler(interval_s=interval_s, gpu=gpu, cpu_metric=cpu_metric,
+                            pin=pin) as sampler:
         job = launcher.run(script, args, nproc=nproc, **run_kwargs)
     return job, sampler.result()
 
