@@ -103,7 +103,14 @@ class World:
         path = os.pathsep.join(p for p in (str(launcher.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         t0 = time.perf_counter()
-        self.cluster = ipp.Cluster(n=self.world_size, log_level=40, shutdown_atexit=True)
+        # cluster_file="": the cluster is never written to the profile's security folder.
+        # JupyterLab's ipyparallel extension loads every cluster file it finds there and
+        # watches its processes; when this kernel stops them, the extension saw engines end
+        # with no exit code and logged each engine's whole log (SIGTERM's "Event loop stopped
+        # before Future completed") as a warning in the server's terminal, then raced this
+        # kernel to delete the log files. A cluster it never sees, it never reports.
+        self.cluster = ipp.Cluster(n=self.world_size, log_level=40, shutdown_atexit=True,
+                                   cluster_file="")
         quiet_about_removed_logs(self.cluster.log)
         _WORLDS.append(self)
         self.cluster.start_controller_sync()

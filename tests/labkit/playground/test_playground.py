@@ -196,6 +196,15 @@ def test_a_partial_collective_times_out_naming_the_missing_ranks_and_restart_rec
     assert world.run("x = torch.tensor([float(rank)]); dist.all_reduce(x); x.item()") == [6.0] * 4
 
 
+def test_jupyters_cluster_extension_never_sees_the_world(world):
+    # JupyterLab's ipyparallel extension lists the clusters whose files it finds in a
+    # profile's security folder (ClusterManager.load_clusters) and watches their processes;
+    # a world it saw was reported, engine logs and all, in the server's terminal at stop.
+    from ipyparallel.cluster.cluster import ClusterManager
+    found = ClusterManager().load_clusters(profile_dirs=[world.cluster.profile_dir])
+    assert [key for key in found if world.cluster.cluster_id in key] == []
+
+
 def test_stop_ends_every_engine_and_the_controller(world):
     pids = world.process_tree()      # engines, their nannies, the controller and its schedulers
     assert set(world.pids + [world.controller_pid]) < set(pids)
@@ -232,6 +241,29 @@ def test_hard_restart_replaces_the_engines_and_interpreter_exit_leaves_no_proces
     assert got["sum"] == [2.0, 2.0]
     assert not set(got["old"]) & set(got["new"]) and len(got["new"]) > 3
     assert [p for p in got["old"] + got["new"] if not _gone(p)] == []
+
+
+STOP_SCRIPT = """
+import sys
+from mpu_lab.labkit import playground
+world = playground.start_world(2, timeout_s=5)
+world.run("x = torch.ones(1); dist.all_reduce(x)")
+print("<stop>", file=sys.stderr, flush=True)
+world.stop()
+print("</stop>", file=sys.stderr, flush=True)
+"""
+
+
+def test_stop_writes_nothing_to_the_parents_stderr(tmp_path):
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(launcher.REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", STOP_SCRIPT], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    during_stop = proc.stderr.split("<stop>\n", 1)[1].split("</stop>", 1)[0]
+    assert during_stop == ""
 
 
 def test_stop_does_not_report_a_log_file_someone_else_already_removed(caplog):
