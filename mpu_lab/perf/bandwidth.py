@@ -7,14 +7,22 @@ that makes it comparable with the hardware's link bandwidth whatever the number 
 ``launch/bench_bandwidth.py`` runs the collectives over :func:`message_sizes`
 (:func:`collective_numel`) and prints :func:`format_bandwidth`; :func:`allreduce_fit` turns
 its all-reduce rows into the latency and bus bandwidth the cost model's ``Cluster`` takes.
+
+The alpha-beta model of a ring collective (Thakur et al. 2005, §4; Patarasuk & Yuan 2009):
+each of its :func:`ring_steps` costs a latency alpha, and every rank sends
+:func:`bus_factor` x S bytes over its link at the bus bandwidth, so
+``t = steps x alpha + bus_factor x S / busbw`` (:func:`alpha_beta_seconds`);
+:func:`fit_alpha_beta` fits that line to measured rows by least squares.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
+import numpy as np
+
 __all__ = ["COLLECTIVES", "GLOO_REDUCE_SCATTER_NOTE", "bus_factor", "algbw", "busbw",
            "parse_size", "message_sizes", "collective_numel", "format_bandwidth", "best_busbw",
-           "allreduce_fit"]
+           "allreduce_fit", "ring_steps", "alpha_beta_seconds", "fit_alpha_beta"]
 
 # NVIDIA nccl-tests, doc/PERFORMANCE.md ("Performance reported by NCCL tests"): the bus
 # bandwidth is the algorithm bandwidth S/t times a factor that makes it comparable with the
@@ -147,4 +155,62 @@ def allreduce_fit(rows: Sequence[Dict[str, Any]]) -> Dict[str, float]:
     busbw_ = bus_factor("all_reduce", n) * big["size_bytes"] / max(big["time_s"] - latency, 1e-9)
     return dict(latency_s=latency, busbw=busbw_, nproc=n,
                 rows=[(r["size_bytes"], r["time_s"]) for r in mine])
+
+
+# Messages each rank sends one after another in the ring algorithm (Thakur et al. 2005, §4;
+# Patarasuk & Yuan 2009): a reduce-scatter and an all-gather pass n-1 chunks each, an
+# all-reduce is the two, a pipelined broadcast hands the array down a chain of n-1 links.
+_RING_STEPS: Dict[str, Callable[[int], int]] = {
+    "all_reduce": lambda n: 2 * (n - 1),
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: n - 1,
+    "broadcast": lambda n: n - 1,
+}
+
+
+def ring_steps(op: str, n: int) -> int:
+    """How many messages each rank sends one after another in a ring ``op`` over ``n`` ranks."""
+    bus_factor(op, n)                                   # checks op and n
+    return _RING_STEPS[op](int(n))
+
+
+def alpha_beta_seconds(op: str, size_bytes: float, n: int, alpha_s: float,
+                       busbw_: float) -> float:
+    """The alpha-beta time of a ring ``op`` on ``n`` ranks for a whole array of ``size_bytes``:
+    ``ring_steps x alpha_s + bus_factor x size_bytes / busbw_`` (``alpha_s``: seconds per
+    message; ``busbw_``: bytes/s one rank's link carries)."""
+    if alpha_s < 0:
+        raise ValueError(f"alpha must be >= 0 seconds, got {alpha_s}")
+    if not busbw_ > 0:
+        raise ValueError(f"bus bandwidth must be > 0 bytes/s, got {busbw_}")
+    if size_bytes < 0:
+        raise ValueError(f"size must be >= 0 bytes, got {size_bytes}")
+    return ring_steps(op, n) * alpha_s + bus_factor(op, n) * size_bytes / busbw_
+
+
+def fit_alpha_beta(rows: Sequence[Dict[str, Any]], op: str = "all_reduce") -> Dict[str, Any]:
+    """Fit ``t = latency + bus_factor x S / busbw`` to the ``op`` rows of
+    ``launch/bench_bandwidth.py`` (one number of ranks), by least squares on the *relative*
+    error, so the small messages (where the latency shows) weigh as much as the large ones.
+    Returns ``latency_s`` (the fitted constant), ``alpha_s`` (it per ring step, see
+    :func:`ring_steps`), ``busbw`` (bytes/s), ``nproc``, ``max_rel_error`` (the worst row's
+    ``|fit - t| / t``) and ``rows`` (``(S, t, fitted t)``)."""
+    mine = sorted((r for r in rows if r["op"] == op), key=lambda r: r["size_bytes"])
+    ranks = {r["ranks"] for r in mine}
+    if len(ranks) > 1:
+        raise ValueError(f"{op} rows from several numbers of ranks {sorted(ranks)}: fit one")
+    if len({r["size_bytes"] for r in mine}) < 2:
+        raise ValueError(f"need {op} rows of at least two sizes to fit a line, got {len(mine)}")
+    n = mine[0]["ranks"]
+    sizes = np.array([float(r["size_bytes"]) for r in mine])
+    times = np.array([float(r["time_s"]) for r in mine])
+    design = np.stack([np.ones_like(sizes), sizes], axis=1) / times[:, None]
+    (latency, slope), *_ = np.linalg.lstsq(design, np.ones_like(times), rcond=None)
+    latency, slope = max(float(latency), 0.0), max(float(slope), 1e-30)
+    fitted = latency + slope * sizes
+    steps = ring_steps(op, n)
+    return dict(op=op, nproc=n, latency_s=latency, alpha_s=latency / steps if steps else 0.0,
+                busbw=bus_factor(op, n) / slope,
+                max_rel_error=float(np.max(np.abs(fitted - times) / times)),
+                rows=[(int(s), float(t), float(f)) for s, t, f in zip(sizes, times, fitted)])
 

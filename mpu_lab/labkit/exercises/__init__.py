@@ -17,6 +17,7 @@ live playground world (:mod:`~mpu_lab.labkit.exercises.grader`). One module per 
 from mpu_lab.labkit.exercises.common import EMPTY, RIGHT, WRONG, Verdict, summarize
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, grade
 from mpu_lab.labkit.exercises.rank_groups import RANK_GROUPS, check_crossing_count, check_group_of_rank
+from mpu_lab.labkit.exercises.collectives import RING_ALL_REDUCE, check_ring_send_bytes
 from mpu_lab.labkit.exercises.column_parallel import (
     COLUMN_FORWARD,
     check_column_weight_shape,
@@ -40,6 +41,7 @@ from mpu_lab.labkit.exercises.tp_mappings import (
 )
 from mpu_lab.labkit.exercises.parallel_transformer import (
     VOCAB_PARALLEL_CE,
+    VOCAB_PARALLEL_CE_BACKWARD,
     check_activation_memory_mib,
     check_layer_collectives,
     check_layer_shape,
@@ -88,4 +90,5 @@ __all__ = [
     "copy_to_grad_expected", "reduce_from_expected", "reduce_scatter_sequence_expected",
     "check_copy_to_grad", "check_reduce_from", "check_reduce_scatter_to_sequence",
     "DISTRIBUTED_STEP", "check_optimizer_state_gb", "check_ring_all_reduce_mb",
+    "RING_ALL_REDUCE", "check_ring_send_bytes",
 ]

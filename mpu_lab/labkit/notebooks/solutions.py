@@ -45,6 +45,7 @@ class Solution:
 
 SOLUTIONS: Dict[str, Solution] = {
     "01": Solution("01_rank_groups.py", {"my_groups": "solution_groups"}),
+    "02": Solution("02_collectives.py", {"my_ring_all_reduce": "solution_ring_all_reduce"}),
     "04": Solution("04_column_parallel.py", {"my_column_forward": "solution_column_forward"}),
     "05": Solution("05_row_parallel.py", {"my_row_forward": "solution_row_forward"}),
     "06": Solution("06_tp_mappings.py", {
