@@ -115,6 +115,12 @@ class Traffic:
     def comm_s(self, bandwidth: float) -> float:
         return self.bytes / bandwidth
 
+    def comm_share(self, peak_flops: float, bandwidth: float) -> float:
+        """The share of the time spent communicating when nothing overlaps: ``r / (1 + r)``
+        with ``r`` = transfer time over compute time = ridge / intensity."""
+        r = self.comm_s(bandwidth) / self.compute_s(peak_flops)
+        return r / (1 + r)
+
     def bound(self, peak_flops: float, bandwidth: float) -> str:
         """``"compute-bound"`` when the intensity reaches the ridge (the transfer could hide
         behind the math), else ``"communication-bound"``."""
@@ -237,17 +243,20 @@ def format_formulas(cases: Sequence[Traffic]) -> str:
     return "\n".join(lines)
 
 
-def format_strategies(cases: Sequence[Traffic], cluster: Cluster = DGX_H100) -> str:
-    """One row per case: its intensity, and for each link of ``cluster`` (the datasheet's peak
-    FLOP/s and bandwidths, no efficiency) the verdict and the knob value below which it turns
-    communication-bound."""
-    links = links_of(cluster)
-    peak = cluster.peak_flops
-    ridges = ", ".join(f"{name} {ridge(peak, bw):,.0f}" for name, bw in links.items())
-    lines = [f"{cluster.name}: {peak / 1e12:,.0f} TFLOP/s per GPU; ridge F/W in FLOPs per byte: "
-             f"{ridges}",
+def format_strategies(cases: Sequence[Traffic], cluster: Cluster = DGX_H100,
+                      links: Optional[Dict[str, float]] = None,
+                      peak_flops: Optional[float] = None, name: Optional[str] = None) -> str:
+    """One row per case: its intensity, and for each link (default: ``cluster``'s NVLink and
+    InfiniBand, :func:`links_of`; or ``links``, name -> bytes/s) next to ``peak_flops``
+    (default: the cluster's datasheet peak, no efficiency) the verdict and the knob value
+    below which it turns communication-bound."""
+    links = links_of(cluster) if links is None else dict(links)
+    peak = cluster.peak_flops if peak_flops is None else peak_flops
+    ridges = ", ".join(f"{link} {ridge(peak, bw):,.0f}" for link, bw in links.items())
+    lines = [f"{name or cluster.name}: {peak / 1e12:,.3g} TFLOP/s per GPU; ridge F/W in FLOPs "
+             f"per byte: {ridges}",
              f"{'dim':<5}{'setting':<28}{'knob':<22}{'FLOP/B':>11}"
-             + "".join(f"  | {'on ' + name:<20}{'knob >=':>9}" for name in links)]
+             + "".join(f"  | {'on ' + link:<20}{'knob >=':>9}" for link in links)]
     for c in cases:
         row = f"{c.strategy:<5}{c.setting:<28}{c.knob:<22}{c.intensity:>11,.0f}"
         for bw in links.values():

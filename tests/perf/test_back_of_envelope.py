@@ -165,3 +165,11 @@ def test_tables_print_the_ridges_and_a_row_per_case():
     assert "9h / ((t−1)·B)" in be.format_formulas(cases)
     mm = be.format_matmuls([(1, 4096, 4096), (4096, 4096, 4096)], 989e12, 3.35e12)
     assert "memory-bound" in mm and "compute-bound" in mm
+
+
+def test_comm_share_and_a_custom_link_by_hand():
+    tp = be.tensor_parallel(h=1024, tokens=8, t=4)           # intensity 1536
+    # ridge 3072 -> r = 2, share 2/3
+    assert tp.comm_share(3072e9, 1e9) == pytest.approx(2 / 3)
+    text = be.format_strategies([tp], links={"gloo": 1e9}, peak_flops=3072e9, name="here")
+    assert text.startswith("here:") and "gloo 3,072" in text and "communication-bound" in text
