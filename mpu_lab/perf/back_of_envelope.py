@@ -49,7 +49,7 @@ from mpu_lab.perf.cost_model import DGX_H100, Cluster
 
 __all__ = ["STRATEGIES", "Traffic", "ridge", "roofline", "matmul_intensity",
            "tensor_parallel", "data_parallel", "pipeline_parallel", "context_parallel",
-           "expert_parallel", "links_of", "format_formulas", "format_strategies", "format_matmuls"]
+           "expert_parallel", "links_of", "format_formulas", "format_strategies", "format_tp_sizes", "format_matmuls"]
 
 STRATEGIES = ("tp", "dp", "pp", "cp", "ep")
 COMPUTE_BOUND, COMM_BOUND = "compute-bound", "communication-bound"
@@ -262,6 +262,24 @@ def format_strategies(cases: Sequence[Traffic], cluster: Cluster = DGX_H100,
         for bw in links.values():
             row += f"  | {c.bound(peak, bw):<20}{c.critical(peak, bw):>9,.0f}"
         lines.append(row)
+    return "\n".join(lines)
+
+
+def format_tp_sizes(h: int, tokens: int, sizes: Sequence[int], cluster: Cluster = DGX_H100,
+                    dtype_bytes: int = 2) -> str:
+    """Tensor parallelism of width ``h`` at each size t in ``sizes``: its intensity, and the share
+    of the time its all-reduces take when nothing overlaps, on NVLink (only while t fits in a
+    node of ``cluster``) and on the network (datasheet rates)."""
+    peak, links = cluster.peak_flops, links_of(cluster)
+    lines = [f"h = {h:,}: tensor-parallel all-reduces, share of the time if not overlapped "
+             f"({cluster.name}, {cluster.gpus_per_node} GPUs per node)",
+             f"{'t':>4}{'FLOP/B':>9}{'NVLink':>12}{'InfiniBand':>12}"]
+    for t in sizes:
+        tp = tensor_parallel(h, tokens, t, dtype_bytes)
+        inside = (f"{tp.comm_share(peak, links['NVLink']):.0%}" if t <= cluster.gpus_per_node
+                  else "(> node)")
+        lines.append(f"{t:>4}{tp.intensity:>9,.0f}{inside:>12}"
+                     f"{tp.comm_share(peak, links['InfiniBand']):>12.0%}")
     return "\n".join(lines)
 
 

@@ -173,3 +173,11 @@ def test_comm_share_and_a_custom_link_by_hand():
     assert tp.comm_share(3072e9, 1e9) == pytest.approx(2 / 3)
     text = be.format_strategies([tp], links={"gloo": 1e9}, peak_flops=3072e9, name="here")
     assert text.startswith("here:") and "gloo 3,072" in text and "communication-bound" in text
+
+
+def test_tp_sizes_table_by_hand():
+    text = be.format_tp_sizes(12288, 2048, (2, 32), DGX_H100).splitlines()
+    # t = 2: 9·12288/2 = 55,296 FLOP/B; r = 2,197.8/55,296 = 0.0397 on NVLink -> 4 %;
+    # on InfiniBand r = 0.358 -> 26 %. t = 32 does not fit a node of 8.
+    assert text[2].split() == ["2", "55,296", "4%", "26%"]
+    assert text[3].split()[:3] == ["32", "1,784", "(>"]
