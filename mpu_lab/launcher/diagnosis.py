@@ -179,11 +179,32 @@ def _rank_facts(result_dir: pathlib.Path, nproc: int, exit_codes: Dict[int, int]
     return facts
 
 
+# gloo and c10d prefix a message with the C++ file that raised it, as compiled on the build
+# machine: "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] ".
+_SOURCE_LOCATION = re.compile(r"\[(?:[^\]\s]*/)?([^\]\s/]+\.(?:cc|cpp|h)):(\d+)\]\s*")
+# ...and gloo ends a lost connection with advice for whoever reads its log, the same for every
+# cause ("This is typically caused by a remote worker hanging ... GLHF! <emoji>").
+_GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by .*$")
+
+
+def quote_message(message: str) -> str:
+    """The meaningful part of a rank's exception message, for the launcher's one-line report
+    of a failed rank: its first line, without the C++ source path (kept as ``(in pair.cc:537)``
+    at the end) and without gloo's boilerplate advice. ``RuntimeError: [/__w/.../tcp/pair.cc:537]
+    Read error [127.0.0.1]:41175: Connection reset by peer. This is typically caused by ...
+    GLHF!`` becomes ``RuntimeError: Read error [127.0.0.1]:41175: Connection reset by peer
+    (in pair.cc:537)``. The full message stays in the rank's traceback."""
+    text = message.strip().splitlines()[0] if message.strip() else ""
+    found = _SOURCE_LOCATION.search(text)
+    text = _GLOO_ADVICE.sub("", _SOURCE_LOCATION.sub("", text, count=1)).rstrip(" .")
+    return f"{text} (in {found.group(1)}:{found.group(2)})" if found else text
+
+
 def _brief(message: str) -> str:
-    """The first line and sentence of an exception message, without gloo's source location
-    (``RuntimeError: [/.../unbound_buffer.cc:78] Timed out waiting ...``)."""
-    text = message.splitlines()[0] if message else ""
-    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
+    """The first sentence of :func:`quote_message` without the source location: what a rank's
+    state line says it raised (``Timed out waiting 8000ms for recv operation to complete``)."""
+    text = _GLOO_ADVICE.sub("", _SOURCE_LOCATION.sub("", message.strip().splitlines()[0]
+                                                     if message.strip() else ""))
     text = re.split(r"(?<=[^.]{20})\. (?=[A-Z])", text)[0]
     return text[:200]
 

@@ -29,6 +29,7 @@ from mpu_lab.launcher.diagnosis import (
     diagnose,
     exit_codes_from_lines,
     first_failed_rank,
+    quote_message,
     root_cause,
     traceback_from_lines,
 )
@@ -322,7 +323,7 @@ def failure_error(name: str, returncode: int, nproc: int,
         silent = rank_that_exited_silently(name, lines, codes, result_dir)
         if silent is not None:
             rank, tb, head = silent
-    detail = message if message else ""
+    detail = quote_message(message) if message else ""
     diagnosis, states = diagnose(result_dir, nproc, message, tb, timeout_env, codes)
     return LaunchError(f"{head}{': ' + detail if detail else ''}\n"
                        f"{diagnosis + chr(10) if diagnosis else ''}{tb}".rstrip(),
