@@ -8,7 +8,9 @@ starts).
 process starts), :func:`measure` (runs inside a rank: median step time, and one backward pass
 recorded step by step by :func:`record_backward`, from outside the layers: the GEMMs through a
 ``TorchDispatchMode`` that sees every ``aten.mm``, the collectives through
-:class:`~mpu_lab.perf.comm_timing.CommTimer`).
+:class:`~mpu_lab.perf.comm_timing.CommTimer`), and :func:`predicted_backward`: the same backward
+of the column-parallel layer on a GPU cluster, from the cost model's peak FLOP/s and link
+bandwidth (labelled predicted: where the CPU cannot show the overlap, the lab shows this).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpu_lab import distributed
 from mpu_lab.perf.comm_timing import CommTimer
+from mpu_lab.perf.cost_model import DGX_H100, Cluster
 
 
 def parser() -> argparse.ArgumentParser:
@@ -152,3 +155,51 @@ def format_saving(reports) -> str:
         lines.append(f"rank {r['rank']}: overlapped {over:.1f} ms, serial {serial:.1f} ms "
                      f"({100 * (serial - over) / serial:+.0f} % saved) on {r['device']}")
     return "\n".join(lines)
+
+
+def predicted_backward(seq: int, batch: int, hidden: int, t: int, cluster: Cluster = DGX_H100,
+                       bytes_per_value: int = 2, ffn_hidden: int = 0) -> dict:
+    """The column-parallel fc1's backward under sequence parallelism, predicted for ``cluster``
+    in the report format :func:`measure` gives (so the same picture draws it).
+
+    fc1 is ``[s b, h] x [h, f/t]`` (``f = ffn_hidden`` or ``4 h``). Backward re-gathers its
+    input (all-gather of ``s b h`` values), computes ``dX = dY W`` and ``dW = dY^T X``
+    (``2 s b h f / t`` FLOPs each, at ``peak x matmul_efficiency``) and reduce-scatters ``dX``.
+    A ring all-gather or reduce-scatter moves ``(t - 1)/t`` of the ``s b h`` values through each
+    GPU's link (``intra_node_bandwidth x bandwidth_efficiency``, NVLink inside a node, plus the
+    latency). Megatron overlaps the all-gather with ``dX`` and the reduce-scatter with ``dW``;
+    serial runs the four one after another."""
+    for name, value in (("seq", seq), ("batch", batch), ("hidden", hidden), ("t", t)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"predicted_backward needs a positive whole {name}, got {value!r}")
+    if t > cluster.gpus_per_node:
+        raise ValueError(f"t = {t} spans more than one node of {cluster.name} "
+                         f"({cluster.gpus_per_node} GPUs): the prediction assumes NVLink")
+    ffn = ffn_hidden or 4 * hidden
+    gemm_s = 2 * seq * batch * hidden * ffn / t / (cluster.peak_flops * cluster.matmul_efficiency)
+    wire = (t - 1) / t * seq * batch * hidden * bytes_per_value
+    comm_s = cluster.latency_s * (t - 1) + wire / (cluster.intra_node_bandwidth
+                                                   * cluster.bandwidth_efficiency)
+    ms = lambda s: round(1e3 * s, 4)   # noqa: E731 (a local unit conversion)
+    gemm, comm = ms(gemm_s), ms(comm_s)
+    overlap = [("all-gather X", 0.0, comm), ("dX = dY W", 0.0, gemm)]
+    second = max(comm, gemm)
+    overlap += [("reduce-scatter dX", second, second + comm), ("dW = dY^T X", second, second + gemm)]
+    serial, clock = [], 0.0
+    for what, dur in (("all-gather X", comm), ("dX = dY W", gemm), ("reduce-scatter dX", comm),
+                      ("dW = dY^T X", gemm)):
+        serial.append((what, clock, round(clock + dur, 4)))
+        clock = round(clock + dur, 4)
+    modes = {"overlap": {"backward_ms": round(second + max(comm, gemm), 4), "events": overlap},
+             "serial": {"backward_ms": clock, "events": serial}}
+    return {"rank": 0, "t": t, "device": f"{cluster.name} (predicted)", "modes": modes,
+            "gemm_ms": gemm, "collective_ms": comm}
+
+
+def format_predicted(report: dict) -> str:
+    """One line: the predicted backward of both modes and the share overlap saves."""
+    over = report["modes"]["overlap"]["backward_ms"]
+    serial = report["modes"]["serial"]["backward_ms"]
+    return (f"{report['device']}, t = {report['t']}: each GEMM {report['gemm_ms']:.3f} ms, each "
+            f"collective {report['collective_ms']:.3f} ms; backward overlapped {over:.3f} ms, "
+            f"serial {serial:.3f} ms ({100 * (serial - over) / serial:.0f} % saved)")

@@ -35,3 +35,18 @@ def test_sizes_that_cannot_be_split_are_refused_naming_them():
     with pytest.raises(ValueError, match="--steps 0 must be >= 1"):
         linear_overlap.check_args(["--steps", 0], 2)
     assert linear_overlap.check_args(["--seq", 256, "--hidden", 64], 4).seq == 256
+
+
+def test_predicted_backward_against_values_worked_by_hand():
+    """GPT-3's fc1 at t = 8 on a DGX H100, worked by hand: each GEMM 2 s b h (4h) / t =
+    3.092e11 FLOPs at 989e12 x 0.51 FLOP/s = 0.6131 ms; each collective moves 7/8 of
+    2048 x 12288 x 2 bytes = 44.04 MB at 450e9 x 0.8 B/s = 0.1223 ms, plus 7 x 10 us latency =
+    0.1923 ms. Overlapped: max(0.1923, 0.6131) twice = 1.2262 ms; serial: the sum, 1.6108 ms."""
+    from mpu_lab.perf.linear_overlap import format_predicted, predicted_backward
+    r = predicted_backward(2048, 1, 12288, 8)
+    assert abs(r["gemm_ms"] - 0.6131) < 1e-3 and abs(r["collective_ms"] - 0.1923) < 1e-3
+    assert abs(r["modes"]["overlap"]["backward_ms"] - 1.2262) < 2e-3
+    assert abs(r["modes"]["serial"]["backward_ms"] - 1.6108) < 2e-3
+    assert "(24 % saved)" in format_predicted(r)
+    with pytest.raises(ValueError, match="t = 16 spans more than one node of DGX H100"):
+        predicted_backward(2048, 1, 12288, 16)

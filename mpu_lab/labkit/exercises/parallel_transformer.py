@@ -1,9 +1,10 @@
 """Lab 07's checks: the lecture's shape table on one rank, the tensor-parallel sizes a layer
 accepts, a layer's collectives per step (:func:`mpu_lab.perf.comm_counts.expected_layer_counts`: with
 sequence parallelism Megatron's re-gather of each column-parallel input in backward included),
-Korthikanti et al.'s activation memory, and the write-the-code exercise
-:data:`VOCAB_PARALLEL_CE` (the vocab-parallel cross entropy's three all-reduces, graded on a
-live world)."""
+Korthikanti et al.'s activation memory, and the write-the-code exercises
+:data:`VOCAB_PARALLEL_CE` (the vocab-parallel cross entropy's three all-reduces) and
+:data:`VOCAB_PARALLEL_CE_BACKWARD` (its custom backward, softmax minus one-hot on the owning
+rank, graded on the gradients of the dense twin), both on a live world."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
@@ -174,3 +175,52 @@ VOCAB_PARALLEL_CE = Exercise(
          "target's shifted logit, which only the rank whose [vocab_start, vocab_end) holds the "
          "target contributes (the others add 0); (3) SUM of each row's sum of exp(logit - max). "
          "loss = log(sum) - target logit.")
+
+
+# The learner writes ``my_vocab_parallel_ce_backward(softmax_shard, target, vocab_start, vocab_end,
+# grad_output)``: Megatron's custom backward of the vocab-parallel cross entropy, the gradient
+# of the per-token losses (weighted by ``grad_output``) with respect to this rank's logits.
+# Its reference is autograd through ``F.cross_entropy`` of the whole logits, sliced to the rank.
+
+def run_ce_backward_case(learner: Callable, case: Case) -> Outcome:
+    """Runs on every rank of the grading world: the learner's gradient of this rank's logit
+    slice against the slice of autograd's gradient through ``F.cross_entropy`` of the full
+    logits (mpu_lab's own ``vocab_parallel_cross_entropy`` backward is first held against it)."""
+    device = distributed.get_device()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    full, target = ce_inputs(case.params, tp, dp_rank)
+    per_rank = case.params["vocab_per_rank"]
+    start, end = tp_rank * per_rank, (tp_rank + 1) * per_rank
+    gen = torch.Generator().manual_seed(7 + dp_rank)
+    grad_output = 0.5 + torch.rand(len(target), generator=gen, device="cpu")  # cpu: a CPU generator
+    dense = full.clone().requires_grad_(True)
+    (F.cross_entropy(dense, target, reduction="none") * grad_output).sum().backward()
+    expected = dense.grad[:, start:end].to(device)
+    shard = full[:, start:end].contiguous().to(device).requires_grad_(True)
+    loss = tensor_parallel.vocab_parallel_cross_entropy(shard, target.to(device))
+    loss.backward(grad_output.to(device))
+    if not compare("reference", expected, shard.grad, atol=1e-5).ok:
+        raise RuntimeError(f"mpu_lab's vocab_parallel_cross_entropy backward {show(shard.grad)} "
+                           f"disagrees with autograd through F.cross_entropy {show(expected)}")
+    softmax_shard = torch.softmax(full, dim=-1)[:, start:end].contiguous().to(device)
+    got = learner(softmax_shard.clone(), target.to(device), start, end, grad_output.to(device))
+    return compare(f"with targets {target.tolist()} (vocabulary ids [{start}, {end}) on this "
+                   f"rank) and grad_output {show(grad_output, 3)}, the gradient of the logits",
+                   expected, got, atol=1e-5)
+
+
+VOCAB_PARALLEL_CE_BACKWARD = Exercise(
+    name="my_vocab_parallel_ce_backward",
+    run_case=run_ce_backward_case,
+    cases=[
+        Case("targets all in rank 0's slice", dict(tokens=6, vocab_per_rank=5,
+                                                   targets="first_shard")),
+        Case("targets spread over every slice", dict(tokens=7, vocab_per_rank=5,
+                                                     targets="spread")),
+        Case("the last vocabulary id", dict(tokens=4, vocab_per_rank=3, targets="last")),
+    ],
+    hint="the derivative of log-sum-exp(z) - z_y with respect to z is the softmax of z minus the "
+         "one-hot of y, and the chain rule multiplies each token's row by its grad_output. "
+         "Which rank's slice holds the 1 of the one-hot, and what do the other ranks subtract?")

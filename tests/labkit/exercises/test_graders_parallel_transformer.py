@@ -123,3 +123,65 @@ def test_a_layers_collectives_worked_by_hand_from_the_paper(capsys):
     assert out[0].startswith("Right: with sequence parallelism one layer issues (0, 6, 4)"), out
     assert out[2].startswith("Not yet: (0, 4, 4) is not it."), out
     assert out[3].startswith("No answer yet:"), out
+
+
+# --------------------------------------------------------------------------- the backward
+BACKWARD_STUB = '''
+def my_vocab_parallel_ce_backward(softmax_shard, target, vocab_start, vocab_end, grad_output):
+    raise NotImplementedError
+'''
+# Every rank subtracts "its" one-hot, also the ranks that do not hold the target (clamped index).
+BACKWARD_EVERY_RANK = '''
+def my_vocab_parallel_ce_backward(softmax_shard, target, vocab_start, vocab_end, grad_output):
+    grad = softmax_shard.clone()
+    local = (target - vocab_start).clamp(0, softmax_shard.size(1) - 1)
+    grad[torch.arange(len(target)), local] -= 1.0
+    return grad * grad_output[:, None]
+'''
+# The one-hot right, the chain rule forgotten: grad_output is not 1 in the cases.
+BACKWARD_NO_GRAD_OUTPUT = '''
+def my_vocab_parallel_ce_backward(softmax_shard, target, vocab_start, vocab_end, grad_output):
+    grad = softmax_shard.clone()
+    mine = (target >= vocab_start) & (target < vocab_end)
+    grad[torch.arange(len(target))[mine], target[mine] - vocab_start] -= 1.0
+    return grad
+'''
+
+
+def test_the_backward_solution_passes(grading_world, as_notebook, capsys):
+    assert grade(as_notebook(OWN_SOLUTION)["solution_vocab_parallel_ce_backward"],
+                 parallel_transformer.VOCAB_PARALLEL_CE_BACKWARD, grading_world)
+    out = capsys.readouterr().out
+    assert out.startswith("Right: solution_vocab_parallel_ce_backward agrees with the reference "
+                          "on all 4 ranks for 3 inputs"), out
+
+
+def test_the_backward_stub_has_no_answer_yet(grading_world, as_notebook, capsys):
+    assert not grade(as_notebook(BACKWARD_STUB)["my_vocab_parallel_ce_backward"],
+                     parallel_transformer.VOCAB_PARALLEL_CE_BACKWARD, grading_world)
+    assert capsys.readouterr().out.startswith("No answer yet: my_vocab_parallel_ce_backward")
+
+
+def test_a_one_hot_on_every_rank_fails_on_the_rank_without_the_targets(
+        grading_world, as_notebook, capsys):
+    assert not grade(as_notebook(BACKWARD_EVERY_RANK)["my_vocab_parallel_ce_backward"],
+                     parallel_transformer.VOCAB_PARALLEL_CE_BACKWARD, grading_world)
+    out = capsys.readouterr().out
+    # tp rank 0 holds every target of the first input: rank 1 (ids [5, 10)) is the first wrong.
+    assert out.startswith("Not yet: rank 1, input 'targets all in rank 0's slice'"), out
+    assert "the gradient of the logits" in out and "Hint:" in out
+
+
+def test_forgetting_grad_output_fails(grading_world, as_notebook, capsys):
+    assert not grade(as_notebook(BACKWARD_NO_GRAD_OUTPUT)["my_vocab_parallel_ce_backward"],
+                     parallel_transformer.VOCAB_PARALLEL_CE_BACKWARD, grading_world)
+    assert capsys.readouterr().out.startswith(
+        "Not yet: rank 0, input 'targets all in rank 0's slice'")
+
+
+def test_the_backward_reference_against_a_gradient_worked_by_hand():
+    """Independent of the grader: for logits z = (0, log 3) and target 1, softmax is
+    (1/4, 3/4), so d loss / dz = (1/4, 3/4 - 1) = (0.25, -0.25); times grad_output 2."""
+    z = torch.tensor([[0.0, float(torch.log(torch.tensor(3.0)))]], requires_grad=True)
+    (F.cross_entropy(z, torch.tensor([1]), reduction="none") * 2.0).sum().backward()
+    assert torch.allclose(z.grad, torch.tensor([[0.5, -0.5]]), atol=1e-6)
