@@ -1,0 +1,178 @@
+"""The MPU walkthrough's opening story, measured: a bad split of a GPT, its remedy, a good split.
+
+The same model, the same batch, the same number of ranks n; only the split differs
+(Narayanan et al. 2021 §2.2 for the bubble):
+
+* **bad** — a pipeline of n stages fed the whole batch as one micro-batch: each stage waits
+  while the others work, busy m/(m + n − 1) = 1/n of the step;
+* **remedy** — the same pipeline fed m micro-batches (1F1B): busy m/(m + n − 1);
+* **good** — n data-parallel replicas: no bubble, one gradient all-reduce per step.
+
+That is a lesson about time, so it needs a device per rank. On a CPU the device is a core:
+:func:`timing_ranks` sizes the job to the usable cores (and says so when it had to), and
+:func:`run_bad_vs_good` pins every rank to a core of its own, with one thread (the launcher
+sets ``OMP_NUM_THREADS`` to cores / ranks), and reads each rank's busy and idle time from its
+own CPU clock (:mod:`mpu_lab.perf.rank_clock`). On GPUs it samples NVML's utilisation.
+
+:func:`speedup_line` is the verdict ``launch/utilisation.py`` and lab 12 end with.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from mpu_lab.perf.rank_clock import cores_note, usable_cores
+from mpu_lab.perf.runs import ProfiledRun, profile_training, training_flags
+from mpu_lab.perf.step_time import TrainConfig
+
+__all__ = ["ROLES", "timing_ranks", "bad_vs_good_configs", "run_bad_vs_good", "role_of",
+           "fastest_step_s", "mean_step_s", "speedups", "speedup_line", "format_steps", "format_busy_idle",
+           "schedule_busy_share"]
+
+ROLES = ("bad", "remedy", "good")
+
+
+def timing_ranks(requested: int, on_gpu: bool, cores: Optional[int] = None
+                 ) -> Tuple[int, Optional[str]]:
+    """How many ranks a timing lesson runs, and a note when that is not ``requested``.
+
+    On GPUs: ``requested`` (a device per rank is the launcher's business). On a CPU: at most
+    the usable cores (:func:`mpu_lab.perf.rank_clock.usable_cores`), and at least 2 (a pipeline
+    needs two stages; then :func:`mpu_lab.perf.rank_clock.cores_note` says what is lost)."""
+    if requested < 2:
+        raise ValueError(f"a pipeline against data parallelism needs at least 2 ranks, "
+                         f"got {requested}")
+    if on_gpu:
+        return requested, None
+    cores = len(usable_cores()) if cores is None else cores
+    n = max(2, min(requested, cores))
+    if n == requested:
+        return n, cores_note(n, cores)
+    note = (f"this machine has {cores} usable CPU cores: a timing lesson runs one rank per "
+            f"core, so these jobs use {n} ranks, not {requested}")
+    if n > cores:
+        note += "; " + cores_note(n, cores)
+    return n, note
+
+
+def bad_vs_good_configs(nproc: int, num_layers: int, hidden_size: int,
+                        num_attention_heads: int, seq_length: int, vocab_size: int,
+                        global_batch_size: int, train_iters: int, microbatches: int = 8
+                        ) -> Dict[str, TrainConfig]:
+    """``{label: TrainConfig}`` of the three runs, in :data:`ROLES` order. The remedy takes the
+    most micro-batches up to ``microbatches`` that divide ``global_batch_size``."""
+    if num_layers % nproc or global_batch_size % nproc:
+        raise ValueError(f"{nproc} ranks must divide --num-layers {num_layers} (one pipeline "
+                         f"stage each) and --global-batch-size {global_batch_size} (one share "
+                         f"per data-parallel rank)")
+    if microbatches < 2:
+        raise ValueError(f"the remedy needs at least 2 micro-batches, got {microbatches}")
+    m = max(k for k in range(1, microbatches + 1) if global_batch_size % k == 0)
+    if m < 2:
+        raise ValueError(f"--global-batch-size {global_batch_size} cannot be cut into 2 to "
+                         f"{microbatches} equal micro-batches")
+    shape = dict(num_layers=num_layers, hidden_size=hidden_size,
+                 num_attention_heads=num_attention_heads, seq_length=seq_length,
+                 vocab_size=vocab_size, global_batch_size=global_batch_size,
+                 train_iters=train_iters)
+    return {f"bad: PP={nproc}, 1 micro-batch": TrainConfig(
+                pp=nproc, micro_batch_size=global_batch_size, **shape),
+            f"remedy: PP={nproc}, {m} micro-batches": TrainConfig(
+                pp=nproc, micro_batch_size=global_batch_size // m, **shape),
+            f"good: DP={nproc}": TrainConfig(
+                dp=nproc, micro_batch_size=global_batch_size // nproc, **shape)}
+
+
+def role_of(label: str) -> str:
+    """``"bad"``, ``"remedy"`` or ``"good"``: the word before the label's colon."""
+    role = label.split(":")[0].strip()
+    if role not in ROLES:
+        raise ValueError(f"a label starts with one of {', '.join(ROLES)} and a colon, got "
+                         f"{label!r}")
+    return role
+
+
+def run_bad_vs_good(configs: Dict[str, TrainConfig], extra_flags: Sequence[str] = (),
+                    interval_s: float = 0.05, env: Optional[dict] = None,
+                    **run_kwargs) -> Dict[str, ProfiledRun]:
+    """Run each configuration (``train_gpt.py --breakdown`` plus ``extra_flags``) one after
+    the other. Without GPUs every rank is pinned to its own core and sampled by its own CPU
+    clock (``cpu_metric="clock"``); with GPUs NVML is sampled. ``env`` goes to the launcher."""
+    runs = {}
+    for label, tc in configs.items():
+        role_of(label)
+        runs[label] = profile_training(training_flags(tc) + [str(f) for f in extra_flags],
+                                       tc.nproc, label, interval_s=interval_s,
+                                       cpu_metric="clock", pin=True, env=env, **run_kwargs)
+    return runs
+
+
+def fastest_step_s(run: ProfiledRun) -> float:
+    """The fastest timed step: step i lasts as long as its slowest rank, and the least disturbed
+    of them is what the split costs when nothing else runs (timeit's reasoning)."""
+    per_step = zip(*(r["step_seconds"] for r in run.reports))
+    return min(max(times) for times in per_step)
+
+
+def mean_step_s(run: ProfiledRun) -> float:
+    """The mean timed step of the slowest rank (what the breakdown's ``step`` column shows)."""
+    return max(r["step_s"] for r in run.reports)
+
+
+def speedups(runs: Dict[str, ProfiledRun]) -> Dict[str, float]:
+    """``{"remedy": x, "good": y}``: the bad run's fastest step over each other's."""
+    by_role = {role_of(label): run for label, run in runs.items()}
+    missing = [r for r in ROLES if r not in by_role]
+    if missing:
+        raise ValueError(f"no {' and no '.join(missing)} run among {list(runs)}")
+    bad = fastest_step_s(by_role["bad"])
+    return {role: bad / fastest_step_s(by_role[role]) for role in ROLES[1:]}
+
+
+def speedup_line(runs: Dict[str, ProfiledRun]) -> str:
+    """``speed-up over the bad configuration: remedy R.RR x, good G.GG x``."""
+    s = speedups(runs)
+    return (f"speed-up over the bad configuration: remedy {s['remedy']:.2f} x, "
+            f"good {s['good']:.2f} x")
+
+
+def format_steps(runs: Dict[str, ProfiledRun]) -> str:
+    """One line per run: its fastest and its mean step (ms), and how many steps were timed."""
+    lines = []
+    for label, run in runs.items():
+        steps = min(len(r["step_seconds"]) for r in run.reports)
+        lines.append(f"{label}: fastest step {fastest_step_s(run) * 1e3:.0f} ms, mean "
+                     f"{mean_step_s(run) * 1e3:.0f} ms over {steps} timed steps")
+    return "\n".join(lines)
+
+
+def schedule_busy_share(tc: TrainConfig) -> float:
+    """What the schedule leaves each rank to do, on a device per rank: m/(m + p − 1) for a
+    pipeline of p stages fed m micro-batches (1F1B or GPipe, backward included), 1 without a
+    pipeline (the data-parallel all-reduce is not in it)."""
+    m = tc.global_batch_size // (tc.micro_batch_size * tc.dp)
+    return m / (m + tc.pp - 1)
+
+
+def format_busy_idle(runs: Dict[str, ProfiledRun], configs: Dict[str, TrainConfig]) -> str:
+    """Per run and rank, from the rank's own clock: milliseconds busy and idle per timed step,
+    the busy share, and the share the schedule predicts (:func:`schedule_busy_share`). Under
+    NVML sampling (GPUs), each rank's mean utilisation instead."""
+    lines: List[str] = []
+    for label, run in runs.items():
+        util = run.utilisation
+        lines.append(label)
+        if util.kind != "clock":
+            means = util.mean()
+            lines.append("  " + "  ".join(f"rank {r}: {v:3.0f}% ({util.kind})"
+                                          for r, v in means.items()))
+            continue
+        steps = min(len(r["step_seconds"]) for r in run.reports)
+        expected = schedule_busy_share(configs[label])
+        for b in util.busy():
+            core = util.pinned.get(b.rank)
+            where = f"core {core}" if core is not None else "not pinned"
+            lines.append(f"  rank {b.rank} ({where}): busy {b.busy_s / steps * 1e3:6.0f} ms, "
+                         f"idle {b.idle_s / steps * 1e3:6.0f} ms per step; busy share "
+                         f"{b.busy_share:.2f} (schedule: {expected:.2f})")
+    return "\n".join(lines)
+

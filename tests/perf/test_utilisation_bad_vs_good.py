@@ -1,0 +1,97 @@
+"""The bad / remedy / good benchmark (mpu_lab.perf.bad_vs_good, launch/utilisation.py): its
+configurations, how many ranks it runs, and the speed-up line, against values worked by hand.
+The measured runs themselves are lab 12's and the script's business (timings, not tests)."""
+import importlib.util
+import pathlib
+
+import pytest
+
+from mpu_lab.perf import bad_vs_good
+from mpu_lab.perf.runs import ProfiledRun
+from mpu_lab.perf.utilisation import Utilisation
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SHAPE = dict(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=128,
+             vocab_size=512, global_batch_size=16, train_iters=6)
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("utilisation_script",
+                                                  ROOT / "launch" / "utilisation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(label, *rank_steps):
+    reports = [dict(step_seconds=list(s), step_s=sum(s) / len(s)) for s in rank_steps]
+    return ProfiledRun(label, len(reports), reports, Utilisation("clock", 0.05, [], {}, 2), [], 1.0)
+
+
+def test_the_three_configurations_split_the_same_model_and_batch():
+    configs = bad_vs_good.bad_vs_good_configs(2, **SHAPE)
+    assert list(configs) == ["bad: PP=2, 1 micro-batch", "remedy: PP=2, 8 micro-batches",
+                             "good: DP=2"]
+    bad, remedy, good = configs.values()
+    assert (bad.pp, bad.dp, bad.micro_batch_size) == (2, 1, 16)
+    assert (remedy.pp, remedy.dp, remedy.micro_batch_size) == (2, 1, 2)
+    assert (good.pp, good.dp, good.micro_batch_size) == (1, 2, 8)
+    assert all(c.nproc == 2 and c.global_batch_size == 16 and c.num_layers == 8
+               for c in configs.values())
+    # the schedule's busy share by hand: m/(m+p-1) = 1/2, 8/9; DP: 1
+    assert [bad_vs_good.schedule_busy_share(c) for c in configs.values()] == [0.5, 8 / 9, 1.0]
+    # 12 sequences: 8 does not divide it, 6 does
+    six = bad_vs_good.bad_vs_good_configs(2, **dict(SHAPE, global_batch_size=12))
+    assert "remedy: PP=2, 6 micro-batches" in six
+
+
+def test_bad_sizes_are_refused_with_the_numbers():
+    with pytest.raises(ValueError, match="3 ranks must divide --num-layers 8 .* --global-batch-size 16"):
+        bad_vs_good.bad_vs_good_configs(3, **SHAPE)
+    with pytest.raises(ValueError, match="--global-batch-size 9 cannot be cut into 2 to 2 equal"):
+        bad_vs_good.bad_vs_good_configs(3, **dict(SHAPE, num_layers=9, global_batch_size=9),
+                                        microbatches=2)
+    with pytest.raises(ValueError, match="the remedy needs at least 2 micro-batches, got 1"):
+        bad_vs_good.bad_vs_good_configs(2, **SHAPE, microbatches=1)
+    with pytest.raises(ValueError, match="at least 2 ranks, got 1"):
+        bad_vs_good.timing_ranks(1, on_gpu=False)
+
+
+def test_a_timing_job_gets_one_rank_per_core_and_says_so_otherwise():
+    assert bad_vs_good.timing_ranks(2, on_gpu=False, cores=2) == (2, None)
+    assert bad_vs_good.timing_ranks(8, on_gpu=True, cores=2) == (8, None)
+    n, note = bad_vs_good.timing_ranks(8, on_gpu=False, cores=2)
+    assert n == 2 and note.startswith("this machine has 2 usable CPU cores: a timing lesson runs "
+                                      "one rank per core, so these jobs use 2 ranks, not 8")
+    n, note = bad_vs_good.timing_ranks(4, on_gpu=False, cores=1)   # a pipeline needs 2
+    assert n == 2 and "ranks share cores" in note
+
+
+def test_speedups_use_each_runs_fastest_step_of_its_slowest_rank():
+    # step i lasts as long as its slowest rank: bad steps max(1.0, 1.1) = 1.1 and
+    # max(1.2, 0.9) = 1.2 -> fastest 1.1; remedy 0.5 -> 2.20 x; good 0.55 -> 2.00 x
+    runs = {"bad: PP=2, 1 micro-batch": _run("bad", [1.0, 1.2], [1.1, 0.9]),
+            "remedy: PP=2, 8 micro-batches": _run("remedy", [0.6, 0.5], [0.5, 0.5]),
+            "good: DP=2": _run("good", [0.55, 0.7], [0.5, 0.7])}
+    assert bad_vs_good.fastest_step_s(runs["bad: PP=2, 1 micro-batch"]) == 1.1
+    assert bad_vs_good.speedup_line(runs) == \
+        "speed-up over the bad configuration: remedy 2.20 x, good 2.00 x"
+    text = bad_vs_good.format_steps(runs)
+    assert text.splitlines()[0] == ("bad: PP=2, 1 micro-batch: fastest step 1100 ms, mean "
+                                    "1100 ms over 2 timed steps")
+    with pytest.raises(ValueError, match="no good run among"):
+        bad_vs_good.speedups({k: v for k, v in runs.items() if not k.startswith("good")})
+    with pytest.raises(ValueError, match="starts with one of bad, remedy, good"):
+        bad_vs_good.role_of("fast: DP=2")
+
+
+def test_the_script_refuses_bad_arguments_before_starting_anything(capsys):
+    script = _script()
+    for argv, message in ((["--nproc", "1"], "--nproc 1: a pipeline against data parallelism"),
+                          (["--steps", "1"], "--steps 1: the first iteration is not timed"),
+                          (["--heads", "3"], "--heads 3 must divide --hidden 256"),
+                          (["--interval", "0"], "--interval must be > 0 seconds, got 0.0")):
+        with pytest.raises(SystemExit):
+            script.parse_args(argv)
+        assert message in capsys.readouterr().err
+    assert script.parse_args([]).microbatches == 8
