@@ -83,6 +83,10 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
                 out[rows], lse[..., rows] = merge(out[rows], lse[..., rows], block_out, block_lse)
             if step + 1 < cp_size:
                 kv = incoming.wait()
+        # einsum leaves the blocks' output in [b, n, s, d] memory order: made contiguous once
+        # here, the layer's reshape after attention is a view of the tensor saved for backward
+        # instead of a second copy of it.
+        out = out.contiguous()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.group = causal, scale, group
         return out.to(q.dtype)

@@ -49,6 +49,7 @@ from mpu_lab.labkit.exercises.parallel_transformer import (
     lecture_shapes,
     valid_tensor_parallel_sizes,
 )
+from mpu_lab.labkit.exercises.context_parallel import LSE_MERGE, ZIGZAG_LAYOUT
 from mpu_lab.labkit.exercises.pipeline_parallel import ONE_F_ONE_B, check_bubble_share, check_peak_in_flight
 from mpu_lab.labkit.exercises.train_gpt import check_micro_batches, check_padded_vocab
 from mpu_lab.labkit.exercises.performance import (
@@ -91,4 +92,5 @@ __all__ = [
     "check_copy_to_grad", "check_reduce_from", "check_reduce_scatter_to_sequence",
     "DISTRIBUTED_STEP", "check_optimizer_state_gb", "check_ring_all_reduce_mb",
     "RING_ALL_REDUCE", "check_ring_send_bytes",
+    "LSE_MERGE", "ZIGZAG_LAYOUT",
 ]
