@@ -1,0 +1,91 @@
+"""The bubble measured per rank (mpu_lab.perf.pipeline_bubble, launch/pipeline_bubble.py) and
+predicted for a DGX H100. References: shares worked by hand from made-up clocks, the formula
+(p-1)/(m+p-1) as a fraction, and the cost model's own per-micro-batch time."""
+import os
+from fractions import Fraction
+
+import pytest
+
+from mpu_lab.perf import pipeline_bubble as pb
+from mpu_lab.perf.cost_model import DGX_H100, ParallelConfig, predict_iteration
+from mpu_lab.pipeline_parallel import schedule_order
+
+
+def test_idle_share_is_one_minus_total_busy_over_total_wall():
+    ranks = [{"wall_s": [2.0, 4.0], "busy_s": [1.0, 3.0]},
+             {"wall_s": [2.0, 4.0], "busy_s": [1.5, 1.0]}]
+    # iteration 0: 1 - 2.5/4 = 0.375; iteration 1: 1 - 4/8 = 0.5
+    assert pb.idle_share(ranks, "busy_s") == [0.375, 0.5]
+
+
+def _measurement(cores, available, hooks, cpu):
+    runs = [pb.BubbleRun(1, 0.5, hooks[0], cpu[0] if cpu else None, []),
+            pb.BubbleRun(8, 1 / 9, hooks[1], cpu[1] if cpu else None, [])]
+    return pb.BubbleMeasurement(2, runs, cores, available)
+
+
+def test_summary_rows_say_whether_each_share_is_within_the_tolerance():
+    m = _measurement([0, 1], 2, [[0.52, 0.55, 0.61], [0.40, 0.15, 0.18]],
+                     [[0.53, 0.56, 0.6], [0.2, 0.2, 0.2]])
+    lines = m.summary().splitlines()
+    assert "cores 0, 1" in lines[0] and "2 core(s)." in lines[0]
+    assert lines[2].split() == ["1", "0.50", "0.55", "0.56", "yes"]     # medians
+    assert lines[3].split() == ["8", "0.11", "0.18", "0.20", "yes"]
+    assert len(lines) == 4 and not m.oversubscribed
+
+
+def test_summary_flags_more_ranks_than_cores_and_a_busy_machine():
+    m = _measurement([0, 0], 1, [[0.5], [0.4]], [[0.8], [0.8]])
+    text = m.summary()
+    assert m.oversubscribed and "MORE RANKS THAN CORES" in text
+    assert "NO" in text.splitlines()[3]
+    assert "off its core" in text.splitlines()[-1]
+
+
+def test_summary_on_gpus_has_no_cpu_time_column():
+    m = _measurement([None, None], 16, [[0.5], [0.12]], None)
+    assert "one GPU each" in m.summary() and m.summary().splitlines()[2].split()[3] == "-"
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (2, 1), (4, 2)])
+def test_predicted_timeline_has_the_formulas_bubble_and_the_cost_models_time(p, m):
+    t = pb.predicted_timeline(pb.GPT3_1_3B, p, m)
+    assert t.bubble_share == Fraction(p - 1, m + p - 1)
+    cfg = ParallelConfig(tp=1, pp=p, dp=1, micro_batch_size=1, global_batch_size=m)
+    per_microbatch = predict_iteration(pb.GPT3_1_3B, cfg, DGX_H100).compute_s / m
+    busy = sum(float(r[4] - r[3]) for r in t.records[0])
+    assert busy == pytest.approx(m * per_microbatch, rel=1e-12)
+    assert float(t.makespan) == pytest.approx((m + p - 1) * per_microbatch, rel=1e-12)
+
+
+def test_bad_sizes_are_refused_before_a_job_starts():
+    with pytest.raises(ValueError, match="at least 2 pipeline stages, got 1"):
+        pb.measure_bubble(1)
+    with pytest.raises(ValueError, match=r"positive integers, got \[0\]"):
+        pb.measure_bubble(2, (0,))
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return pb.measure_bubble(2, (1, 8), iterations=3, env={"MPU_LAB_BACKEND": "gloo"})
+
+
+def test_live_run_pins_each_rank_to_its_own_core_and_runs_1f1b(measured):
+    cores = len(os.sched_getaffinity(0))
+    if cores >= 2:
+        assert len(set(measured.cores)) == 2 and not measured.oversubscribed
+    for run in measured.runs:
+        for stage, recs in enumerate(run.records):
+            ran = [(k, mb) for k, mb, _, _, _ in recs]
+            assert ran == [(op.kind, op.microbatch)
+                           for op in schedule_order("1f1b", 2, stage, run.num_microbatches)]
+        assert all(0 <= s < 1 for s in run.from_hooks)
+
+
+def test_live_bubble_is_within_a_tenth_of_the_formula_on_a_quiet_machine(measured):
+    load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    if cores < 2 or load > cores:
+        pytest.skip(f"load {load:.1f} on {cores} core(s): other processes take the cores, so the "
+                    f"bubble cannot be measured here")
+    for run in measured.runs:
+        assert abs(run.measured - run.formula) <= 0.1, measured.summary()
