@@ -1,0 +1,56 @@
+"""Megatron-core's MoELayer against mpu_lab's, on the same weights and input.
+
+    torchrun --standalone --nproc-per-node 4 launch/megatron_core_moe.py --cases ep2/alltoall/top2 ep4/allgather/top1
+
+Every rank runs each case of ``--cases`` (``[tpT-]epE[-etpX]/alltoall|allgather/topK``,
+:func:`mpu_lab.labkit.megatron_core_moe.parse_case`) through both libraries' MoE layers on the
+CPU (:func:`mpu_lab.labkit.megatron_core_moe.compare_case`) and reports the largest
+differences of outputs and gradients.
+
+Megatron-core is optional: where it cannot be imported every rank reports
+``{"skipped": "<how to install it>"}`` and the job exits 0.
+
+From a notebook::
+
+    from mpu_lab.labkit import megatron_core_moe as mcm
+    print(mcm.format_results(mcm.run_side_by_side(["ep2/alltoall/top2"])))
+"""
+import argparse
+import os
+import warnings
+
+from mpu_lab import distributed, launcher
+from mpu_lab.labkit import megatron_core as mc
+from mpu_lab.labkit import megatron_core_moe as mcm
+
+
+@launcher.entrypoint
+def main():
+    parser = argparse.ArgumentParser(description="Megatron-core's MoELayer vs mpu_lab's")
+    parser.add_argument("--cases", nargs="+", default=list(mcm.DEFAULT_CASES))
+    args = parser.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cases = [mcm.parse_case(name, world_size) for name in args.cases]
+    reason = mc.missing()
+    if reason is not None:
+        launcher.report({"rank": rank, "skipped": reason})
+        if rank == 0:
+            print(reason)
+        return
+    # Expected noise, hidden: Megatron-core warns that CUDA_DEVICE_MAX_CONNECTIONS is unset (a
+    # speed hint for GPUs) and calls torch collectives that recent torch marks deprecated.
+    for message in (".*CUDA_DEVICE_MAX_CONNECTIONS.*", ".*is deprecated.*"):
+        warnings.filterwarnings("ignore", message=message)
+    distributed.init()
+    results = [mcm.compare_case(case) for case in cases]
+    launcher.report({"rank": rank, "megatron_core": mc.version(), "cases": results})
+    lines = launcher.gather_lines(f"rank {rank}: " + ", ".join(
+        f"{r['case']} out {r['out']:.1e} dx {r['dx']:.1e}" for r in results))
+    if lines is not None:
+        print("\n".join(lines))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

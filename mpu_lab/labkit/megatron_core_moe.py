@@ -1,0 +1,249 @@
+"""Megatron-core's ``MoELayer`` side by side with mpu_lab's, on the same weights and input.
+
+    results = run_side_by_side(["ep2/alltoall/top2", "ep2/allgather/top2"])   # a torchrun job
+    print(format_results(results))
+
+Each case (``[tpT-]epE[-etpX]/DISPATCHER/topK``, :func:`parse_case`) builds mpu_lab's
+:class:`~mpu_lab.models.moe.MoELayer` on every rank, then Megatron-core's
+(``megatron.core.transformer.moe.moe_layer.MoELayer`` with its ``TopKRouter`` and a
+``SequentialMLP`` of ``ColumnParallelLinear`` / ``RowParallelLinear`` experts), which loads
+mpu_lab's state dict: the parameter names are the same (``router.weight``,
+``experts.local_experts.{i}.linear_fc1.weight`` ...), which is the point. Both run the same
+input forward and backward with the load-balancing loss on; each rank reports the largest
+differences of the output, the input gradient, the router's gradient and its experts'
+gradients, and how far Megatron-core's output was with its *own* weights (it must differ: the
+comparison is not vacuous).
+
+Megatron-core runs in the job's ranks only, with :mod:`mpu_lab.labkit.megatron_core_cpu`'s
+patches, never in the notebook's kernel; on the CPU under gloo. Where it cannot be imported
+:func:`run_side_by_side` returns ``{"skipped": <how to install it>}`` without starting a job.
+Checked with megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12).
+
+At etp > 1 only the all-gather dispatcher runs: Megatron-core's all-to-all dispatcher then
+all-gathers a different number of tokens from each expert-tensor-parallel rank with a list
+``all_gather``, which gloo refuses (NCCL takes it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mpu_lab import distributed, launcher
+from mpu_lab import parallel_state as ps
+from mpu_lab.labkit import megatron_core as mc
+from mpu_lab.labkit import megatron_core_cpu
+from mpu_lab.models import TransformerConfig, finalize_model_grads
+from mpu_lab.models.moe import MoELayer
+
+SEQ, BATCH, HIDDEN, FFN, EXPERTS_PER_RANK, AUX_LOSS, SEED = 8, 2, 8, 16, 2, 0.05, 99
+TOL = 1e-5      # fp32; the two layers add the same products in different orders
+_CASE = re.compile(r"^(?:tp(?P<tp>\d+)-)?ep(?P<ep>\d+)(?:-etp(?P<etp>\d+))?"
+                   r"/(?P<dispatcher>alltoall|allgather)/top(?P<topk>\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One layout: tensor-parallel ``tp`` (sequence parallel when > 1), expert-parallel ``ep``,
+    expert-tensor-parallel ``etp``, the dispatcher and the router's ``topk``."""
+
+    tp: int
+    ep: int
+    etp: int
+    dispatcher: str
+    topk: int
+
+    @property
+    def name(self) -> str:
+        parts = ([f"tp{self.tp}"] if self.tp > 1 else []) + [f"ep{self.ep}"] + \
+            ([f"etp{self.etp}"] if self.etp > 1 else [])
+        return f"{'-'.join(parts)}/{self.dispatcher}/top{self.topk}"
+
+
+def parse_case(name: str, world_size: Optional[int] = None) -> Case:
+    """``"ep2/alltoall/top2"``, ``"tp2-ep2-etp2/allgather/top1"`` -> :class:`Case`, checked
+    (against ``world_size`` when given)."""
+    m = _CASE.match(name)
+    if m is None:
+        raise ValueError(f"case {name!r} is not [tpT-]epE[-etpX]/alltoall|allgather/topK, "
+                         f"e.g. 'ep2/alltoall/top2'")
+    case = Case(int(m["tp"] or 1), int(m["ep"]), int(m["etp"] or m["tp"] or 1), m["dispatcher"],
+                int(m["topk"]))
+    if case.etp > 1 and case.dispatcher == "alltoall":
+        raise ValueError(f"case {name!r}: Megatron-core's all-to-all dispatcher at etp > 1 does "
+                         f"not run on gloo; use allgather there")
+    if not 1 <= case.topk <= EXPERTS_PER_RANK * case.ep:
+        raise ValueError(f"case {name!r}: top{case.topk} needs 1..{EXPERTS_PER_RANK * case.ep} "
+                         f"(the layer has {EXPERTS_PER_RANK} experts per ep rank)")
+    if world_size is not None:
+        for what, size in (("tp", case.tp), ("etp x ep", case.etp * case.ep)):
+            if world_size % size:
+                raise ValueError(f"case {name!r}: {what} = {size} does not divide the "
+                                 f"{world_size} ranks")
+    return case
+
+
+# --------------------------------------------------------------------------- rank side
+def _megatron_layer(case: Case, num_experts: int):
+    with mc.without_cuda_runtime_notice():
+        # megatron-core is optional (and slow to import): imported only where it is used.
+        from megatron.core import parallel_state as mps
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer import TransformerConfig as MegatronConfig
+        from megatron.core.transformer.mlp import MLPSubmodules
+        from megatron.core.transformer.moe.experts import SequentialMLP
+        from megatron.core.transformer.moe.moe_layer import MoELayer as MegatronMoELayer
+        from megatron.core.transformer.moe.moe_layer import MoESubmodules
+        from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+        from megatron.core.transformer.spec_utils import ModuleSpec
+    if mps.model_parallel_is_initialized():
+        mc.destroy(mpu_lab_too=False)
+    mps.initialize_model_parallel(tensor_model_parallel_size=case.tp,
+                                  expert_model_parallel_size=case.ep,
+                                  expert_tensor_parallel_size=case.etp,
+                                  create_gloo_process_groups=False)
+    config = MegatronConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
+        num_moe_experts=num_experts, moe_router_topk=case.topk,
+        moe_router_pre_softmax=case.topk == 1, moe_token_dispatcher_type=case.dispatcher,
+        moe_aux_loss_coeff=AUX_LOSS, moe_router_load_balancing_type="aux_loss",
+        add_bias_linear=False, activation_func=F.gelu, bias_activation_fusion=False,
+        gated_linear_unit=False, use_cpu_initialization=True,
+        tensor_model_parallel_size=case.tp, expert_model_parallel_size=case.ep,
+        expert_tensor_parallel_size=case.etp, sequence_parallel=case.tp > 1,
+        moe_permute_fusion=False)
+    experts = ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    return MegatronMoELayer(config, MoESubmodules(experts=experts),
+                            pg_collection=get_default_pg_collection())
+
+
+def _mpu_lab_layer(case: Case, num_experts: int) -> MoELayer:
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2,
+                               ffn_hidden_size=FFN, init_method_std=0.5,
+                               sequence_parallel=case.tp > 1, num_moe_experts=num_experts,
+                               moe_router_topk=case.topk, moe_router_pre_softmax=case.topk == 1,
+                               moe_aux_loss_coeff=AUX_LOSS,
+                               moe_token_dispatcher_type=case.dispatcher)
+    torch.manual_seed(SEED)
+    return MoELayer(config)
+
+
+def _run(layer, x: torch.Tensor, dout: torch.Tensor):
+    layer.train()
+    x = x.clone().requires_grad_(True)
+    out, _ = layer(x)
+    (out * dout).sum().backward()
+    finalize_model_grads(layer)       # the router's sequence-parallel sum, in both
+    return out.detach(), x.grad
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def compare_case(case: Case) -> Dict[str, object]:
+    """Runs inside every rank (the default group made by ``distributed.init``): mpu_lab's
+    layer and Megatron-core's on this rank's ``[s/tp, b, h]`` input. Returns ``{case,
+    ep_rank, missing, unexpected, out, dx, router, experts, own_init_out}``."""
+    num_experts = EXPERTS_PER_RANK * case.ep
+    ps.initialize_model_parallel(tensor_model_parallel_size=case.tp,
+                                 expert_model_parallel_size=case.ep,
+                                 expert_tensor_parallel_size=case.etp)
+    on_cpu = distributed.get_device().type == "cpu"
+    try:
+        mine = _mpu_lab_layer(case, num_experts)
+        with megatron_core_cpu.cpu_patches(on_cpu), megatron_core_cpu.moe_patches(on_cpu):
+            theirs = _megatron_layer(case, num_experts)
+            gen = torch.Generator().manual_seed(SEED + dist.get_rank())
+            x = torch.randn(SEQ // case.tp, BATCH, HIDDEN, generator=gen)
+            dout = torch.randn(SEQ // case.tp, BATCH, HIDDEN, generator=gen)
+            out_own_init, _ = _run(theirs, x, dout)    # its own weights: must differ
+            theirs.zero_grad(set_to_none=True)
+            loaded = theirs.load_state_dict(mine.state_dict(), strict=False)
+            out_b, dx_b = _run(theirs, x, dout)
+        out_a, dx_a = _run(mine, x, dout)
+        grads_b = dict(theirs.named_parameters())
+        experts = max(_diff(p.grad, grads_b[name].grad) for name, p in mine.named_parameters()
+                      if name.startswith("experts."))
+        return {"case": case.name, "ep_rank": ps.get_expert_model_parallel_rank(),
+                "missing": [k for k in loaded.missing_keys if not k.endswith("_extra_state")],
+                "unexpected": list(loaded.unexpected_keys), "out": _diff(out_a, out_b),
+                "dx": _diff(dx_a, dx_b), "own_init_out": _diff(out_a, out_own_init),
+                "router": _diff(mine.router.weight.grad, grads_b["router.weight"].grad),
+                "experts": experts}
+    finally:
+        mc.destroy()
+
+
+# --------------------------------------------------------------------------- driver side
+DEFAULT_CASES = ("ep2/alltoall/top2", "ep2/allgather/top2", "ep4/alltoall/top1")
+
+
+def run_side_by_side(cases: Sequence[str] = DEFAULT_CASES, nproc: int = 4,
+                     env: Optional[Dict[str, str]] = None) -> Dict[str, object]:
+    """Launch ``launch/megatron_core_moe.py`` with ``nproc`` CPU ranks (gloo) and return
+    ``{"version", "results": [per-rank list of per-case dicts]}``; ``{"skipped": reason}``
+    where megatron-core cannot be imported. The cases are checked before anything starts."""
+    for name in cases:
+        parse_case(name, nproc)
+    reason = mc.missing()
+    if reason is not None:
+        return {"skipped": reason}
+    job = launcher.run("megatron_core_moe.py", ["--cases", *cases], nproc=nproc, show="none",
+                       env={"MPU_LAB_BACKEND": "gloo", "MPU_LAB_DEVICE": "cpu", **(env or {})})
+    return {"version": mc.version(), "results": job.results}
+
+
+def worst(side_by_side: Dict[str, object], name: str) -> Dict[str, float]:
+    """Case ``name``'s largest differences over the ranks: ``{out, dx, router, experts,
+    own_init_out}`` (``own_init_out``: the smallest over the ranks); ``name`` as given to
+    :func:`run_side_by_side` or as the results spell it (``tp2-ep2-etp2/...``)."""
+    name = parse_case(name).name
+    rows = [next(c for c in r["cases"] if c["case"] == name) for r in side_by_side["results"]]
+    out = {k: max(r[k] for r in rows) for k in ("out", "dx", "router", "experts")}
+    out["own_init_out"] = min(r["own_init_out"] for r in rows)
+    out["same_names"] = all(not r["missing"] and not r["unexpected"] for r in rows)
+    return out
+
+
+def format_results(side_by_side: Dict[str, object], tol: float = TOL) -> str:
+    """One line per case: the largest difference over the ranks of the output, the input
+    gradient, the router's and the experts' gradients (shown as below ``tol`` or not, so the
+    line reads the same on another CPU), and whether Megatron-core took every parameter by
+    its name."""
+    if "skipped" in side_by_side:
+        return str(side_by_side["skipped"])
+    ranks = side_by_side["results"]
+    lines = [f"megatron-core {side_by_side['version']} vs mpu_lab, {len(ranks)} CPU ranks "
+             f"(gloo), {EXPERTS_PER_RANK} experts per ep rank, aux loss {AUX_LOSS}: "
+             f"largest |difference| over the ranks",
+             f"  {'case':<30}{'same names':<12}{'output':<10}{'input grad':<12}"
+             f"{'router grad':<13}{'expert grads':<14}Megatron-core's own init"]
+    for name in [c["case"] for c in ranks[0]["cases"]]:
+        w = worst(side_by_side, name)
+        cells = ["yes" if w["same_names"] else "NO"] + [
+            f"< {tol:g}" if w[k] < tol else f"{w[k]:.2g}" for k in ("out", "dx", "router",
+                                                                   "experts")]
+        own = "differs" if w["own_init_out"] > 1e-3 else "SAME (vacuous check)"
+        lines.append(f"  {name:<30}{cells[0]:<12}{cells[1]:<10}{cells[2]:<12}{cells[3]:<13}"
+                     f"{cells[4]:<14}{own}")
+    return "\n".join(lines)
+
+
+def all_equal(side_by_side: Dict[str, object], tol: float = TOL) -> bool:
+    """Every case within ``tol`` on every rank, the same names, and a non-vacuous check."""
+    if "skipped" in side_by_side:
+        return False
+    names = [c["case"] for c in side_by_side["results"][0]["cases"]]
+    return all(all(w[k] < tol for k in ("out", "dx", "router", "experts"))
+               and w["same_names"] and w["own_init_out"] > 1e-3
+               for w in (worst(side_by_side, n) for n in names))
+
+
+__all__: List[str] = ["Case", "parse_case", "compare_case", "run_side_by_side", "worst",
+                      "format_results", "all_equal", "DEFAULT_CASES", "TOL"]

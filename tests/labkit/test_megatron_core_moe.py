@@ -1,0 +1,54 @@
+"""Megatron-core's MoELayer against mpu_lab's (mpu_lab.labkit.megatron_core_moe and
+launch/megatron_core_moe.py), with whichever release this Python has (0.16.x below Python
+3.12, 0.19+ from 3.12 on); skipped where megatron-core cannot be imported.
+
+The reference is Megatron-core's own layer, loaded with mpu_lab's state dict by parameter name;
+its output with its own initial weights must differ (so equal outputs are not vacuous).
+"""
+import pytest
+
+from mpu_lab.labkit import megatron_core as mc
+from mpu_lab.labkit import megatron_core_moe as mcm
+
+needs_megatron = pytest.mark.skipif(not mc.available(), reason=mc.missing() or "")
+
+
+def test_case_names_parse_and_bad_ones_are_refused_naming_the_values():
+    assert mcm.parse_case("ep2/alltoall/top2") == mcm.Case(1, 2, 1, "alltoall", 2)
+    # etp defaults to tp, as Megatron's expert_tensor_parallel_size=None
+    assert mcm.parse_case("tp2-ep2/allgather/top1") == mcm.Case(2, 2, 2, "allgather", 1)
+    assert mcm.parse_case("tp2-ep2-etp1/alltoall/top1").name == "tp2-ep2/alltoall/top1"
+    with pytest.raises(ValueError, match="'ep2/a2a/top2' is not"):
+        mcm.parse_case("ep2/a2a/top2")
+    with pytest.raises(ValueError, match="etp > 1 does not run on gloo"):
+        mcm.parse_case("tp2-ep2/alltoall/top1")
+    with pytest.raises(ValueError, match=r"top5 needs 1..4"):
+        mcm.parse_case("ep2/alltoall/top5")
+    with pytest.raises(ValueError, match="etp x ep = 4 does not divide the 6 ranks"):
+        mcm.parse_case("tp2-ep2/allgather/top1", world_size=6)
+
+
+def test_without_megatron_core_the_run_is_skipped_with_the_install_hint(monkeypatch):
+    monkeypatch.setattr(mc, "missing", lambda: mc.INSTALL_HINT)
+    result = mcm.run_side_by_side(["ep2/alltoall/top2"])
+    assert result == {"skipped": mc.INSTALL_HINT}
+    assert mcm.format_results(result) == mc.INSTALL_HINT
+    assert not mcm.all_equal(result)
+
+
+@needs_megatron
+@pytest.mark.slow
+def test_moe_layer_equals_megatron_cores_on_four_cpu_ranks():
+    cases = ["ep2/alltoall/top2", "ep4/allgather/top1", "tp2-ep2/allgather/top2"]
+    result = mcm.run_side_by_side(cases, nproc=4)
+    assert result["version"] == mc.version()
+    assert [r["rank"] for r in result["results"]] == [0, 1, 2, 3]
+    for name in cases:
+        w = mcm.worst(result, name)
+        assert w["same_names"], name
+        assert max(w[k] for k in ("out", "dx", "router", "experts")) < mcm.TOL, (name, w)
+        assert w["own_init_out"] > 1e-3, name          # not vacuous
+    assert mcm.all_equal(result)
+    table = mcm.format_results(result)
+    assert table.startswith(f"megatron-core {mc.version()} vs mpu_lab, 4 CPU ranks")
+    assert table.count("differs") == len(cases) and "NO" not in table
