@@ -37,6 +37,7 @@ _KINDS = {
     "c10d.broadcast_": ("broadcast", 0),
     "c10d.send": ("send", 0),
     "c10d.recv_": ("recv", 0),
+    "c10d.alltoall_base_": ("all_to_all", 1),      # all_to_all_single: (output, input, ...)
 }
 
 
