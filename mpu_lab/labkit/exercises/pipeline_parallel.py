@@ -1,18 +1,30 @@
 """Lab 09's checks: the pipeline bubble's share of an iteration, the micro-batches in flight,
-and the write-the-code exercise :data:`ONE_F_ONE_B` (one stage's 1F1B order, run with real
-point-to-point messages between the stages of a live world)."""
+and two write-the-code exercises on a live world, one rank per stage: :data:`ONE_F_ONE_B` (one
+stage's 1F1B order, run with real point-to-point messages between the stages) and
+:data:`ONE_F_ONE_B_LOOP` (the 1F1B loop itself, with Megatron's sends and receives, graded on
+the ops it ran and on the stage gradients of a toy model)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple
+import functools
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from mpu_lab import distributed, parallel_state
 from mpu_lab.labkit.exercises.common import Verdict, as_int, unanswered, verdict
-from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome
+from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
 from mpu_lab.pipeline_parallel import p2p_communication as p2p
+from mpu_lab.pipeline_parallel import schedules
 from mpu_lab.pipeline_parallel.order import Message, Op, communication_plan, schedule_order
 from mpu_lab.pipeline_parallel.timeline import analytic_bubble, simulate
+from mpu_lab.pipeline_parallel.toy import (
+    ToyConfig,
+    ToyModel,
+    build_toy_model_chunks,
+    toy_batches,
+    toy_forward_step,
+)
 
 
 def check_bubble_share(answer: Any, p: int, m: int, v: int = 1, tol: float = 0.005) -> Verdict:
@@ -177,4 +189,118 @@ ONE_F_ONE_B = Exercise(
          "backward (1F1B), and at the end the remaining backwards in order. Micro-batches go "
          "through every stage in the same order: F k and B k both in increasing k. Ranks that "
          "all waited: two neighbouring stages each waited for a message the other sends later.",
+    layout=_all_stages)
+
+
+# --------------------------------------------------------------------------- the 1F1B loop
+# The learner writes ``my_1f1b_loop(stage, num_stages, num_microbatches, forward, backward,
+# p2p)``: one iteration of 1F1B on this stage, with real sends and receives (Megatron's p2p
+# names, bound to the message shape). Graded live, one rank per stage, on the toy
+# tied-embedding model: the ops it ran are compared with schedule_order("1f1b", ...), and the
+# stage's gradients with those of mpu_lab's own 1F1B on the same weights and micro-batches
+# (which the package tests hold against the single-process twin). A loop that forgets a send
+# leaves a neighbour waiting: the world's collective timeout ends it, and the verdict names the
+# waiting ranks.
+LOOP_SEQ_LENGTH, LOOP_MICRO_BATCH = 4, 2
+
+
+def loop_toy_config(num_stages: int) -> ToyConfig:
+    """Two toy layers per stage, tiny sizes: the grading runs in a blink."""
+    return ToyConfig(num_layers=2 * num_stages, hidden_size=8, vocab_size=16)
+
+
+def _chunk(dense: ToyModel, stage: int, num_stages: int, device) -> torch.nn.Module:
+    (chunk,) = build_toy_model_chunks(dense, stage, num_stages, device=device)
+    with torch.no_grad():
+        if chunk.post_process:          # the tied embedding's copy, as sync_embedding_weights
+            chunk.word_embeddings.copy_(dense.word_embeddings)
+    return chunk
+
+
+def bound_p2p(shape, dtype=torch.float32) -> SimpleNamespace:
+    """mpu_lab's p2p functions with the message shape filled in: ``p2p.recv_forward()``,
+    ``p2p.send_forward(output)``, ``p2p.recv_backward()``, ``p2p.send_backward(grad)``,
+    ``p2p.send_forward_recv_backward(output)`` and ``p2p.send_backward_recv_forward(grad)``;
+    at the ends of the pipeline they do nothing and the receives return None (Megatron)."""
+    names = ("recv_forward", "recv_backward", "send_forward", "send_backward",
+             "send_forward_recv_backward", "send_backward_recv_forward")
+    out = SimpleNamespace()
+    for name in names:
+        fn = getattr(p2p, name)
+        if name.startswith("recv"):
+            setattr(out, name, functools.partial(lambda f: f(shape, dtype), fn))
+        else:
+            setattr(out, name, functools.partial(lambda f, t: f(t, shape, dtype), fn))
+    return out
+
+
+class StageOps:
+    """``forward(input_tensor)`` and ``backward(input_tensor, output_tensor, output_tensor_grad)``
+    of one stage, as mpu_lab's ``forward_step`` / ``backward_step`` (the next micro-batch in
+    turn; the last stage's output is its loss / m), noting the ops in the order they ran."""
+
+    def __init__(self, chunk, batches, num_microbatches: int):
+        self.chunk, self.data, self.m = chunk, iter(batches), num_microbatches
+        self.ran: List[Tuple[str, int]] = []
+        self._microbatch_of: Dict[int, int] = {}
+        self._store: List = []
+
+    def forward(self, input_tensor=None):
+        k = sum(1 for kind, _ in self.ran if kind == "F")
+        if k >= self.m:
+            raise RuntimeError(f"forward called for a micro-batch {k}: there are only m = {self.m}")
+        output = schedules.forward_step(toy_forward_step, self.data, self.chunk, self.m,
+                                        input_tensor, self._store)
+        self._microbatch_of[id(output)] = k
+        self.ran.append(("F", k))
+        return output
+
+    def backward(self, input_tensor, output_tensor, output_tensor_grad):
+        k = self._microbatch_of.pop(id(output_tensor), None)
+        if k is None:
+            raise RuntimeError("backward got an output_tensor that forward did not return (or "
+                               "one whose backward already ran)")
+        self.ran.append(("B", k))
+        return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad)
+
+
+def run_1f1b_loop_case(learner: Callable, case: Case) -> Outcome:
+    """Runs on every rank (one stage each): mpu_lab's 1F1B on one copy of the stage (the
+    reference, first, so that a wrong loop's stray messages cannot reach it), then the
+    learner's loop on another copy; compares the ops that ran, then the gradients."""
+    p = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    m = num_microbatches_of(case.params, p)
+    device = distributed.get_device()
+    config = loop_toy_config(p)
+    dense = ToyModel(config)
+    batches = toy_batches(config, m, LOOP_SEQ_LENGTH, LOOP_MICRO_BATCH, seed=m, device=device)
+    reference = _chunk(dense, stage, p, device)
+    schedules.forward_backward_pipelining_without_interleaving(
+        forward_step_func=toy_forward_step, data_iterator=iter(batches), model=reference,
+        num_microbatches=m, seq_length=LOOP_SEQ_LENGTH, micro_batch_size=LOOP_MICRO_BATCH)
+    mine = _chunk(dense, stage, p, device)
+    ops = StageOps(mine, batches, m)
+    shape = (LOOP_SEQ_LENGTH, LOOP_MICRO_BATCH, config.hidden_size)
+    learner(stage, p, m, ops.forward, ops.backward, bound_p2p(shape))
+    where = f"stage {stage} of {p}, m = {m}:"
+    expected = [(op.kind, op.microbatch) for op in schedule_order("1f1b", p, stage, m)]
+    if ops.ran != expected:
+        return Outcome(False, f"{where} the forwards and backwards your loop ran",
+                       order_text(expected), order_text(ops.ran) or "(nothing)")
+    for (name, want), got in zip(reference.named_parameters(), mine.parameters()):
+        outcome = compare(f"{where} the gradient of {name}", want.grad, got.grad)
+        if not outcome.ok:
+            return outcome
+    return Outcome(True)
+
+
+ONE_F_ONE_B_LOOP = Exercise(
+    name="my_1f1b_loop",
+    run_case=run_1f1b_loop_case,
+    cases=ONE_F_ONE_B.cases,
+    hint="each stage runs the same loop: a receive blocks until the neighbour's matching send, "
+         "so every message one stage waits for must be sent by its neighbour at a point it "
+         "reaches without waiting in turn. Keep the micro-batches in flight in the order they "
+         "came: the gradient that comes back is always for the oldest.",
     layout=_all_stages)

@@ -54,9 +54,13 @@ SOLUTIONS: Dict[str, Solution] = {
     "07": Solution("07_parallel_transformer.py",
                    {"my_vocab_parallel_ce": "solution_vocab_parallel_ce",
                     "my_vocab_parallel_ce_backward": "solution_vocab_parallel_ce_backward"}),
-    "09": Solution("09_pipeline_parallel.py", {"my_1f1b_order": "solution_1f1b_order"}),
+    "08": Solution("08_context_parallel.py", {"my_merge": "solution_merge",
+                                              "my_zigzag": "solution_zigzag"}),
+    "09": Solution("09_pipeline_parallel.py", {"my_1f1b_order": "solution_1f1b_order",
+                                              "my_1f1b_loop": "solution_1f1b_loop"}),
     "14": Solution("14_debugging.py", {"my_exchange": "solution_exchange"}),
-    "03": Solution("03_data_parallel.py", {"my_distributed_step": "solution_distributed_step"}),
+    "03": Solution("03_data_parallel.py", {"my_grad_ready_hook": "solution_grad_ready_hook",
+                                           "my_distributed_step": "solution_distributed_step"}),
 }
 
 LEARNER_NAMES = frozenset(n for s in SOLUTIONS.values() for n in s.names)

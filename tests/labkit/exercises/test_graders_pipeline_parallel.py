@@ -120,3 +120,75 @@ def test_a_deadlocking_order_names_the_waiting_ranks_and_the_world_recovers(
     assert "waited" in out and "(The world was restarted.)" in out and "Hint:" in out
     assert _groups(grading_world) == before
     assert grading_world.run("x = torch.ones(1); dist.all_reduce(x); x.item()") == [4.0] * 4
+
+
+# --------------------------------------------------------------------------- the 1F1B loop
+LOOP_STUB = '''
+def my_1f1b_loop(stage, num_stages, num_microbatches, forward, backward, p2p):
+    raise NotImplementedError("how many forwards can this stage run before its first gradient comes back?")
+'''
+
+
+def _loop(source, world, as_notebook, name="solution_1f1b_loop"):
+    return grade(as_notebook(source)[name], pipeline_parallel.ONE_F_ONE_B_LOOP, world)
+
+
+def test_the_loop_solution_passes_and_the_world_keeps_its_groups(grading_world, as_notebook,
+                                                                capsys):
+    before = _groups(grading_world)
+    assert _loop(OWN_SOLUTION, grading_world, as_notebook)
+    out = capsys.readouterr().out
+    assert out.startswith("Right: solution_1f1b_loop agrees with the reference on all 4 ranks "
+                          "for 4 inputs: m = p"), out
+    assert _groups(grading_world) == before == [(2, 1)] * 4
+
+
+def test_the_loop_stub_has_no_answer_yet(grading_world, as_notebook, capsys):
+    assert not _loop(LOOP_STUB, grading_world, as_notebook, "my_1f1b_loop")
+    assert capsys.readouterr().out.startswith("No answer yet: my_1f1b_loop still raises")
+
+
+def test_a_loop_missing_its_last_send_ends_in_a_timeout_that_names_the_waiting_ranks(
+        grading_world, as_notebook, capsys):
+    # The steady state's last backward never sends its gradient back: stage r-1 waits in its
+    # cool-down for a message that never comes. The timeout ends it; nothing hangs.
+    wrong = OWN_SOLUTION.replace("        if i == remaining - 1:\n            p2p.send_backward(input_grad)\n",
+                                 "        if i == remaining - 1:\n            pass\n")
+    assert wrong != OWN_SOLUTION
+    before = _groups(grading_world)
+    assert not _loop(wrong, grading_world, as_notebook)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: on input 'm = p (as many micro-batches as stages)' ranks "
+                          "[0, 1, 2]"), out
+    assert "never" in out and "(The world was restarted.)" in out and "Hint:" in out
+    assert _groups(grading_world) == before
+
+
+def test_a_loop_that_runs_the_newest_backward_first_is_named_by_its_ops(grading_world,
+                                                                        as_notebook, capsys):
+    # pop() instead of pop(0): the backward runs for the newest micro-batch in flight, whose
+    # gradient has not come back; the ops differ from 1F1B's on the first stage with a warm-up
+    wrong = OWN_SOLUTION.replace("backward(inputs.pop(0), outputs.pop(0), output_grad)",
+                                 "backward(inputs.pop(), outputs.pop(), output_grad)")
+    assert not _loop(wrong, grading_world, as_notebook)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: rank 0, input 'm = p (as many micro-batches as stages)': "
+                          "stage 0 of 4, m = 4: the forwards and backwards your loop ran "
+                          "expected F0 F1 F2 F3 B0 B1 B2 B3, got F0 F1 F2 F3 B3 B2 B1 B0."), out
+
+
+def test_a_loop_that_sends_the_wrong_tensor_fails_on_the_gradients(grading_world, as_notebook,
+                                                                   capsys):
+    # in the cool-down every stage sends back the gradient of its output instead of its
+    # input's: same shapes, so nothing fails until the first stage's gradients are compared
+    # (its parameters in named_parameters() order: the word embedding first)
+    wrong = OWN_SOLUTION.replace(
+        "        input_grad = backward(inputs.pop(0), outputs.pop(0), output_grad)\n"
+        "        p2p.send_backward(input_grad)\n",
+        "        input_grad = backward(inputs.pop(0), outputs.pop(0), output_grad)\n"
+        "        p2p.send_backward(output_grad)\n")
+    assert wrong != OWN_SOLUTION
+    assert not _loop(wrong, grading_world, as_notebook)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: rank 0, input 'm = p (as many micro-batches as stages)': "
+                          "stage 0 of 4, m = 4: the gradient of word_embeddings expected shape (16, 8)"), out
