@@ -57,6 +57,13 @@ from mpu_lab.labkit.exercises.performance import (
     check_dominant_communication,
     check_min_microbatches,
 )
+from mpu_lab.labkit.exercises.scaling import (
+    check_best_ep,
+    check_bounds,
+    check_critical,
+    check_smallest_cp,
+    check_tp_share,
+)
 from mpu_lab.labkit.exercises.debugging import EXCHANGE, check_cause, check_culprit, print_suspects
 from mpu_lab.labkit.exercises.data_parallel import (
     DISTRIBUTED_STEP,
@@ -88,6 +95,7 @@ __all__ = [
     "check_bubble_share", "check_peak_in_flight",
     "check_micro_batches", "check_padded_vocab",
     "check_best_config", "check_min_microbatches", "check_dominant_communication",
+    "check_bounds", "check_critical", "check_tp_share", "check_smallest_cp", "check_best_ep",
     "copy_to_grad_expected", "reduce_from_expected", "reduce_scatter_sequence_expected",
     "check_copy_to_grad", "check_reduce_from", "check_reduce_scatter_to_sequence",
     "DISTRIBUTED_STEP", "check_optimizer_state_gb", "check_ring_all_reduce_mb",
