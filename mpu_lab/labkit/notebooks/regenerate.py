@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.labkit.notebooks.selection import check_param_sections, params_for
+from mpu_lab.labkit.notebooks.sizing import record_compute_times
 from mpu_lab.labkit.notebooks.structure import REVEAL, output_problems
 from mpu_lab.labkit.notebooks.watchdog import DEFAULT_STALL_S, execute_watched
 
@@ -133,6 +134,10 @@ def regenerate(paths: Sequence[pathlib.Path], params: Optional[Dict[str, dict]] 
     outcomes = run_notebooks(paths, params, output_dir=output_dir, kernel=kernel,
                              timeout_s=timeout_s, stall_s=stall_s, out=out, known=known,
                              **watch)
+    labs = {p.name for p in paths if p.resolve().parent == (REPO_ROOT / "labs").resolve()}
+    if output_dir is None and not params and labs:
+        # the committed labs at their own defaults: Start_Here's table reads these seconds
+        record_compute_times({o.name: o.seconds for o in outcomes if o.ok and o.name in labs})
     failed = [o.name for o in outcomes if not o.ok]
     if failed:
         raise SystemExit(f"failed: {', '.join(failed)}")

@@ -1,0 +1,133 @@
+"""How long each lab takes: its core (everything before the first "Going further" heading) and
+its optional depth, counted from the notebook, and the compute its cells took when the lab was
+last re-executed here (``regenerate`` records it in ``labs/compute_times.json`` with the
+machine).
+
+A lab's time is an estimate built from measured parts, and says so: the prose and code a
+learner reads (words, at :data:`WORDS_PER_MINUTE`), the exercises they work
+(:data:`MINUTES_PER_EXERCISE` for a write-the-code exercise graded on a live world,
+:data:`MINUTES_PER_QUESTION` for a question checked by ``check_*``), and the cells' compute as
+measured. Start_Here prints the table; the core of each lab is meant to stay within
+:data:`CORE_BUDGET_MIN`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import re
+from typing import Dict, List, Optional, Sequence
+
+from mpu_lab.labkit import REPO_ROOT
+
+WORDS_PER_MINUTE = 120        # technical prose with formulas and code, read to be understood
+MINUTES_PER_EXERCISE = 10     # write a function, run the grader, fix it once
+MINUTES_PER_QUESTION = 2      # a predicted number or shape, checked
+CORE_BUDGET_MIN = 45          # one sitting
+TIMES_FILE = REPO_ROOT / "labs" / "compute_times.json"
+_GOING_FURTHER = re.compile(r"^#+\s*Going further", re.M)
+_WORD = re.compile(r"[A-Za-z0-9_$\\]+")
+
+
+@dataclasses.dataclass
+class LabSize:
+    """One lab's parts: words, exercises and questions in its core and in its optional depth."""
+
+    name: str
+    core_words: int
+    extra_words: int
+    exercises: int
+    questions: int
+    compute_s: Optional[float]
+
+    @property
+    def core_minutes(self) -> float:
+        """Reading, exercises, questions and the measured compute of the whole notebook."""
+        compute = (self.compute_s or 0.0) / 60
+        return (self.core_words / WORDS_PER_MINUTE + MINUTES_PER_EXERCISE * self.exercises
+                + MINUTES_PER_QUESTION * self.questions + compute)
+
+    @property
+    def extra_minutes(self) -> float:
+        return self.extra_words / WORDS_PER_MINUTE
+
+
+def _words(source: str) -> int:
+    return len(_WORD.findall(source))
+
+
+def lab_size(path: pathlib.Path, compute: Optional[Dict[str, float]] = None) -> LabSize:
+    """Count one notebook: markdown and code words before and after the first "Going
+    further" heading; ``grade(`` calls (write-the-code exercises) and ``check_`` calls
+    (questions) in the core's code cells."""
+    import nbformat
+
+    nb = nbformat.read(str(path), as_version=4)
+    core = extra = exercises = questions = 0
+    in_core = True
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and _GOING_FURTHER.search(cell.source):
+            in_core = False
+        if cell.cell_type == "code" and "parameters" in cell.metadata.get("tags", []):
+            continue
+        words = _words(cell.source)
+        if in_core:
+            core += words
+            if cell.cell_type == "code":
+                exercises += len(re.findall(r"\bgrade\(", cell.source))
+                questions += len(re.findall(r"\bcheck_\w+\(", cell.source))
+        else:
+            extra += words
+    seconds = (compute or {}).get(path.stem)
+    return LabSize(path.stem, core, extra, exercises, questions, seconds)
+
+
+def load_compute_times(path: pathlib.Path = TIMES_FILE) -> Dict[str, float]:
+    """``{lab stem: seconds}`` from the last re-execution here (empty when none is recorded)."""
+    if not path.exists():
+        return {}
+    return {k: float(v) for k, v in json.loads(path.read_text())["seconds"].items()}
+
+
+def record_compute_times(seconds: Dict[str, float], path: pathlib.Path = TIMES_FILE) -> None:
+    """Merge ``{notebook name: seconds}`` of a re-execution into the file, with the machine."""
+    old = json.loads(path.read_text()) if path.exists() else {"seconds": {}}
+    for name, value in seconds.items():
+        old["seconds"][pathlib.Path(name).stem] = round(value)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    old["machine"] = f"{cores} CPU cores, {platform.machine()}, Python {platform.python_version()}"
+    old["seconds"] = dict(sorted(old["seconds"].items()))
+    path.write_text(json.dumps(old, indent=1) + "\n")
+
+
+def lab_sizes(labs: Optional[Sequence[pathlib.Path]] = None) -> List[LabSize]:
+    paths = labs or sorted((REPO_ROOT / "labs").glob("[0-9][0-9]_*.ipynb"))
+    compute = load_compute_times()
+    return [lab_size(p, compute) for p in paths]
+
+
+def format_lab_sizes(sizes: Sequence[LabSize]) -> str:
+    """The table Start_Here prints: one row per lab, the core's estimate last."""
+    lines = [f"{'lab':<26} {'core words':>10} {'exercises':>9} {'questions':>9} "
+             f"{'compute':>8} {'core, est.':>10} {'going further':>13}"]
+    for s in sizes:
+        compute = "n/a" if s.compute_s is None else f"{s.compute_s / 60:.1f} min"
+        extra = f"+{s.extra_minutes:.0f} min" if s.extra_words else "-"
+        lines.append(f"{s.name:<26} {s.core_words:>10,} {s.exercises:>9} {s.questions:>9} "
+                     f"{compute:>8} {s.core_minutes:>6.0f} min {extra:>13}")
+    return "\n".join(lines)
+
+
+def print_lab_sizes(labs: Optional[Sequence[pathlib.Path]] = None) -> None:
+    sizes = lab_sizes(labs)
+    machine = (json.loads(TIMES_FILE.read_text()).get("machine", "this machine")
+               if TIMES_FILE.exists() else "no machine yet")
+    print(format_lab_sizes(sizes))
+    print(f"\ncore, est. = words / {WORDS_PER_MINUTE} per minute + {MINUTES_PER_EXERCISE} min per "
+          f"write-the-code exercise + {MINUTES_PER_QUESTION} min per question + the compute, "
+          f"measured when the lab was last re-executed ({machine}).")
+    over = [s.name for s in sizes if s.core_minutes > CORE_BUDGET_MIN]
+    print(f"cores over {CORE_BUDGET_MIN} min: {', '.join(over) if over else 'none'}; "
+          f"total of the cores {sum(s.core_minutes for s in sizes) / 60:.1f} h")
