@@ -112,6 +112,7 @@ EXPECTED_SECONDS = {
     "tests/launcher/test_launch.py": 40, "tests/labkit/test_layer_and_training_views.py": 18,
     "tests/checkpointing/test_reshard_vocab_padding.py": 15, "tests/labs/test_lab08_content.py": 13,
     "tests/perf/cost_model/test_cost_model.py": 9, "Start_Here.ipynb": 9,
+    "labs/02_collectives.ipynb": 130,
     "labs/03_data_parallel.ipynb": 70, "labs/13_scaling.ipynb": 65, "tests/perf/test_memory_accounting.py": 45,
     "tests/perf/test_dp_overlap.py": 30,
     "tests/context_parallel/test_context_parallel_mp.py": 35,
