@@ -11,7 +11,10 @@ import contextlib
 import io
 import re
 import string
-from typing import Any, Callable, Dict, List, Optional
+import types
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+from unittest import mock
 
 import torch
 
@@ -21,6 +24,7 @@ from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, sh
 from mpu_lab.labkit.broken_jobs import FOREGROUND
 from mpu_lab.labkit.debugging import overflow_demo
 from mpu_lab.labkit.faults import FAULT_KINDS
+from mpu_lab.labkit import megatron_core
 
 
 # --------------------------------------------------------------------------- name the cause
@@ -217,10 +221,119 @@ EXCHANGE = Exercise(
         Case("a [3, 2, 8] activation", dict(shape=[3, 2, 8])),
     ],
     hint="dist.send returns only when the peer has posted the matching dist.recv (on gloo and "
-         "on NCCL alike), so two neighbours that both send first wait for each other forever, "
-         "and so do two that both receive first. Give every pair of neighbours opposite "
-         "orders: even stages send first, then receive; odd stages receive first, then send. "
-         "Ranks that all waited: a deadlock.",
+         "on NCCL alike). Take one pair of neighbours: while one of them sends, what must the "
+         "other be doing? Then look for something about a stage's number that can tell each "
+         "of two neighbours which part to play, for any number of stages. Ranks that all "
+         "waited: a deadlock.",
     ranks_needed=_two_ranks_or_more,
     layout=_all_stages)
 
+
+
+# --------------------------------------------------------------------------- after the attempt
+# Megatron-core's own order, read from its code by running it: _p2p_ops (pipeline_parallel/
+# p2p_communication.py) with torch.distributed's isend/irecv replaced by recorders, next to the
+# learner's my_exchange run the same way (its dist.send/recv recorded, nothing sent).
+P2P_OPS_URL = ("https://github.com/NVIDIA/Megatron-LM/blob/core_v0.19.2/megatron/core/"
+               "pipeline_parallel/p2p_communication.py#L55")
+
+
+class _CallRecorder:
+    """Stands in for ``torch.distributed`` while a function's point-to-point calls are
+    recorded: each send or receive is noted as ``send>peer`` / ``recv<peer`` and returns at
+    once (a receive leaves its buffer as it was)."""
+
+    def __init__(self):
+        self.calls: List[str] = []
+
+    def send(self, tensor, dst, *args, **kwargs):
+        self.calls.append(f"send>{dst}")
+
+    def recv(self, tensor, src=None, *args, **kwargs):
+        self.calls.append(f"recv<{src}")
+        return src
+
+    def isend(self, tensor, dst, *args, **kwargs):
+        self.send(tensor, dst)
+        return types.SimpleNamespace(wait=lambda *a, **k: True, is_completed=lambda: True)
+
+    def irecv(self, tensor, src=None, *args, **kwargs):
+        self.recv(tensor, src)
+        return types.SimpleNamespace(wait=lambda *a, **k: True, is_completed=lambda: True)
+
+    def P2POp(self, op, tensor, peer, *args, **kwargs):
+        return (op, tensor, peer)
+
+    def batch_isend_irecv(self, ops):
+        return [op(tensor, peer) for op, tensor, peer in ops]
+
+    def __getattr__(self, name):
+        raise AttributeError(f"dist.{name}: this check records only send, recv, isend, irecv "
+                             f"and batch_isend_irecv")
+
+
+def learner_calls(fn: Callable, stage: int, num_stages: int) -> List[str]:
+    """The point-to-point calls ``fn(stage, num_stages, mine)`` makes, in order, with its
+    ``dist`` replaced by a recorder (no message is sent: any order runs)."""
+    recorder = _CallRecorder()
+    recorded = types.FunctionType(fn.__code__, dict(fn.__globals__, dist=recorder, torch=torch),
+                                  fn.__name__, fn.__defaults__, fn.__closure__)
+    recorded(stage, num_stages, torch.zeros(1))
+    return recorder.calls
+
+
+def megatron_calls(stage: int, num_stages: int) -> List[str]:
+    """The point-to-point calls Megatron-core's ``_p2p_ops`` posts on pipeline stage ``stage``
+    of ``num_stages`` (>= 3) when it sends to and receives from both neighbours that exist,
+    in the order it posts them (isend / irecv recorded, nothing sent)."""
+    if num_stages < 3:
+        raise ValueError(f"num_stages must be >= 3 (at 2 stages Megatron-core also picks a "
+                         f"second process group), got {num_stages}")
+    with megatron_core.without_cuda_runtime_notice(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # Transformer Engine / Apex absent: expected here
+        from megatron.core.pipeline_parallel import p2p_communication   # optional: only here
+    recorder = _CallRecorder()
+    group = types.SimpleNamespace(rank=lambda: stage, size=lambda: num_stages)
+    prev = torch.zeros(1) if stage > 0 else None
+    after = torch.zeros(1) if stage < num_stages - 1 else None
+    with mock.patch.object(torch.distributed, "isend", recorder.isend), \
+            mock.patch.object(torch.distributed, "irecv", recorder.irecv):
+        p2p_communication._p2p_ops(tensor_send_prev=prev, tensor_recv_prev=prev,
+                                   tensor_send_next=after, tensor_recv_next=after, group=group,
+                                   prev_pipeline_rank=stage - 1, next_pipeline_rank=stage + 1)
+    return recorder.calls
+
+
+def compare_with_megatron(fn: Callable, num_stages: int = 4) -> Optional[Dict[int, Tuple]]:
+    """Once the learner has written ``my_exchange``: its calls on each of ``num_stages`` stages
+    next to Megatron-core's (:func:`megatron_calls`), printed as a table. Returns
+    ``{stage: (yours, megatron's)}``, or None when there is nothing to compare yet (the stub)
+    or megatron-core cannot be imported here (the reason is printed)."""
+    try:
+        yours = {s: learner_calls(fn, s, num_stages) for s in range(num_stages)}
+    except NotImplementedError:
+        print(f"No answer yet: {fn.__name__} still raises NotImplementedError. Write it and "
+              f"grade it first; then this cell shows your order next to Megatron-core's.")
+        return None
+    except Exception as exc:   # noqa: BLE001 -- the learner's code: say what stopped it
+        print(f"Could not record {fn.__name__}'s calls: {type(exc).__name__}: {exc}")
+        return None
+    reason = megatron_core.missing()
+    if reason is not None:
+        print(f"{reason}\nMegatron-core's order is in _p2p_ops: {P2P_OPS_URL}")
+        return None
+    theirs = {s: megatron_calls(s, num_stages) for s in range(num_stages)}
+    width = max(len("  ".join(c)) for c in yours.values()) + 2
+    print(f"{num_stages} stages, each stage's calls in order (send>k: to stage k; recv<k: from "
+          f"stage k)")
+    print(f"{'stage':<7}{'yours':<{width}}Megatron-core's _p2p_ops")
+    for s in range(num_stages):
+        print(f"{s:<7}{'  '.join(yours[s]):<{width}}{'  '.join(theirs[s])}")
+    print("Megatron-core posts non-blocking isend / irecv and then waits on them all, and "
+          "still keeps an order by the parity of the stage's rank in its pipeline group: an "
+          "even stage posts its send to the next stage before its receive from the previous "
+          "one, an odd stage the receive first. So on both ends of every link each send meets "
+          "its receive at the same position; NCCL runs one communicator's point-to-point calls "
+          "in the order they were posted, so with NCCL the order matters even for non-blocking "
+          "calls.")
+    return {s: (yours[s], theirs[s]) for s in range(num_stages)}

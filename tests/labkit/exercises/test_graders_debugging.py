@@ -125,7 +125,8 @@ def test_every_stage_sending_first_deadlocks_and_names_the_waiting_ranks(
     assert not _grade(ALL_SEND_FIRST, grading_world, as_notebook)
     out = capsys.readouterr().out
     assert out.startswith("Not yet: on input 'a 1-element message' ranks [0, 1, 2, 3]"), out
-    assert "(The world was restarted.)" in out and "even stages send first" in out
+    assert "(The world was restarted.)" in out and "which part to play" in out
+    assert "even" not in out and "odd" not in out     # the hint points to the idea only
     assert _groups(grading_world) == [(2, 1)] * 4
     assert grading_world.run("x = torch.ones(1); dist.all_reduce(x); x.item()") == [4.0] * 4
 
@@ -151,6 +152,34 @@ def test_a_stage_that_skips_its_previous_neighbour_leaves_it_waiting(grading_wor
 def test_the_stub_has_no_answer_yet(grading_world, as_notebook, capsys):
     assert not _grade(STUB, grading_world, as_notebook)
     assert capsys.readouterr().out.startswith("No answer yet: my_exchange still raises")
+
+
+# Megatron-core's _p2p_ops (core_v0.19.2 and 0.16.1 alike), read by hand: an even group rank
+# posts send-next, recv-prev, send-prev, recv-next; an odd one recv-prev, send-next, recv-next,
+# send-prev; the calls towards a neighbour that does not exist are left out.
+MEGATRON_AT_4 = {0: ["send>1", "recv<1"],
+                 1: ["recv<0", "send>2", "recv<2", "send>0"],
+                 2: ["send>3", "recv<1", "send>1", "recv<3"],
+                 3: ["recv<2", "send>2"]}
+
+
+def test_after_the_attempt_the_learners_order_sits_next_to_megatrons(as_notebook, capsys):
+    from mpu_lab.labkit import megatron_core
+    if not megatron_core.available():
+        pytest.skip(megatron_core.missing())
+    got = debugging.compare_with_megatron(as_notebook(OWN_SOLUTION)["solution_exchange"])
+    assert {s: theirs for s, (_, theirs) in got.items()} == MEGATRON_AT_4
+    # the solution: even stages send then receive, towards the previous stage first
+    assert got[1][0] == ["recv<0", "send>0", "recv<2", "send>2"]
+    assert got[2][0] == ["send>1", "recv<1", "send>3", "recv<3"]
+    out = capsys.readouterr().out
+    assert "1      recv<0  send>0  recv<2  send>2  recv<0  send>2  recv<2  send>0" in out, out
+
+
+def test_before_the_attempt_nothing_of_megatrons_order_is_shown(as_notebook, capsys):
+    assert debugging.compare_with_megatron(as_notebook(STUB)["my_exchange"]) is None
+    out = capsys.readouterr().out
+    assert out.startswith("No answer yet: my_exchange still raises") and "send>" not in out
 
 
 def test_messages_name_their_stage():
