@@ -9,10 +9,12 @@
 * :data:`ZIGZAG_LAYOUT` — ``my_zigzag(tokens, group)``: this CP rank's part of a ``[b, s]``
   tensor in Megatron's layout (chunks ``r`` and ``2cp-1-r`` of ``2cp``), compared with the
   mirror's ``get_batch_on_this_cp_rank``.
+* :func:`check_last_rank_share` — the prediction of §3: the last rank's share of the causal
+  work under a contiguous split.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,8 @@ from mpu_lab import context_parallel, distributed
 from mpu_lab.comm import exchange
 from mpu_lab.context_parallel.block_attention import block_forward
 from mpu_lab.context_parallel.ring_attention import block_pair
-from mpu_lab.labkit.cp_lessons import attention_inputs, dense_lse
+from mpu_lab.labkit.cp_lessons import attention_inputs, causal_work, dense_lse
+from mpu_lab.labkit.exercises.common import Verdict, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
 
 
@@ -134,3 +137,35 @@ ZIGZAG_LAYOUT = Exercise(
          "chunk 2*cp-1-r, concatenated in that order. cp and r come from the group "
          "(dist.get_world_size(group), dist.get_rank(group)), not from the world.",
     ranks_needed=_two_ranks_or_more)
+
+
+# --------------------------------------------------------------------------- the prediction
+def last_rank_share(cp: int) -> float:
+    """The last of ``cp`` contiguous slices' share of the causal (query, key) pairs, for a long
+    sequence: ``(2cp - 1) / cp**2`` (its queries see on average ``(2cp - 1)/(2cp)`` of the
+    sequence; all queries together ``1/2`` of it)."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be a positive integer, got {cp!r}")
+    return (2 * cp - 1) / cp ** 2
+
+
+def check_last_rank_share(answer: Any, cp: int, atol: float = 0.01) -> Verdict:
+    """The share (a fraction, or a percentage above 1) of the causal work the last of ``cp``
+    ranks gets under a contiguous split of a long sequence (:func:`last_rank_share`)."""
+    if unanswered(answer, "a fraction, e.g. 0.25"):
+        return Verdict(False)
+    expected = last_rank_share(cp)
+    try:
+        given = float(answer)
+    except (TypeError, ValueError):
+        given = None
+    if given is not None and given > 1:
+        given /= 100
+    s = 64 * cp
+    counted = causal_work(s, cp, "contiguous")
+    return verdict(given is not None and abs(given - expected) <= atol,
+                   f"(2cp - 1)/cp^2 = {expected:.4f} for a long sequence, against a fair "
+                   f"{1 / cp:.4f} (counted at s = {s}: {counted[-1] / sum(counted):.4f}).",
+                   f"{answer!r} is not it. Hint: the last slice holds positions from "
+                   f"(cp-1)s/cp to s; a query at p sees p + 1 keys; all queries together see "
+                   f"about s^2/2 pairs.")
