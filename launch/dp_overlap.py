@@ -18,6 +18,7 @@ gradient) and (:class:`mpu_lab.perf.comm_timing.CommTimer`) when each bucket's r
 issued, done (its future completed) and waited for. Rank 0 prints one line per mode; every
 rank reports ``{"rank", "d", "device", "modes": {mode: record}}``.
 """
+import os
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from mpu_lab import distributed, launcher, training
 from mpu_lab.perf import dp_overlap
+from mpu_lab.perf import rank_clock
 from mpu_lab.perf.comm_timing import CommCall, CommTimer
 from mpu_lab.perf.step_timer import StepTimer
 
@@ -187,11 +189,25 @@ def measure(train_argv: Sequence[str], modes: Sequence[str], steps: int, warmup:
     return {m: out[m] for m in modes}
 
 
+def pin_to_own_core() -> int:
+    """On a CPU-only machine: this rank and every thread it starts later (gloo's included) on
+    one core of its own, one thread for torch's kernels; returns the core, or -1 where there
+    is a GPU or the system cannot pin."""
+    if torch.cuda.is_available():
+        return -1
+    core = rank_clock.core_for(int(os.environ.get("LOCAL_RANK", "0")))
+    if not rank_clock.pin_process(os.getpid(), core):
+        return -1
+    torch.set_num_threads(1)
+    return core
+
+
 @launcher.entrypoint
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    core = pin_to_own_core() if "--pin" in argv else -1     # before gloo starts its threads
     info = distributed.init()
-    a, train_argv = dp_overlap.check_args(sys.argv[1:] if argv is None else argv,
-                                          info.world_size)
+    a, train_argv = dp_overlap.check_args(argv, info.world_size)
     modes = measure(train_argv, a.modes, a.steps, a.warmup, a.profile_dir)
     for mode, rec in modes.items():
         exposed = sorted(s["exposed_ms"] for s in rec["steps"])[len(rec["steps"]) // 2]
@@ -199,7 +215,7 @@ def main(argv=None):
         if lines is not None:
             print(f"{mode}: {len(rec['buckets'])} buckets; exposed communication per rank "
                   f"(ms, median of {a.steps}): {', '.join(lines)}")
-    launcher.report({"rank": info.rank, "d": info.world_size,
+    launcher.report({"rank": info.rank, "d": info.world_size, "core": core,
                      "device": str(distributed.get_device()), "modes": modes})
     distributed.shutdown()
     return 0

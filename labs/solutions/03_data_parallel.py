@@ -1,8 +1,18 @@
-# Lab 03, section 7: one answer to my_distributed_step. Load it on purpose, in a new cell:
+# Lab 03: answers to the write-the-code exercises. Load them on purpose, in a new cell:
 #     %load solutions/03_data_parallel.py
-# run that cell, then grade it:
+# run that cell, then grade one:
+#     exercises.grade(solution_grad_ready_hook, dp_exercises.BUCKET_HOOK, world)
 #     exercises.grade(solution_distributed_step, exercises.DISTRIBUTED_STEP, world)
-# It runs on the ranks, where torch and dist exist.
+# They run on the ranks, where torch and dist exist.
+
+
+def solution_grad_ready_hook(param, state):
+    state.counts[param] += 1                       # one more micro-batch's gradient is in
+    bucket = state.bucket_of(param)
+    if all(state.counts[p] == state.num_micro_batches for p in bucket.params):
+        # the whole bucket is final: reduce it while backward goes on with earlier layers
+        state.pending[bucket.index] = dist.all_reduce(bucket.grad_data, group=state.group,
+                                                      async_op=True)
 
 
 def solution_distributed_step(param, grad, lr, group):

@@ -30,8 +30,10 @@ from mpu_lab.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from mpu_lab.labkit import gpt_runs
 from mpu_lab.labkit.viz.rank_groups import format_groups
 from mpu_lab.perf import explore
+from mpu_lab.perf.dp_overlap import overlap_saving
 from mpu_lab.perf.cost_model import bytes_per_parameter_terms, format_bytes_per_parameter
-from mpu_lab.perf.memory import mpu_lab_bytes_per_parameter
+from mpu_lab.perf.memory import format_memory_table, mpu_lab_bytes_per_parameter
+from mpu_lab.perf.rank_clock import cores_note, usable_cores
 
 
 # --------------------------------------------------------------------------- 1. groups
@@ -152,7 +154,69 @@ def print_started_in_backward(result) -> None:
         print(f"{mode:<32} buckets started during backward: {text}")
 
 
+def timing_ranks(world_size: int, device: Optional[str] = None) -> int:
+    """Ranks for the overlap timing: ``world_size`` on GPUs (a device per rank); on a CPU as
+    many as it has usable cores, at least 2 (data parallelism needs two) and at most
+    ``world_size``: a rank that shares a core lends it out while it waits, and the timing
+    would show the sharing, not the overlap. ``device``: "cpu" or "cuda" (default: "cuda"
+    where torch sees a GPU)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":
+        return world_size
+    return max(2, min(world_size, len(usable_cores())))
+
+
+def print_overlap_verdict(result) -> None:
+    """What the overlap run measured, said plainly: per mode pair the step and the exposed
+    communication without and with overlap, then whether this machine shows a saving, and on
+    a CPU why it cannot show the GPU's."""
+    print(f"measured on d = {result.d} ranks ({result.device}"
+          + (", each pinned to a core of its own, one thread)" if result.device == "cpu"
+             and all(r.get("core", -1) >= 0 for r in result.reports) else ")"))
+    rows = overlap_saving(result)
+    for r in rows:
+        print(f"  {r['mode']}: step {r['step_ms']:.0f} -> {r['step_overlap_ms']:.0f} ms with "
+              f"overlap ({r['saved_pct']:+.0f} %); exposed communication {r['exposed_ms']:.0f} "
+              f"-> {r['exposed_overlap_ms']:.0f} ms")
+    note = cores_note(result.d)
+    if note:
+        print("  " + note)
+    if result.device == "cpu":
+        saved = [r["saved_pct"] for r in rows]
+        shown = "a saving" if saved and min(saved) >= 5 else "no clear saving"
+        print(f"  this machine shows {shown}. On a CPU it cannot show the GPU's: gloo's "
+              f"all-reduce is work (copying and adding the buckets over loopback sockets) done "
+              f"by the same core that computes backward, so overlap only interleaves the two "
+              f"on that core; on a GPU the reduction runs on NVLink / the network beside the "
+              f"compute kernels.")
+
+
 # --------------------------------------------------------------------------- 4. memory
+def _rank_label(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def print_memory_table(rows: Sequence[dict]) -> None:
+    """:func:`mpu_lab.perf.memory.format_memory_table` with the ranks that measured and were
+    predicted exactly the same merged into one line ("0-3"): the data-parallel replicas."""
+    by_key: Dict[tuple, Dict[int, list]] = {}
+    for r in rows:
+        by_key.setdefault((r["config"], r["optimizer"]), {}).setdefault(r["rank"], []).append(r)
+    merged = []
+    for per_rank in by_key.values():
+        groups: Dict[tuple, List[int]] = {}
+        for rank, rs in per_rank.items():
+            sig = tuple(sorted((x["term"], x["measured"], x["predicted"]) for x in rs))
+            groups.setdefault(sig, []).append(rank)
+        for ranks in groups.values():
+            merged += [dict(x, rank=_rank_label(ranks)) for x in per_rank[ranks[0]]]
+    print(format_memory_table(merged))
+
+
 def print_bytes_per_parameter(rows: Sequence[dict]) -> None:
     """From :func:`mpu_lab.perf.memory.run_memory_breakdown` rows: per configuration and
     optimizer, rank 0's measured bytes of parameters, gradients and optimizer states, per

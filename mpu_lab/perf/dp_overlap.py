@@ -54,7 +54,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from mpu_lab import launcher, training
-from mpu_lab.perf import kernel_timeline
+from mpu_lab.perf import dp_overlap_model, kernel_timeline
 
 # name -> (train_gpt.py flags, overlap on). Without either flag train_gpt.py uses torch DDP, so
 # "all-reduce" is built with --overlap-grad-reduce and the wrapper's overlap_grad_reduce off.
@@ -93,6 +93,9 @@ def parser() -> argparse.ArgumentParser:
                    help="elements per gradient bucket (--ddp-bucket-size)")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated, of: {', '.join(MODES)}")
+    p.add_argument("--pin", action="store_true",
+                   help="on a CPU: pin each rank (all its threads) to a core of its own, one "
+                        "thread: the timing then shows what a device per rank would")
     p.add_argument("--profile-dir", default=None,
                    help="also run the timed steps under torch.profiler (lab 12's traces): "
                         "DIR/<mode number>/rank<r>.trace.json")
@@ -159,18 +162,21 @@ def _flag_list(model: Dict[str, object]) -> List[str]:
 
 def run_dp_overlap(nproc: int = 4, steps: int = 3, bucket_size: int = DEFAULT_BUCKET_SIZE,
                    modes: Sequence[str] = tuple(MODES), warmup: int = 1, profile: bool = False,
-                   show: str = "none", timeout_s: float = 300.0,
+                   show: str = "none", timeout_s: float = 300.0, pin: bool = False,
                    env: Optional[Dict[str, str]] = None, **model_kwargs) -> DPOverlapResult:
     """Run ``launch/dp_overlap.py`` at DP = ``nproc`` (ONE torchrun job, every mode in it).
     ``model_kwargs``: train_gpt.py's flags as keywords (``num_layers=4``, ``hidden_size=128``,
     ...) over :data:`DEFAULT_MODEL`. ``profile``: also record lab 12's profiler traces (for
-    :func:`kernel_timelines`; slower). Bad values raise ``ValueError`` before anything starts."""
+    :func:`kernel_timelines`; slower). ``pin``: on a CPU, each rank on a core of its own with one
+    thread (use at most as many ranks as :func:`mpu_lab.perf.rank_clock.usable_cores`). Bad values raise ``ValueError`` before anything starts."""
     model = {**DEFAULT_MODEL, **model_kwargs}
     model.setdefault("global_batch_size", model["micro_batch_size"] * nproc)
     argv = _flag_list(model) + ["--steps", steps, "--warmup", warmup,
                                 "--bucket-size", bucket_size, "--modes", ",".join(modes)]
     if profile:
         argv += ["--profile-dir", tempfile.mkdtemp(prefix="dp_overlap_traces_")]
+    if pin:
+        argv.append("--pin")
     start = time.perf_counter()
     job = launcher.run("dp_overlap.py", [str(a) for a in argv], nproc=nproc, show=show,
                        timeout_s=timeout_s, env=env)
@@ -289,4 +295,47 @@ def format_volume_table(result: DPOverlapResult) -> str:
         totals[row["mode"]] = totals.get(row["mode"], 0.0) + row["sent_bytes"]
     lines += [f"{mode:<31} {'total sent per rank':<36} {'':>16} {sent / 1e6:8.3f}"
               for mode, sent in totals.items()]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the bucket-size sweep
+def sweep_rows(results: Dict[int, DPOverlapResult]) -> List[dict]:
+    """``{bucket size: run_dp_overlap(...) with the two all-reduce modes}`` -> one row per
+    size: buckets, the measured exposed communication without and with overlap (median over
+    steps, mean over ranks, s), and the overlap model's (:mod:`mpu_lab.perf.dp_overlap_model`)
+    for the same buckets, with this machine's channel fitted to the runs without overlap and
+    the measured backward."""
+    rows = []
+    for size, result in sorted(results.items()):
+        rec = result.mode("all-reduce")[0]
+        mean = lambda m, k: statistics.fmean(_median(r, k) for r in result.mode(m)) / 1e3  # noqa: E731
+        rows.append(dict(bucket_numel=size, buckets=len(rec["buckets"]),
+                         bucket_bytes=[4.0 * b["padded"] for b in rec["buckets"]],
+                         bytes=4.0 * rec["grad_numel_padded"], d=result.d,
+                         backward_s=mean("all-reduce", "backward_ms"),
+                         exposed_off_s=mean("all-reduce", "exposed_ms"),
+                         exposed_on_s=mean("all-reduce + overlap", "exposed_ms")))
+    channel = dp_overlap_model.fit_channel(rows, rows[0]["d"]) if len(rows) > 1 else None
+    for r in rows:
+        r["model_on_s"] = None if channel is None else dp_overlap_model.bucket_timeline(
+            r["bucket_bytes"], r["backward_s"], r["d"], channel["alpha_s"], channel["busbw"],
+            overlap=True).exposed_s
+        r["channel"] = channel
+    return rows
+
+
+def format_sweep(rows: Sequence[dict]) -> str:
+    """The sweep as a table (ms), and the channel fitted to it."""
+    lines = [f"{'bucket (elements)':>18} {'buckets':>8} {'backward':>9} {'exposed: no overlap':>20}"
+             f" {'overlap':>8} {'model, overlap':>15}"]
+    for r in rows:
+        model = "-" if r["model_on_s"] is None else f"{1e3 * r['model_on_s']:.1f}"
+        lines.append(f"{r['bucket_numel']:>18,} {r['buckets']:>8} {1e3 * r['backward_s']:>9.1f}"
+                     f" {1e3 * r['exposed_off_s']:>20.1f} {1e3 * r['exposed_on_s']:>8.1f}"
+                     f" {model:>15}")
+    channel = rows[0]["channel"] if rows else None
+    if channel:
+        lines.append(f"(ms, d = {rows[0]['d']}; the model's channel, fitted to the runs without "
+                     f"overlap: alpha {1e6 * channel['alpha_s']:.0f} us per ring step, bus "
+                     f"bandwidth {channel['busbw'] / 1e9:.2f} GB/s)")
     return "\n".join(lines)

@@ -5,7 +5,8 @@ the rows the timeline draws. One 4-rank torchrun job for the whole file."""
 import pytest
 
 from mpu_lab.labkit.viz.dp_overlap import plot_dp_timeline
-from mpu_lab.perf import dp_overlap
+from mpu_lab.labkit import dp_lessons
+from mpu_lab.perf import dp_overlap, dp_overlap_model, rank_clock
 
 D = 4
 BUCKET_SIZE = 5000
@@ -27,7 +28,12 @@ PLAIN, OVERLAP = "all-reduce", "distributed optimizer + overlap"
 @pytest.fixture(scope="module")
 def result():
     return dp_overlap.run_dp_overlap(nproc=D, steps=2, warmup=0, bucket_size=BUCKET_SIZE,
-                                     modes=(PLAIN, OVERLAP), timeout_s=120, **MODEL)
+                                     modes=(PLAIN, OVERLAP), timeout_s=120, pin=True, **MODEL)
+
+
+def test_pinned_ranks_report_their_own_core(result):
+    cores = rank_clock.usable_cores()
+    assert [r["core"] for r in result.reports] == [cores[k % len(cores)] for k in range(D)]
 
 
 def test_buckets_are_the_layout_worked_by_hand(result):
@@ -151,3 +157,57 @@ def test_timeline_draws_the_ranks_asked_for(result):
     assert "ranks 2 shown" in ax.get_xlabel()
     with pytest.raises(ValueError, match="subset of 0..3"):
         plot_dp_timeline(result, ranks=[4])
+
+
+def _sweep_result(buckets, backward, exposed_off, exposed_on):
+    rec = lambda exposed: dict(  # noqa: E731
+        buckets=[dict(padded=n) for n in buckets], grad_numel_padded=sum(buckets),
+        steps=[dict(step_ms=backward + exposed, backward_ms=backward, exposed_ms=exposed)])
+    return dp_overlap.DPOverlapResult(
+        d=2, modes=["all-reduce", "all-reduce + overlap"], bucket_size=buckets[0],
+        train_argv=[], wall_s=0.0,
+        reports=[{"device": "cpu", "core": k, "modes": {"all-reduce": rec(exposed_off),
+                                                       "all-reduce + overlap": rec(exposed_on)}}
+                 for k in range(2)])
+
+
+def test_sweep_rows_fit_the_channel_and_run_the_model_worked_by_hand():
+    # d = 2, alpha 1 ms per ring step (2 steps), 1 byte per us: 1000 fp32 elements = 4 ms.
+    # 4 buckets of 1000: off = 4 x 2 + 16 = 24 ms; 1 bucket of 4000: off = 2 + 16 = 18 ms
+    results = {1000: _sweep_result([1000] * 4, 40, 24, 10),
+               4000: _sweep_result([4000], 40, 18, 18)}
+    rows = dp_overlap.sweep_rows(results)
+    assert [r["buckets"] for r in rows] == [4, 1]
+    assert rows[0]["channel"]["alpha_s"] == pytest.approx(1e-3)
+    assert rows[0]["channel"]["busbw"] == pytest.approx(1e6)
+    # the model: bucket i ready at 10 (i + 1) ms, each 6 ms long: the last ends at 46: 6 exposed
+    assert rows[0]["model_on_s"] == pytest.approx(6e-3)
+    assert rows[1]["model_on_s"] == pytest.approx(18e-3)      # one bucket: nothing to overlap
+    table = dp_overlap.format_sweep(rows)
+    assert "alpha 1000 us per ring step, bus bandwidth 0.00 GB/s" in table
+    assert dp_overlap_model.fit_channel(rows, 2)["alpha_s"] == pytest.approx(1e-3)
+
+
+def test_the_overlap_verdict_says_plainly_what_the_cpu_showed(capsys):
+    dp_lessons.print_overlap_verdict(_sweep_result([1000], 40, 20, 20))
+    out = capsys.readouterr().out
+    assert out.startswith("measured on d = 2 ranks (cpu, each pinned to a core of its own")
+    assert "this machine shows no clear saving. On a CPU it cannot show the GPU's" in out
+    dp_lessons.print_overlap_verdict(_sweep_result([1000], 40, 30, 5))
+    assert "this machine shows a saving." in capsys.readouterr().out
+
+
+def test_timing_ranks_fit_the_cores():
+    cores = len(rank_clock.usable_cores())
+    assert dp_lessons.timing_ranks(8, "cuda") == 8
+    assert dp_lessons.timing_ranks(8, "cpu") == max(2, min(8, cores))
+    assert dp_lessons.timing_ranks(2, "cpu") == 2
+
+
+def test_the_memory_table_merges_ranks_that_measured_the_same(capsys):
+    row = lambda rank, m: dict(config="t=1 p=1 d=4", optimizer="AdamW", rank=rank,  # noqa: E731
+                               term="parameters", measured=m, predicted=1024)
+    dp_lessons.print_memory_table([row(0, 2048), row(1, 2048), row(2, 2048), row(3, 1024)])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4                     # title, header, ranks 0-2, rank 3
+    assert lines[2].split()[4:7] == ["0-2", "2.0", "/"] and lines[3].split()[4] == "3"

@@ -8,12 +8,14 @@ everything)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Optional
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from mpu_lab import comm, distributed, parallel_state
+from mpu_lab.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from mpu_lab.labkit.exercises.common import Verdict, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
 from mpu_lab.perf.bandwidth import bus_factor
@@ -206,3 +208,198 @@ DISTRIBUTED_STEP = Exercise(
          "data-parallel group, not the world), reduce-scatter it over the group and divide by "
          "d: your shard of the average. Update the same shard of the (padded) parameters, "
          "all-gather the shards over the group, and drop the padding.")
+
+
+# --------------------------------------------------------------------------- the bucket hook
+# The learner writes ``my_grad_ready_hook(param, state)``: the hook Megatron's DDP puts on
+# every parameter's gradient accumulation. Autograd calls it each time one micro-batch's
+# gradient of ``param`` has been added to ``param.main_grad`` (a view into the flat gradient
+# buffer, so into a bucket's ``grad_data``). Once every parameter of a bucket has had all its
+# micro-batches, the hook starts that bucket's all-reduce asynchronously and leaves the handle
+# in ``state.pending``; backward goes on while the bucket is reduced. The grader waits for
+# the handles after backward and divides by d, as ``finish_grad_sync`` does.
+@dataclasses.dataclass
+class BucketState:
+    """What the hook sees: the mirror's buckets (``.index``, ``.params``, ``.grad_data``),
+    the data-parallel ``group``, ``num_micro_batches``, ``counts`` (param -> gradients added
+    this step, 0 at the start: the hook keeps it) and ``pending`` (bucket index -> the handle
+    of its started all-reduce: the hook fills it)."""
+
+    buckets: List[Bucket]
+    group: Any
+    num_micro_batches: int
+    counts: Dict[torch.nn.Parameter, int]
+    pending: Dict[int, Any]
+    _where: Dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
+        """The bucket that holds ``param``'s gradient."""
+        return self.buckets[self._where[id(param)]]
+
+
+def hook_mlp(sizes: Sequence[int], seed: int) -> torch.nn.Sequential:
+    """The exercise's model: Linear, tanh, ..., Linear (fp32), made under ``seed``."""
+    torch.manual_seed(seed)
+    layers: List[torch.nn.Module] = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def hook_batches(sizes: Sequence[int], d: int, micro_batches: int, seed: int):
+    """``[rank][micro-batch] -> (x, y)``: every data-parallel rank's micro-batches (4 samples
+    each), the same on every rank, so each can build the whole global batch for the
+    reference."""
+    gen = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(4, sizes[0], generator=gen), torch.randn(4, sizes[-1], generator=gen))
+             for _ in range(micro_batches)] for _ in range(d)]
+
+
+class _AllReduceLog:
+    """While open: every ``dist.all_reduce`` (and ``mpu_lab.comm``'s) call, with the bucket
+    its tensor is (or None), whether it was asynchronous, whether backward was running and
+    how many gradients each of the bucket's parameters had then (the harness's own count)."""
+
+    def __init__(self, buckets: List[Bucket], counts: Dict[int, int], running: List[bool]):
+        self.buckets, self.counts, self.running = buckets, counts, running
+        self.calls: List[Dict[str, Any]] = []
+        self._saved: List[tuple] = []
+
+    def _bucket(self, tensor) -> Optional[Bucket]:
+        for b in self.buckets:
+            if torch.is_tensor(tensor) and tensor.data_ptr() == b.grad_data.data_ptr() \
+                    and tensor.numel() == b.numel:
+                return b
+        return None
+
+    def _note(self, tensor, is_async: bool) -> None:
+        b = self._bucket(tensor)
+        self.calls.append(dict(
+            bucket=None if b is None else b.index, is_async=is_async,
+            numel=tensor.numel() if torch.is_tensor(tensor) else None,
+            in_backward=self.running[0],
+            counts=[] if b is None else [self.counts[id(p)] for p in b.params]))
+
+    def __enter__(self):
+        original = dist.all_reduce
+
+        def all_reduce(tensor, *args, **kwargs):
+            self._note(tensor, bool(kwargs.get("async_op", args[2] if len(args) > 2 else False)))
+            return original(tensor, *args, **kwargs)
+
+        def all_reduce_async(tensor, group=None, *args, **kwargs):
+            self._note(tensor, True)
+            return comm_async(tensor, group, *args, **kwargs)
+        comm_async = comm.all_reduce_async
+        self._saved = [(dist, "all_reduce", original), (comm, "all_reduce_async", comm_async)]
+        dist.all_reduce, comm.all_reduce_async = all_reduce, all_reduce_async
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, fn in self._saved:
+            setattr(module, name, fn)
+
+
+def _hook_verdict(log: _AllReduceLog, state: BucketState, m: int, where: str) -> Outcome:
+    """What the hook's all-reduces say before the values are compared."""
+    expected = (f"one asynchronous all-reduce per bucket, on bucket.grad_data, started during "
+                f"backward once all its parameters had their {m} gradient(s), in bucket order "
+                f"0..{len(state.buckets) - 1}")
+    for c in log.calls:
+        if c["bucket"] is None:
+            return Outcome(False, f"{where} the all-reduces your hook started", expected,
+                           f"an all-reduce of {c['numel']} elements, which is not a bucket's "
+                           f"grad_data")
+        if not c["is_async"]:
+            return Outcome(False, f"{where} the all-reduces your hook started", expected,
+                           f"bucket {c['bucket']}'s all-reduce with async_op=False: backward "
+                           f"stood still until it was done")
+        if min(c["counts"]) < m:
+            return Outcome(False, f"{where} the all-reduces your hook started", expected,
+                           f"bucket {c['bucket']} started when one of its parameters had "
+                           f"{min(c['counts'])} of its {m} gradient(s)")
+    started = [c["bucket"] for c in log.calls]
+    if len(set(started)) < len(started):
+        return Outcome(False, f"{where} the all-reduces your hook started", expected,
+                       f"buckets started in the order {started}: one twice")
+    missing = [b.index for b in state.buckets if b.index not in state.pending]
+    if missing or sorted(state.pending) != sorted(started):
+        return Outcome(False, f"{where} the handles in state.pending after backward", expected,
+                       f"started {started}, handles for {sorted(state.pending)}: bucket(s) "
+                       f"{missing or 'with no all-reduce'} never reduced")
+    if started != sorted(started) or not all(c["in_backward"] for c in log.calls):
+        return Outcome(False, f"{where} when the all-reduces started", expected,
+                       f"order {started}, during backward: "
+                       f"{[c['in_backward'] for c in log.calls]}")
+    return Outcome(True)
+
+
+def run_bucket_hook_case(learner: Callable, case: Case) -> Outcome:
+    """Runs on every rank: the MLP's gradients in the mirror's buffer, the learner's hook on
+    every parameter, ``micro_batches`` backward passes of this rank's data; then the wait and
+    the average. Graded against a dense single-process reference on the whole global batch
+    (every rank's micro-batches), and by the all-reduces the hook started."""
+    group = parallel_state.get_data_parallel_group()
+    d, me = dist.get_world_size(group=group), dist.get_rank(group=group)
+    sizes, m, seed = case.params["sizes"], case.params["micro_batches"], case.params["seed"]
+    where = f"data-parallel rank {me} of {d}:"
+    data = hook_batches(sizes, d, m, seed + 1)
+    reference = hook_mlp(sizes, seed)
+    loss = sum(torch.nn.functional.mse_loss(reference(x), y) for rank in data for x, y in rank)
+    (loss / (d * m)).backward()
+
+    model = hook_mlp(sizes, seed)
+    buffer = ParamAndGradBuffer(list(model.parameters()), d, case.params["bucket_size"])
+    for p in buffer.params:
+        p.grad = p.main_grad                    # autograd accumulates into the buffer
+    state = BucketState(buffer.buckets, group, m, {p: 0 for p in buffer.params}, {},
+                        {id(p): buffer.param_range(p)[0] for p in buffer.params})
+    counts, running = {id(p): 0 for p in buffer.params}, [False]
+
+    def count(param):                           # the harness's own count, before the hook's
+        counts[id(param)] += 1
+    handles = [p.register_post_accumulate_grad_hook(count) for p in buffer.params]
+    handles += [p.register_post_accumulate_grad_hook(lambda p: learner(p, state))
+                for p in buffer.params]
+    try:
+        with _AllReduceLog(buffer.buckets, counts, running) as log:
+            for x, y in data[me]:
+                running[0] = True
+                (torch.nn.functional.mse_loss(model(x), y) / m).backward()
+                running[0] = False
+    finally:
+        for h in handles:
+            h.remove()
+    for index in sorted(state.pending):          # finish_grad_sync: wait, then average
+        handle = state.pending[index]
+        if hasattr(handle, "wait"):
+            handle.wait()
+    out = _hook_verdict(log, state, m, where)
+    if not out.ok:
+        return out
+    for b in buffer.buckets:
+        b.grad_data.div_(d)
+    names = dict((id(p), n) for n, p in model.named_parameters())
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        out = compare(f"{where} the averaged gradient of {names[id(p)]}", p_ref.grad, p.main_grad)
+        if not out.ok:
+            return out
+    return Outcome(True)
+
+
+BUCKET_HOOK = Exercise(
+    name="my_grad_ready_hook",
+    run_case=run_bucket_hook_case,
+    cases=[
+        Case("one bucket, 1 micro-batch", dict(sizes=[6, 8, 4], micro_batches=1,
+                                              bucket_size=None, seed=1)),
+        Case("a bucket of about 20 elements each, 1 micro-batch",
+             dict(sizes=[6, 8, 4], micro_batches=1, bucket_size=20, seed=2)),
+        Case("buckets of about 40 elements, 2 micro-batches",
+             dict(sizes=[6, 8, 8, 4], micro_batches=2, bucket_size=40, seed=3)),
+        Case("one parameter per bucket, 3 micro-batches",
+             dict(sizes=[5, 7, 3], micro_batches=3, bucket_size=1, seed=4)),
+    ],
+    hint="a bucket is ready when each of its parameters has had one gradient per micro-batch, "
+         "not before; then its all-reduce must not hold backward up. What does dist.all_reduce "
+         "return when asked not to wait?")

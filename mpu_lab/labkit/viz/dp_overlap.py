@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 from matplotlib.figure import Figure
 
 from mpu_lab.labkit.viz.performance import BREAKDOWN_COLORS
+from mpu_lab.perf.dp_overlap_model import StepTimeline
 from mpu_lab.labkit.viz.style import new_figure, styled
 
 _COMPUTE, _COMM = BREAKDOWN_COLORS["compute"], BREAKDOWN_COLORS["dp all_reduce"]
@@ -37,7 +38,7 @@ def timeline_rows(result, mode: str, step: int = -1, ranks: Optional[Sequence[in
         for sync in sorted(s["syncs"], key=lambda x: (x["chunk"], x["bucket"])):
             rows.append((f"rank {rank} bucket {sync['bucket']}",
                          [(shift + sync["start_ms"], shift + sync["done_ms"],
-                           str(sync["bucket"]))]))
+                           f"b{sync['bucket']}")]))
     return rows
 
 
@@ -57,7 +58,7 @@ def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = 
         raise ValueError(f"ranks {ranks} must be a non-empty subset of 0..{result.d - 1}")
     per_mode = {m: timeline_rows(result, m, step, ranks) for m in modes}
     n_rows = max(len(rows) for rows in per_mode.values())
-    fig = new_figure(9.5, 1.0 + len(modes) * (0.1 * n_rows + 0.45))
+    fig = new_figure(9.5, 1.0 + len(modes) * (0.22 * n_rows + 0.5))
     fig.set_layout_engine("constrained")
     axes = fig.subplots(len(modes), 1, sharex=True, squeeze=False)[:, 0]
     for ax, mode in zip(axes, modes):
@@ -70,8 +71,8 @@ def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = 
                 ax.barh(y, end - start, left=start, height=0.8 if is_compute else 0.7,
                         color=_COMPUTE if is_compute else _COMM, edgecolor="white",
                         linewidth=0.3)
-                if is_compute:
-                    ax.text(start + 2, y, text, va="center", fontsize=6, color="white")
+                ax.text(start + 0.01 * (end - start), y, text, va="center", fontsize=8,
+                        color="white" if is_compute else "black")
         for rank, s in enumerate(records):        # wait() returned; backward's end
             if rank not in ranks:
                 continue
@@ -87,7 +88,7 @@ def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = 
                 ax.axhline(first - 0.5, color="#cccccc", linewidth=0.5)
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([label if label.endswith("backward") else label.split(" ", 2)[2]
-                            for label, _ in rows], fontsize=6)
+                            for label, _ in rows], fontsize=8)
         ax.set_ylim(len(rows) - 0.5, -0.5)
         exposed = ", ".join(f"{records[r]['exposed_ms']:.0f}" for r in ranks)
         ax.set_title(f"{mode}: this step's exposed communication per rank {exposed} ms",
@@ -98,6 +99,37 @@ def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = 
     axes[-1].set_xlabel(f"ms from the first backward start of the step (d = {result.d}, "
                         f"{result.device}{shown})\ngreen: backward; orange: a bucket's reduction, "
                         f"issued to done (thin line: until waited for); dotted: backward's end")
+    if title:
+        fig.suptitle(title, x=0.01, ha="left")
+    return fig
+
+
+@styled
+def plot_predicted_dp_timeline(timelines, title: str = "") -> Figure:
+    """:func:`mpu_lab.perf.dp_overlap_model.predict_dgx_h100`'s two steps, one panel each
+    (without, with overlap), labelled PREDICTED: backward (green) and the buckets'
+    all-reduces one after another on the communication channel (orange, alternate shades),
+    in ms from backward's start; the dotted line is backward's end."""
+    fig = new_figure(9.5, 2.8)
+    fig.set_layout_engine("constrained")
+    axes = fig.subplots(2, 1, sharex=True)
+    for ax, flag in zip(axes, (False, True)):
+        t: StepTimeline = timelines[flag]
+        ax.barh(1, 1e3 * t.backward_s, color=_COMPUTE, height=0.7)
+        ax.text(1.0, 1, f"backward {1e3 * t.backward_s:.0f} ms", va="center", fontsize=8,
+                color="white")
+        for i, (start, end) in enumerate(zip(t.start_s, t.end_s)):
+            ax.barh(0, 1e3 * (end - start), left=1e3 * start, height=0.7, color=_COMM,
+                    alpha=1.0 if i % 2 else 0.6, edgecolor="white", linewidth=0.2)
+        ax.axvline(1e3 * t.backward_s, color="black", linestyle=":", linewidth=0.8)
+        ax.set_yticks([0, 1])
+        ax.set_yticklabels([f"{len(t.start_s)} all-reduces", "backward"], fontsize=8)
+        ax.set_title(f"PREDICTED, {'with' if flag else 'without'} overlap: exposed "
+                     f"{1e3 * t.exposed_s:.1f} ms, step (backward + exposed) "
+                     f"{1e3 * t.step_s:.0f} ms", loc="left", fontsize=9)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[-1].set_xlabel(f"ms from backward's start; {timelines[True].label}")
     if title:
         fig.suptitle(title, x=0.01, ha="left")
     return fig

@@ -203,3 +203,78 @@ def test_every_configuration_that_fits_still_fits_with_the_distributed_optimizer
                                      distributed_optimizer=True).candidates}
     assert all(sharded[k] for k, fits in plain.items() if fits)
     assert counts[False][0] == sum(plain.values()) < counts[True][0] == sum(sharded.values())
+
+
+# --------------------------------------------------------------------------- the bucket hook
+HOOK_STUB = '''
+def my_grad_ready_hook(param, state):
+    raise NotImplementedError("start a bucket's all-reduce once it is ready")
+'''
+HOOK = '''
+def my_grad_ready_hook(param, state):
+    state.counts[param] += 1
+    bucket = state.bucket_of(param)
+    if all(state.counts[p] == state.num_micro_batches for p in bucket.params):
+        state.pending[bucket.index] = dist.all_reduce(bucket.grad_data, group=state.group,
+                                                      async_op=True)
+'''
+# starts a bucket once each parameter has one gradient: right without accumulation only
+HOOK_TOO_EARLY = HOOK.replace("== state.num_micro_batches", ">= 1").replace(
+    "    if all(", "    if bucket.index not in state.pending and all(")
+HOOK_SYNC = HOOK.replace(",\n                                                      async_op=True)",
+                         ")")
+HOOK_PER_PARAM = '''
+def my_grad_ready_hook(param, state):
+    state.counts[param] += 1
+    if state.counts[param] == state.num_micro_batches:
+        state.pending[id(param)] = dist.all_reduce(param.main_grad, group=state.group,
+                                                   async_op=True)
+'''
+
+
+def _grade_hook(source, world, as_notebook):
+    return grade(as_notebook(source)["my_grad_ready_hook"], data_parallel.BUCKET_HOOK, world)
+
+
+def test_the_hook_solution_passes_under_its_own_name(grading_world, as_notebook, capsys):
+    assert grade(as_notebook(OWN_SOLUTION)["solution_grad_ready_hook"],
+                 data_parallel.BUCKET_HOOK, grading_world)
+    out = capsys.readouterr().out
+    assert out.startswith("Right: solution_grad_ready_hook agrees with the reference on all 4 "
+                          "ranks for 4 inputs: one bucket, 1 micro-batch;"), out
+
+
+def test_a_hook_written_in_the_notebook_passes(grading_world, as_notebook, capsys):
+    assert _grade_hook(HOOK, grading_world, as_notebook)
+    assert capsys.readouterr().out.startswith("Right: my_grad_ready_hook agrees")
+
+
+def test_a_bucket_started_before_its_micro_batches_are_in_fails_naming_it(
+        grading_world, as_notebook, capsys):
+    assert not _grade_hook(HOOK_TOO_EARLY, grading_world, as_notebook)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: rank 0, input 'buckets of about 40 elements, 2 "
+                          "micro-batches': data-parallel rank 0 of 2: the all-reduces your hook "
+                          "started expected one asynchronous all-reduce per bucket"), out
+    assert "got bucket 0 started when one of its parameters had 1 of its 2 gradient(s)." in out
+
+
+def test_a_synchronous_all_reduce_fails_saying_backward_waited(grading_world, as_notebook,
+                                                               capsys):
+    assert not _grade_hook(HOOK_SYNC, grading_world, as_notebook)
+    out = capsys.readouterr().out
+    assert "got bucket 0's all-reduce with async_op=False: backward stood still" in out, out
+
+
+def test_one_all_reduce_per_parameter_fails_naming_the_tensor(grading_world, as_notebook,
+                                                              capsys):
+    assert not _grade_hook(HOOK_PER_PARAM, grading_world, as_notebook)
+    out = capsys.readouterr().out
+    assert "which is not a bucket's grad_data" in out, out
+    assert grading_world.run("x = torch.ones(1); dist.all_reduce(x); x.item()") == [4.0] * 4
+
+
+def test_the_hook_stub_has_no_answer_yet(grading_world, as_notebook, capsys):
+    assert not _grade_hook(HOOK_STUB, grading_world, as_notebook)
+    assert capsys.readouterr().out.startswith(
+        "No answer yet: my_grad_ready_hook still raises NotImplementedError")
