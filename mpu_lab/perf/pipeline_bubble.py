@@ -200,15 +200,17 @@ def measure_bubble(pipeline_parallel_size: int = 2, microbatches: Sequence[int] 
 
 def predicted_timeline(model: ModelShape = GPT3_1_3B, pipeline_parallel_size: int = 4,
                        num_microbatches: int = 8, micro_batch_size: int = 1,
-                       cluster: Cluster = DGX_H100, schedule: str = "1f1b") -> LogicalTimeline:
+                       cluster: Cluster = DGX_H100, schedule: str = "1f1b",
+                       num_model_chunks: int = 1) -> LogicalTimeline:
     """The schedule's timeline predicted for ``cluster`` (one GPU per stage, no tensor or data
     parallelism): the cost model's compute time of one micro-batch through one stage, split
     one third forward, two thirds backward (the backward computes two gradients per matmul),
-    fed to :func:`~mpu_lab.pipeline_parallel.timeline.simulate`. Times are in seconds; the
-    point-to-point messages are left out (on NVLink they take microseconds)."""
-    p, m = pipeline_parallel_size, num_microbatches
+    fed to :func:`~mpu_lab.pipeline_parallel.timeline.simulate` (``schedule``, with
+    ``num_model_chunks`` per stage when interleaved). Times are in seconds; the point-to-point
+    messages are left out (on NVLink they take microseconds)."""
+    p, m, v = pipeline_parallel_size, num_microbatches, num_model_chunks
     cfg = ParallelConfig(tp=1, pp=p, dp=1, micro_batch_size=micro_batch_size,
-                         global_batch_size=micro_batch_size * m, schedule=schedule)
+                         global_batch_size=micro_batch_size * m, virtual_stages=v)
     per_microbatch = predict_iteration(model, cfg, cluster).compute_s / m
-    return simulate(schedule, p, m, forward_time=per_microbatch / 3,
+    return simulate(schedule, p, m, v, forward_time=per_microbatch / 3,
                     backward_time=2 * per_microbatch / 3)

@@ -45,7 +45,10 @@ def test_megatron_core_batched_p2p_interleaved_at_two_stages_is_wrong_on_gloo(si
 @needs_megatron
 def test_format_results_names_each_schedule_and_verdict(side_by_side):
     text = mcs.format_results(side_by_side)
-    assert text.startswith(f"megatron-core {mc.version()}, p = 2 stages")
+    assert text.startswith("p = 2 stages on the CPU (gloo)")
+    assert side_by_side["version"] == mc.version()
+    only = mcs.format_results(side_by_side, cases=["interleaved-batched", "1f1b"]).splitlines()
+    assert len(only) == 5 and mcs.CASES["interleaved-batched"].label in only[3]
     rows = {case.name: next(line for line in text.splitlines() if case.label in line)
             for case in mcs.CASES.values()}
     assert rows["1f1b"].count("< 1e-06") == 3

@@ -58,6 +58,11 @@ def test_predicted_timeline_has_the_formulas_bubble_and_the_cost_models_time(p, 
     assert float(t.makespan) == pytest.approx((m + p - 1) * per_microbatch, rel=1e-12)
 
 
+def test_predicted_interleaved_timeline_divides_the_bubble_by_v():
+    t = pb.predicted_timeline(pb.GPT3_1_3B, 4, 8, schedule="interleaved", num_model_chunks=2)
+    assert t.bubble_share == Fraction(3, 2 * 8 + 3)
+
+
 def test_bad_sizes_are_refused_before_a_job_starts():
     with pytest.raises(ValueError, match="at least 2 pipeline stages, got 1"):
         pb.measure_bubble(1)

@@ -184,11 +184,10 @@ ONE_F_ONE_B = Exercise(
         Case("m = 1", dict(plus=1)),
         Case("m = p/2 (fewer micro-batches than stages)", dict(times=1, per=2)),
     ],
-    hint="stage s first runs min(num_stages - s - 1, num_microbatches) warm-up forwards "
-         "(F0, F1, ...), then, while forwards remain, the next forward and then the oldest "
-         "backward (1F1B), and at the end the remaining backwards in order. Micro-batches go "
-         "through every stage in the same order: F k and B k both in increasing k. Ranks that "
-         "all waited: two neighbouring stages each waited for a message the other sends later.",
+    hint="a stage's first backward needs a gradient from every stage after it, so ask how far "
+         "ahead it must run before that gradient can exist, and what happens when m is smaller "
+         "than that. Micro-batches pass every stage in the same order. Ranks that all waited: "
+         "two neighbouring stages each waited for a message the other sends later.",
     layout=_all_stages)
 
 
