@@ -18,6 +18,7 @@ own CPU clock (:mod:`mpu_lab.perf.rank_clock`). On GPUs it samples NVML's utilis
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mpu_lab.perf.rank_clock import cores_note, usable_cores
@@ -93,14 +94,20 @@ def role_of(label: str) -> str:
 
 def run_bad_vs_good(configs: Dict[str, TrainConfig], extra_flags: Sequence[str] = (),
                     interval_s: float = 0.05, env: Optional[dict] = None,
-                    **run_kwargs) -> Dict[str, ProfiledRun]:
+                    profile_dir: Optional[str] = None, **run_kwargs) -> Dict[str, ProfiledRun]:
     """Run each configuration (``train_gpt.py --breakdown`` plus ``extra_flags``) one after
     the other. Without GPUs every rank is pinned to its own core and sampled by its own CPU
-    clock (``cpu_metric="clock"``); with GPUs NVML is sampled. ``env`` goes to the launcher."""
+    clock (``cpu_metric="clock"``); with GPUs NVML is sampled. ``env`` goes to the launcher.
+    With ``profile_dir`` the timed steps also run under ``torch.profiler``, each run writing
+    one trace per rank under ``profile_dir/<i>`` (the profiler slows every op: time the
+    lesson's runs without it)."""
     runs = {}
-    for label, tc in configs.items():
+    for i, (label, tc) in enumerate(configs.items()):
         role_of(label)
-        runs[label] = profile_training(training_flags(tc) + [str(f) for f in extra_flags],
+        flags = [str(f) for f in extra_flags]
+        if profile_dir is not None:
+            flags += ["--breakdown-profile", os.path.join(profile_dir, str(i))]
+        runs[label] = profile_training(training_flags(tc) + flags,
                                        tc.nproc, label, interval_s=interval_s,
                                        cpu_metric="clock", pin=True, env=env, **run_kwargs)
     return runs

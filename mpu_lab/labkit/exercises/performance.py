@@ -1,10 +1,12 @@
-"""Lab 12's checks against the cost model: the fastest (t, p), the fewest micro-batches for a
-bubble budget, and the communication that dominates an iteration."""
+"""Lab 12's checks: how much faster a fuller pipeline is by its schedule alone, and the fewest
+micro-batches for a bubble budget. Lab 13 imports the two checks against the cost model at
+scale from here: the fastest (t, p) and the communication that dominates an iteration."""
 from __future__ import annotations
 
 from typing import Any
 
-from mpu_lab.labkit.exercises.common import Verdict, as_int, as_int_list, unanswered, verdict
+from mpu_lab.labkit.exercises.common import (Verdict, as_floats, as_int, as_int_list, unanswered,
+                                             verdict)
 from mpu_lab.perf import bubble_fraction, explore, predict_iteration
 
 
@@ -36,6 +38,28 @@ def check_best_config(answer: Any, model, cluster, num_gpus: int, global_batch_s
                     f"{mine} The fastest takes {fastest:.2f} s. Hint: keep t within a node "
                     f"({cluster.gpus_per_node} GPUs), then use the fewest pipeline stages that "
                     f"fit in memory; explore() ranks them all.")
+
+
+def check_pipeline_speedup(answer: Any, p: int, m: int, rel_tol: float = 0.02) -> Verdict:
+    """How many times faster a pipeline of ``p`` stages runs a step fed ``m`` micro-batches than
+    fed the whole batch as one, by the schedule alone: a device per stage, stages of equal
+    work, nothing lost to smaller matrix products. One micro-batch: the stages run one after
+    the other, the whole step's work W; m of them (1F1B or GPipe): (m + p - 1) slots of
+    W/(p m) each. The answer, p m / (m + p - 1), within ``rel_tol``."""
+    if p < 2 or m < 1:
+        raise ValueError(f"need p >= 2 stages and m >= 1 micro-batches, got p={p}, m={m}")
+    if unanswered(answer, "a number: how many times faster"):
+        return Verdict(False)
+    expected = p * m / (m + p - 1)
+    got = as_floats(answer)
+    ok = got is not None and len(got) == 1 and abs(got[0] - expected) <= rel_tol * expected
+    return verdict(ok,
+                   f"{expected:.2f}x: one micro-batch takes p = {p} stage-times of the whole "
+                   f"batch; m = {m} take (m + p - 1)/m = {(m + p - 1) / m:.3f} of one "
+                   f"(p m / (m + p - 1) = {p * m}/{m + p - 1}).",
+                   f"{answer!r} is not it. Hint: with one micro-batch, how many stages work at "
+                   f"any moment? With m, how long does the pipeline take to fill and drain, "
+                   f"counted in micro-batch slots?")
 
 
 def check_min_microbatches(answer: Any, p: int, max_bubble: float, v: int = 1) -> Verdict:
