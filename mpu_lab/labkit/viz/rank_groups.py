@@ -1,4 +1,5 @@
-"""Lab 01: Megatron's rank groups on a picture of the machine.
+"""Lab 01: Megatron's rank groups on a picture of the machine (and lab 10: the expert groups,
+``ep`` / ``expert-dp`` / ``expert-tp``, on the same picture).
 
 :func:`plot_rank_grid`, :func:`plot_group_families` (GPUs in boxes of ``gpus_per_node``,
 coloured by group; groups that leave a box are hatched, thick outline), :func:`format_groups`
@@ -8,7 +9,7 @@ coloured by group; groups that leave a box are hatched, thick outline), :func:`f
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch, Rectangle
@@ -29,9 +30,14 @@ FAMILY_NAMES = {
     "tp-dp": "tensor+data-parallel", "tp-cp": "tensor+context-parallel",
     "tp-dp-cp": "tensor+data+context-parallel", "embedding": "embedding",
     "position-embedding": "position-embedding",
+    "ep": "expert model-parallel", "expert-tp": "expert tensor-parallel",
+    "expert-dp": "expert data-parallel", "expert-tp-ep": "expert tensor+model-parallel",
+    "expert-tp-ep-pp": "expert model-parallel (with pp)",
 }
 # Order in which show_rank_groups lists families: the walkthrough's first (dp, tp, pp).
 SHOWN_FAMILIES = ("dp", "tp", "pp", "cp", "tp-pp")
+# ... and, with expert parallelism (ep > 1), the expert families after them.
+EXPERT_FAMILIES = ("ep", "expert-dp")
 
 
 def node_of(rank: int, gpus_per_node: int) -> int:
@@ -46,12 +52,16 @@ def groups_crossing_nodes(groups: Sequence[Sequence[int]], gpus_per_node: int) -
     return [list(g) for g in groups if len({node_of(r, gpus_per_node) for r in g}) > 1]
 
 
-def format_groups(groups: Dict[str, List[List[int]]], families: Iterable[str] = ("dp", "tp", "pp")
-                  ) -> str:
-    """The MPU walkthrough's listing: ``8 data_parallel groups:`` then ``[g0, g2], [g1, g3], ...``."""
+def format_groups(groups: Dict[str, List[List[int]]], families: Iterable[str] = ("dp", "tp", "pp"),
+                  limit: Optional[int] = None) -> str:
+    """The MPU walkthrough's listing: ``8 data_parallel groups:`` then ``[g0, g2], [g1, g3], ...``;
+    ``limit``: at most that many groups per family, then ``... (N more)``."""
     lines = []
     for fam in families:
-        listed = ", ".join("[" + ", ".join(f"g{r}" for r in g) + "]" for g in groups[fam])
+        shown = groups[fam] if limit is None else groups[fam][:limit]
+        listed = ", ".join("[" + ", ".join(f"g{r}" for r in g) + "]" for g in shown)
+        if len(shown) < len(groups[fam]):
+            listed += f", ... ({len(groups[fam]) - len(shown)} more)"
         lines.append(f" {len(groups[fam])} {FAMILY_NAMES.get(fam, fam)} groups:")
         lines.append(f" {listed}")
     return "\n".join(lines)
@@ -123,9 +133,12 @@ def describe_crossings(groups: Dict[str, List[List[int]]], gpus_per_node: int,
 @styled
 def plot_group_families(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1,
                         order: str = parallel_state.DEFAULT_ORDER, gpus_per_node: int = 8,
-                        families: Sequence[str] = ("tp", "dp", "pp")) -> Figure:
-    """One panel per group family (tensor, data, pipeline by default) of the same world."""
-    groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order)
+                        families: Sequence[str] = ("tp", "dp", "pp"), ep: int = 1,
+                        etp=None) -> Figure:
+    """One panel per group family (tensor, data, pipeline by default) of the same world;
+    ``ep`` / ``etp``: the expert layout, for the expert families (``"ep"``, ``"expert-dp"``,
+    ``"expert-tp"``)."""
+    groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order, ep, etp)
     nodes = _nodes(world_size, gpus_per_node)
     width = max(5.5, 0.8 * gpus_per_node + 2.2)
     fig = new_figure(width, len(families) * (0.85 * nodes + 0.55) + 0.4)
@@ -137,49 +150,54 @@ def plot_group_families(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int 
                  + (" (hatched)" if cross else ""))
         plot_rank_grid(groups[fam], world_size, gpus_per_node, title=title, ax=ax)
     dp = world_size // (tp * pp * cp)
+    experts = f", ep={ep}" + (f", etp={etp}" if etp is not None else "") if ep > 1 else ""
     fig.suptitle(f"n={world_size} GPUs, {gpus_per_node} per node: t={tp}, p={pp}, c={cp}, "
-                 f"d={dp}, order {order!r}", x=0.02, ha="left", fontsize=11)
+                 f"d={dp}{experts}, order {order!r}", x=0.02, ha="left", fontsize=11)
     fig.tight_layout()
     return fig
 
 
 def show_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1,
                      order: str = parallel_state.DEFAULT_ORDER, gpus_per_node: int = 8,
-                     draw: bool = True) -> None:
+                     draw: bool = True, ep: int = 1) -> None:
     """Print the groups of one configuration and draw them — the body of lab 01's widget.
 
     A configuration that does not tile the world prints the reason instead of raising, so
     the interactive view keeps working while a learner moves the sliders. Returns None (so
-    neither ``interact`` nor a notebook cell shows the figure a second time).
+    neither ``interact`` nor a notebook cell shows the figure a second time). ``ep`` > 1 adds
+    the expert groups (expert-tensor-parallel size = t, Megatron's default).
     """
     try:
-        groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order)
+        groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order, ep)
     except ValueError as exc:
         print(f"not a valid configuration: {exc}")
         return None
     dp = world_size // (tp * pp * cp)
-    print(f"n = {world_size} = t*p*c*d = {tp}*{pp}*{cp}*{dp}   (order {order!r}, "
+    experts = f", ep = {ep}, expert dp = {world_size // (tp * ep * pp)}" if ep > 1 else ""
+    print(f"n = {world_size} = t*p*c*d = {tp}*{pp}*{cp}*{dp}{experts}   (order {order!r}, "
           f"{gpus_per_node} GPUs per node)")
     families = [f for f in SHOWN_FAMILIES if f != "cp" or cp > 1]
-    print(format_groups(groups, families))
-    basic = [f for f in ("tp", "cp", "dp", "pp") if f in families]
+    families += list(EXPERT_FAMILIES) if ep > 1 else []
+    print(format_groups(groups, families, limit=8))
+    basic = [f for f in ("tp", "cp", "dp", "pp", *EXPERT_FAMILIES) if f in families]
     print(describe_crossings(groups, gpus_per_node, basic))
     if not draw:
         return None
     fig = plot_group_families(world_size, tp, pp, cp, order, gpus_per_node,
-                              families=basic)
+                              families=basic, ep=ep)
     display_figure(fig)
 
 
 # What a saved notebook shows in place of the sliders (they live only while a kernel runs).
-WIDGET_HINT = ("[interactive view: sliders for world size, tp, pp, cp, order and GPUs per node "
+WIDGET_HINT = ("[interactive view: sliders for world size, tp, pp, cp, ep, order and GPUs per node "
                "appear here when you run this cell in Jupyter]")
 
 
 def interactive_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1,
-                            order: str = parallel_state.DEFAULT_ORDER, gpus_per_node: int = 8
-                            ) -> None:
-    """ipywidgets sliders for :func:`show_rank_groups` (world size, t, p, c, order, box size).
+                            order: str = parallel_state.DEFAULT_ORDER, gpus_per_node: int = 8,
+                            ep: int = 1) -> None:
+    """ipywidgets sliders for :func:`show_rank_groups` (world size, t, p, c, ep, order, box
+    size).
 
     The view is displayed with :data:`WIDGET_HINT` as its plain-text form, so a notebook saved
     without a live kernel (or run by papermill, which keeps no widget) shows that line instead
@@ -189,7 +207,7 @@ def interactive_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: 
     import ipywidgets as widgets    # optional (the labs extra): only when the widget is shown
     from IPython.display import display   # IPython comes with ipywidgets
 
-    orders = ["tp-cp-dp-pp", "tp-cp-pp-dp", "tp-pp-dp", "dp-tp-pp", "pp-dp-tp"]
+    orders = ["tp-cp-ep-dp-pp", "tp-cp-dp-pp", "tp-cp-pp-dp", "tp-pp-dp", "dp-tp-pp", "pp-dp-tp"]
     if order not in orders:
         orders.insert(0, order)
 
@@ -200,7 +218,7 @@ def interactive_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: 
     view = widgets.interactive(
         show_rank_groups,
         world_size=slider(world_size, 1, 64, "world size"), tp=slider(tp, 1, 16, "tp"),
-        pp=slider(pp, 1, 16, "pp"), cp=slider(cp, 1, 8, "cp"),
+        pp=slider(pp, 1, 16, "pp"), cp=slider(cp, 1, 8, "cp"), ep=slider(ep, 1, 16, "ep"),
         order=widgets.Dropdown(options=orders, value=order, description="order"),
         gpus_per_node=slider(gpus_per_node, 1, 16, "GPUs/node"), draw=widgets.fixed(True))
     bundle = view._repr_mimebundle_()

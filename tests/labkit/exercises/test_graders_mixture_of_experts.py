@@ -10,10 +10,14 @@ and count exchange), on the shared 4-rank grading world, with real all-to-alls.
   own counts), rows sent in token order instead of expert order.
 * Mismatched split sizes raise the same error on every rank (no rank dies), naming the pair
   of ranks and the counts: :func:`split_mismatches` worked by hand.
+* The lab's rank-side lessons on the same world at ep = 4: the all-to-all bytes that torch's
+  CommDebugMode counts equal the formula from the dispatcher's split sizes (both dispatchers
+  run), and training with the load-balancing loss ends with a smaller imbalance than without.
 * The world keeps its own groups (tp = 2) afterwards.
 """
 import pytest
 
+from mpu_lab.labkit import moe_lessons
 from mpu_lab.labkit.exercises import grade
 from mpu_lab.labkit.exercises import mixture_of_experts as moe_ex
 from mpu_lab.labkit.notebooks.solutions import SOLUTIONS_DIR
@@ -108,3 +112,22 @@ def test_split_mismatches_names_the_pair_and_the_counts():
         "group rank 1 sends group rank 0 0 rows, but group rank 0 expects 1"]
     assert moe_ex.split_mismatches([([2, 2], [1, 1], 3, 2)] * 2)[0] == (
         "group rank 0's input_split_sizes [2, 2] do not cut its 3 input rows into 2 blocks")
+
+
+def test_rank_side_lessons_bytes_and_load_balancing(grading_world):
+    world = grading_world
+    world.run("parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=4) or 0")
+    try:
+        counted = world.run(moe_lessons.count_dispatch_bytes, tokens=12, hidden=8, num_experts=8,
+                            topk=2)
+        for rank in counted:
+            assert rank["measured"] == rank["formula"]
+            assert rank["rows"] == 12 * 2 and 0 < rank["rows_to_others"] <= 24
+        gathered = world.run(moe_lessons.count_dispatch_bytes, dispatcher="allgather")
+        assert set(gathered[0]["measured"]) >= {"all_gather forward", "reduce_scatter forward"}
+        without = world.run(moe_lessons.train_load, 0.0, 25)
+        with_aux = world.run(moe_lessons.train_load, 0.1, 25)
+        assert all(r == without[0] for r in without) and len(without[0]) == 25
+        assert moe_lessons.imbalance_summary(with_aux[0]) < moe_lessons.imbalance_summary(without[0])
+    finally:
+        world.run("parallel_state.initialize_model_parallel(2, 1) or 0")
