@@ -23,7 +23,8 @@ chunks with torch's own hooks:
 Times are ``time.time()``, one clock for all ranks of a machine; on a GPU each one is taken
 after ``torch.cuda.synchronize()``, so a box is the kernels' time, not their launch.
 :func:`measured_bubble` sets the idle share of such a timeline beside the formula's; on an
-oversubscribed CPU, where a rank also waits for a core, it is only indicative.
+oversubscribed CPU, where a rank also waits for a core, it is not a bubble.
+:mod:`mpu_lab.perf.pipeline_bubble` measures one that is: each rank on a core of its own.
 """
 from __future__ import annotations
 
