@@ -118,6 +118,7 @@ EXPECTED_SECONDS = {
     "tests/context_parallel/test_context_parallel_mp.py": 35,
     "tests/models/moe/test_moe_mp.py": 170,
     "tests/models/test_gpt_context_parallel_mp.py": 30,
+    "labs/08_context_parallel.ipynb": 90,   # 172 s under nbval on the loaded 2-core machine
     "tests/models/moe/test_gpt_moe_mp.py": 60,
 }
 
