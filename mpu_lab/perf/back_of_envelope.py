@@ -245,15 +245,16 @@ def format_formulas(cases: Sequence[Traffic]) -> str:
 
 def format_strategies(cases: Sequence[Traffic], cluster: Cluster = DGX_H100,
                       links: Optional[Dict[str, float]] = None,
-                      peak_flops: Optional[float] = None, name: Optional[str] = None) -> str:
+                      peak_flops: Optional[float] = None, name: Optional[str] = None,
+                      per: str = "GPU") -> str:
     """One row per case: its intensity, and for each link (default: ``cluster``'s NVLink and
     InfiniBand, :func:`links_of`; or ``links``, name -> bytes/s) next to ``peak_flops``
     (default: the cluster's datasheet peak, no efficiency) the verdict and the knob value
-    below which it turns communication-bound."""
+    below which it turns communication-bound. ``per``: what the peak is of ("GPU", "rank")."""
     links = links_of(cluster) if links is None else dict(links)
     peak = cluster.peak_flops if peak_flops is None else peak_flops
     ridges = ", ".join(f"{link} {ridge(peak, bw):,.0f}" for link, bw in links.items())
-    lines = [f"{name or cluster.name}: {peak / 1e12:,.3g} TFLOP/s per GPU; ridge F/W in FLOPs "
+    lines = [f"{name or cluster.name}: {peak / 1e12:,.3g} TFLOP/s per {per}; ridge F/W in FLOPs "
              f"per byte: {ridges}",
              f"{'dim':<5}{'setting':<28}{'knob':<22}{'FLOP/B':>11}"
              + "".join(f"  | {'on ' + link:<20}{'knob >=':>9}" for link in links)]
