@@ -108,6 +108,19 @@ def time_iterations(num_microbatches: int, iterations: int = 3, warmup: int = 1,
 
 
 # --------------------------------------------------------------------------- driver side
+def machine_note(ranks: int) -> str:
+    """One sentence: whether this machine gives each of ``ranks`` ranks a processor of its own
+    (a GPU, or else a CPU core), so that a measured timeline's gaps are a bubble."""
+    gpus = torch.cuda.device_count()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if (gpus or cores) >= ranks:
+        return (f"{ranks} ranks on {gpus or cores} {'GPUs' if gpus else 'CPU cores'}: one each, "
+                f"so the measured gaps are the bubble.")
+    return (f"{ranks} ranks on {cores} CPU cores and no GPU: the ranks share cores, so the "
+            f"measured chart is not a bubble. Below it, the same schedule PREDICTED for a DGX "
+            f"H100.")
+
+
 @dataclasses.dataclass
 class BubbleRun:
     """One micro-batch count: the idle shares of each measured iteration (median reported)."""

@@ -44,7 +44,7 @@ from mpu_lab.labkit.viz.performance import (
     plot_step_breakdown,
     plot_utilisation,
 )
-from mpu_lab.labkit.viz.pipeline import GANTT_COLORS, plot_gantt
+from mpu_lab.labkit.viz.pipeline import GANTT_COLORS, plot_gantt, plot_gantt_pair
 from mpu_lab.labkit.viz.rank_groups import (
     FAMILY_NAMES,
     SHOWN_FAMILIES,
@@ -78,7 +78,7 @@ __all__ = [
     "COLLECTIVE_LAYOUTS", "plot_collective", "collective_views", "show_collective",
     "print_log_section", "print_test_log", "print_parallel_linear",
     "plot_transformer_layer", "plot_activation_memory",
-    "GANTT_COLORS", "plot_gantt",
+    "GANTT_COLORS", "plot_gantt", "plot_gantt_pair",
     "plot_loss_curves", "LiveLossPlot",
     "BREAKDOWN_COLORS", "plot_utilisation", "plot_kernel_timeline", "plot_step_breakdown",
     "plot_bandwidth", "plot_published_runs", "plot_exploration",

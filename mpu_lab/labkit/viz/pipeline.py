@@ -62,3 +62,15 @@ def plot_gantt(records: Sequence[Sequence[Record]], title: Optional[str] = None,
         ax.set_title((title + " — " if title else "") + f"idle share {float(share):.1%}")
         fig.tight_layout()
     return fig
+
+
+def plot_gantt_pair(top: Sequence[Sequence[Record]], bottom: Sequence[Sequence[Record]],
+                    top_title: str, bottom_title: str, time_unit: str = "ms") -> Figure:
+    """Two Gantt charts one above the other (e.g. a measured run and a predicted one), each on
+    its own time axis; ``time_unit`` as in :func:`plot_gantt`. Returns the ``Figure``."""
+    rows = max(len(top), len(bottom))
+    fig = Figure(figsize=(10, 2 * (0.55 * rows + 1.6)), dpi=100)
+    upper, lower = fig.subplots(2, 1)
+    plot_gantt(top, title=top_title, ax=upper, time_unit=time_unit)
+    plot_gantt(bottom, title=bottom_title, ax=lower, time_unit=time_unit)
+    return fig
