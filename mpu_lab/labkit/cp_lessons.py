@@ -280,21 +280,6 @@ def format_work(seq_length: int, cp: int, measured: Optional[List[dict]] = None)
 
 
 # --------------------------------------------------------------------------- §4 bytes
-class MessageLog(CollectiveLog):
-    """:class:`~mpu_lab.perf.comm_counts.CollectiveLog` that also records ``all_to_all``
-    (``c10d.alltoall_base_``, the one collective of ``a2a`` it does not name)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(getattr(func, "_overloadpacket", "")) == "c10d.alltoall_base_":
-            sent = args[1]
-            self.events.append(dict(kind="all_to_all", module=self.advanced_module_tracker.name,
-                                    backward=bool(self.advanced_module_tracker.is_bw),
-                                    group=dist.get_process_group_ranks(
-                                        dist.ProcessGroup.unbox(args[2])),
-                                    bytes=sent.numel() * sent.element_size()))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
 def sent_bytes(kind: str, input_bytes: int, cp: int) -> float:
     """Bytes a rank puts on the wire for one message or collective whose input on this rank is
     ``input_bytes`` (a ring algorithm for the collectives, nccl-tests' accounting): a send
@@ -317,7 +302,7 @@ def attention_messages(seq_length: int, b: int, n: int, d: int, comm_type: str,
     mine = context_parallel.positions_on_rank(seq_length, rank, cp)
     q, k, v = (t[mine].requires_grad_() for t in
                attention_inputs(seq_length, b, n, d, seed, device=distributed.get_device()))
-    with MessageLog() as log:
+    with CollectiveLog() as log:
         out = context_parallel.attention(q, k, v, comm_type=comm_type)
         out.sum().backward()
     return [dict(kind=e["kind"], backward=e["backward"], bytes=e["bytes"]) for e in log.events]

@@ -9,12 +9,17 @@ in the grader tests.
 * the running log-sum-exp ends at torch.logsumexp of the dense causal scores;
 * the contiguous split's block attention equals SDPA of the whole sequence;
 * bytes on the wire per message kind, and the cost model's rows at cp = 2 worked by hand;
-* the prediction check of section 3: (2cp - 1)/cp^2, and a count of pairs that tends to it.
+* the prediction check of section 3: (2cp - 1)/cp^2, and a count of pairs that tends to it;
+* on 4 real ranks (tests/mp/cp_lesson_checks.py, slow): the activation bytes, the FLOPs per
+  rank of both layouts and the bytes each comm type sends, against values worked by hand.
 """
+import pathlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from mpu_lab import launcher
 from mpu_lab.labkit import cp_lessons
 from mpu_lab.labkit.exercises.context_parallel import check_last_rank_share, last_rank_share
 from mpu_lab.labkit.viz import context_parallel as cp_viz
@@ -136,3 +141,38 @@ def test_the_ring_picture_marks_each_cell_by_hand():
     assert grid[6, 2] == 2 and grid[0, 5] == 4 and grid[7, 7] == 1 and grid[3, 3] == 0
     fig = cp_viz.plot_ring_steps(2, 8)
     assert len(fig.axes) == 4
+
+
+# --------------------------------------------------------------------------- on 4 real ranks
+WORKER = pathlib.Path(__file__).resolve().parents[1] / "mp" / "cp_lesson_checks.py"
+
+
+@pytest.fixture(scope="module")
+def four_rank_reports():
+    job = launcher.run(WORKER, [], nproc=4, timeout_s=300, show="none")
+    assert [r["rank"] for r in job.results] == [0, 1, 2, 3]
+    return job.results
+
+
+@pytest.mark.slow
+def test_measured_on_four_ranks_against_hand_worked_values(four_rank_reports):
+    cp, block = 4, 32 // 4 * 2 * 16 * 4          # one K or V block: (s/cp) b h fp32 bytes
+    for rank, rep in enumerate(four_rank_reports):
+        (mem,) = rep["memory"]
+        assert mem["cp1"] == mem["cp1_formula"] and mem["cp"] == mem["cp_formula"]
+        assert mem["cp1"] == 4 * mem["cp"]
+        # contiguous: rank r computes r + 1 blocks of 4 (s/cp)^2 b n d FLOPs (QK^T and PV);
+        # zig-zag: its own [2c, 2c] block, then cp - 1 half blocks (c = s / 2cp = 32)
+        assert rep["flops"]["contiguous"] == (rank + 1) * 4 * 64 * 64 * 1 * 2 * 8
+        assert rep["flops"]["zig-zag"] == 4 * 64 * 64 * 16 + 3 * 2 * 32 * 64 * 16 * 2
+        assert rep["flops"]["equal to dense"]
+        sent = {ct: cp_lessons.bytes_rows({ct: ev}, 32, 2, 16, cp)[0]
+                for ct, ev in rep["messages"].items()}
+        # p2p: [K; V] to the next rank cp - 1 times; backward again, and [dK; dV] cp times
+        assert (sent["p2p"]["forward"], sent["p2p"]["backward"]) == (6 * block, 14 * block)
+        # a2a: [q; k; v] and the output, 3/4 of each leaves; allgather: [K; V] to 3 peers
+        assert sent["a2a"]["forward"] == sent["a2a"]["backward"] == 3 * block
+        assert sent["allgather"]["forward"] == sent["allgather"]["backward"] == 6 * block
+        for ct in ("a2a", "allgather"):
+            assert sent[ct]["forward"] == sent[ct]["forward_formula"]
+            assert sent[ct]["backward"] == sent[ct]["backward_formula"]
