@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -176,9 +177,13 @@ def print_overlap_verdict(result) -> None:
              and all(r.get("core", -1) >= 0 for r in result.reports) else ")"))
     rows = overlap_saving(result)
     for r in rows:
+        backward = [statistics.fmean(statistics.median(s["backward_ms"] for s in rec["steps"])
+                                     for rec in result.mode(m))
+                    for m in (r["mode"], r["mode"] + " + overlap")]
         print(f"  {r['mode']}: step {r['step_ms']:.0f} -> {r['step_overlap_ms']:.0f} ms with "
-              f"overlap ({r['saved_pct']:+.0f} %); exposed communication {r['exposed_ms']:.0f} "
-              f"-> {r['exposed_overlap_ms']:.0f} ms")
+              f"overlap ({r['saved_pct']:+.0f} %); backward {backward[0]:.0f} -> "
+              f"{backward[1]:.0f} ms; exposed communication {r['exposed_ms']:.0f} -> "
+              f"{r['exposed_overlap_ms']:.0f} ms")
     note = cores_note(result.d)
     if note:
         print("  " + note)
@@ -188,7 +193,7 @@ def print_overlap_verdict(result) -> None:
         print(f"  this machine shows {shown}. On a CPU it cannot show the GPU's: gloo's "
               f"all-reduce is work (copying and adding the buckets over loopback sockets) done "
               f"by the same core that computes backward, so overlap only interleaves the two "
-              f"on that core; on a GPU the reduction runs on NVLink / the network beside the "
+              f"on that core (what it takes off the exposed time it adds to backward's); on a GPU the reduction runs on NVLink / the network beside the "
               f"compute kernels.")
 
 
@@ -201,8 +206,8 @@ def _rank_label(ranks: Sequence[int]) -> str:
 
 
 def print_memory_table(rows: Sequence[dict]) -> None:
-    """:func:`mpu_lab.perf.memory.format_memory_table` with the ranks that measured and were
-    predicted exactly the same merged into one line ("0-3"): the data-parallel replicas."""
+    """:func:`mpu_lab.perf.memory.format_memory_table` with the ranks whose printed figures are
+    the same merged into one line ("0-3"): the data-parallel replicas."""
     by_key: Dict[tuple, Dict[int, list]] = {}
     for r in rows:
         by_key.setdefault((r["config"], r["optimizer"]), {}).setdefault(r["rank"], []).append(r)
@@ -210,7 +215,10 @@ def print_memory_table(rows: Sequence[dict]) -> None:
     for per_rank in by_key.values():
         groups: Dict[tuple, List[int]] = {}
         for rank, rs in per_rank.items():
-            sig = tuple(sorted((x["term"], x["measured"], x["predicted"]) for x in rs))
+            # what the table prints (KiB to 0.1): shards that differ by a few padding bytes
+            # are the same line
+            sig = tuple(sorted((x["term"], round(x["measured"] / 1024, 1),
+                                round(x["predicted"] / 1024, 1)) for x in rs))
             groups.setdefault(sig, []).append(rank)
         for ranks in groups.values():
             merged += [dict(x, rank=_rank_label(ranks)) for x in per_rank[ranks[0]]]

@@ -335,7 +335,11 @@ def format_sweep(rows: Sequence[dict]) -> str:
                      f" {model:>15}")
     channel = rows[0]["channel"] if rows else None
     if channel:
+        above = sum(r["exposed_on_s"] > r["model_on_s"] for r in rows)
+        lines.append(f"measured with overlap above the model at {above} of {len(rows)} sizes")
+        bw = "too fast to show" if channel["busbw"] == float("inf") else \
+            f"{channel['busbw'] / 1e9:.2f} GB/s"
         lines.append(f"(ms, d = {rows[0]['d']}; the model's channel, fitted to the runs without "
                      f"overlap: alpha {1e6 * channel['alpha_s']:.0f} us per ring step, bus "
-                     f"bandwidth {channel['busbw'] / 1e9:.2f} GB/s)")
+                     f"bandwidth {bw})")
     return "\n".join(lines)

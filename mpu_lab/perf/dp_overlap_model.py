@@ -162,19 +162,24 @@ def format_sweep(rows: Sequence[Dict[str, float]], title: str) -> str:
 
 
 def fit_channel(measured: Sequence[Dict[str, float]], d: int) -> Dict[str, float]:
-    """``alpha_s`` and ``busbw`` of a machine's channel, fitted (least squares) to measured
-    steps without overlap, where the exposed communication is every reduction one after
-    another: ``exposed = buckets x 2 (d-1) alpha + 2 (d-1)/d x bytes / busbw``. Each row:
-    ``buckets``, ``bytes`` (the whole buffer), ``exposed_off_s``; two bucket counts at least."""
+    """``alpha_s`` and ``busbw`` of a machine's channel, fitted to measured steps without
+    overlap, where the exposed communication is every reduction one after another:
+    ``exposed = buckets x 2 (d-1) alpha + 2 (d-1)/d x bytes / busbw``. A sweep of bucket
+    sizes moves the same bytes at every size, so the fit is a straight line in the number of
+    buckets (least squares): its slope is the latency per bucket, its intercept the transfer
+    time of the bytes (``busbw`` is infinite where the intercept is not positive: the
+    transfer did not show). Each row: ``buckets``, ``bytes`` (the whole buffer),
+    ``exposed_off_s``; two bucket counts at least."""
     if len({r["buckets"] for r in measured}) < 2:
         raise ValueError("need measurements at two bucket counts or more to fit a channel")
-    steps, factor = 2 * (d - 1), 2 * (d - 1) / d
-    xs = [(r["buckets"] * steps, r["bytes"] * factor, r["exposed_off_s"]) for r in measured]
-    # normal equations of exposed = a x + c y, for (alpha, 1 / busbw)
-    sxx, syy = sum(x * x for x, _, _ in xs), sum(y * y for _, y, _ in xs)
-    sxy = sum(x * y for x, y, _ in xs)
-    sxt, syt = sum(x * t for x, _, t in xs), sum(y * t for _, y, t in xs)
-    det = sxx * syy - sxy * sxy
-    alpha = max((sxt * syy - syt * sxy) / det, 0.0) if det else 0.0
-    inv_bw = max((syt * sxx - sxt * sxy) / det, 1e-15) if det else 1e-15
-    return dict(alpha_s=alpha, busbw=1.0 / inv_bw)
+    n = len(measured)
+    ks = [float(r["buckets"]) for r in measured]
+    ts = [float(r["exposed_off_s"]) for r in measured]
+    k_mean, t_mean = sum(ks) / n, sum(ts) / n
+    slope = sum((k - k_mean) * (t - t_mean) for k, t in zip(ks, ts)) / \
+        sum((k - k_mean) ** 2 for k in ks)
+    slope = max(slope, 0.0)
+    intercept = t_mean - slope * k_mean
+    transfer = 2 * (d - 1) / d * sum(r["bytes"] for r in measured) / n
+    return dict(alpha_s=slope / (2 * (d - 1)),
+                busbw=transfer / intercept if intercept > 0 else float("inf"))

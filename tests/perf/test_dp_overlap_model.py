@@ -59,11 +59,14 @@ def test_the_sweep_loses_at_both_ends():
 def test_fit_channel_recovers_the_channel_that_made_the_numbers():
     d, alpha, busbw = 2, 3e-4, 2e9
     rows = [dict(buckets=k, bytes=b, exposed_off_s=k * 2 * alpha + b / busbw)
-            for k, b in ((1, 5e5), (7, 5e5), (28, 6e5))]
+            for k, b in ((1, 5e5), (7, 5e5), (28, 5e5))]        # a sweep: the same bytes
     fit = M.fit_channel(rows, d)
     assert fit["alpha_s"] == pytest.approx(alpha) and fit["busbw"] == pytest.approx(busbw)
     with pytest.raises(ValueError, match="two bucket counts"):
         M.fit_channel(rows[:1], d)
+    # no transfer time left once the latency is taken out: the bandwidth did not show
+    flat = [dict(r, exposed_off_s=r["buckets"] * 2 * alpha) for r in rows]
+    assert M.fit_channel(flat, d)["busbw"] == float("inf")
 
 
 def test_bad_inputs_are_refused_naming_them():
