@@ -12,7 +12,7 @@ The alpha-beta model of a ring collective (Thakur et al. 2005, §4; Patarasuk & 
 each of its :func:`ring_steps` costs a latency alpha, and every rank sends
 :func:`bus_factor` x S bytes over its link at the bus bandwidth, so
 ``t = steps x alpha + bus_factor x S / busbw`` (:func:`alpha_beta_seconds`);
-:func:`fit_alpha_beta` fits that line to measured rows by least squares.
+:func:`fit_alpha_beta` fits that line to measured rows (least squares on log time).
 """
 from __future__ import annotations
 
@@ -190,11 +190,12 @@ def alpha_beta_seconds(op: str, size_bytes: float, n: int, alpha_s: float,
 
 def fit_alpha_beta(rows: Sequence[Dict[str, Any]], op: str = "all_reduce") -> Dict[str, Any]:
     """Fit ``t = latency + bus_factor x S / busbw`` to the ``op`` rows of
-    ``launch/bench_bandwidth.py`` (one number of ranks), by least squares on the *relative*
-    error, so the small messages (where the latency shows) weigh as much as the large ones.
-    Returns ``latency_s`` (the fitted constant), ``alpha_s`` (it per ring step, see
-    :func:`ring_steps`), ``busbw`` (bytes/s), ``nproc``, ``max_rel_error`` (the worst row's
-    ``|fit - t| / t``) and ``rows`` (``(S, t, fitted t)``)."""
+    ``launch/bench_bandwidth.py`` (one number of ranks) by least squares on ``log(fit / t)``:
+    the small messages (where the latency shows) weigh as much as the large ones, and a row
+    twice too slow counts as much as one twice too fast. Returns ``latency_s`` (the fitted
+    constant), ``alpha_s`` (it per ring step, see :func:`ring_steps`), ``busbw`` (bytes/s),
+    ``nproc``, ``max_rel_error`` (the worst row's ``|fit - t| / t``) and ``rows``
+    (``(S, t, fitted t)``)."""
     mine = sorted((r for r in rows if r["op"] == op), key=lambda r: r["size_bytes"])
     ranks = {r["ranks"] for r in mine}
     if len(ranks) > 1:
@@ -204,9 +205,23 @@ def fit_alpha_beta(rows: Sequence[Dict[str, Any]], op: str = "all_reduce") -> Di
     n = mine[0]["ranks"]
     sizes = np.array([float(r["size_bytes"]) for r in mine])
     times = np.array([float(r["time_s"]) for r in mine])
-    design = np.stack([np.ones_like(sizes), sizes], axis=1) / times[:, None]
-    (latency, slope), *_ = np.linalg.lstsq(design, np.ones_like(times), rcond=None)
-    latency, slope = max(float(latency), 0.0), max(float(slope), 1e-30)
+    # least squares on log(fit / t): a row twice too slow and a row twice too fast count
+    # the same, small arrays as much as large ones. Gauss-Newton from the fit of relative
+    # errors (a straight least-squares problem), kept to latency >= 0 and slope > 0.
+    design = np.stack([np.ones_like(sizes), sizes], axis=1) / times[:, None]   # row: (1, S) / t
+    params, *_ = np.linalg.lstsq(design, np.ones_like(times), rcond=None)
+    params = np.maximum(params, [0.0, 1e-30])
+    for _ in range(100):
+        fit = params[0] + params[1] * sizes
+        jacobian = np.stack([np.ones_like(sizes), sizes], axis=1) / fit[:, None]
+        step, *_ = np.linalg.lstsq(jacobian, np.log(times) - np.log(fit), rcond=None)
+        scale = 1.0
+        while np.any(params + scale * step <= [-1e-30, 0.0]) and scale > 1e-6:
+            scale /= 2                    # stay where the model is defined
+        params = np.maximum(params + scale * step, [0.0, 1e-30])
+        if np.all(np.abs(scale * step) <= 1e-12 * np.maximum(np.abs(params), 1e-30)):
+            break
+    latency, slope = float(params[0]), float(params[1])
     fitted = latency + slope * sizes
     steps = ring_steps(op, n)
     return dict(op=op, nproc=n, latency_s=latency, alpha_s=latency / steps if steps else 0.0,

@@ -85,3 +85,15 @@ def test_link_models_use_the_cost_model_presets():
     assert nvlink["crossover_bytes"] == pytest.approx(h100.latency_s * nvlink["busbw"] / 1.75)
     assert lessons.all_reduce_seconds(ib, 1e9, 8) == pytest.approx(
         h100.latency_s + 1.75e9 / ib["busbw"])
+
+
+
+
+def test_two_rows_fix_the_line_exactly():
+    # 1 ms at 1 MiB and 2 ms at 3 MiB on 2 ranks (bus factor 1): 1 ms per 2 MiB more, so
+    # busbw = 2 MiB / 1 ms and latency = 1 ms - 1 MiB / busbw = 0.5 ms
+    rows = [dict(op="all_reduce", ranks=2, size_bytes=s, time_s=t)
+            for s, t in ((1 << 20, 1e-3), (3 << 20, 2e-3))]
+    fit = bandwidth.fit_alpha_beta(rows)
+    assert fit["busbw"] == pytest.approx((2 << 20) / 1e-3)
+    assert fit["latency_s"] == pytest.approx(0.5e-3)
