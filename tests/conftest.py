@@ -110,7 +110,7 @@ EXPECTED_SECONDS = {
     "tests/labkit/test_faults.py": 60, "labs/07_parallel_transformer.ipynb": 60,
     "labs/09_pipeline_parallel.ipynb": 60, "tests/labkit/playground/test_playground.py": 45,
     "tests/launcher/test_launch.py": 40, "tests/labkit/test_layer_and_training_views.py": 18,
-    "tests/checkpointing/test_reshard_vocab_padding.py": 15, "tests/labs/test_lab08_content.py": 13,
+    "tests/checkpointing/test_reshard_vocab_padding.py": 15, "tests/labs/test_performance_content.py": 13,
     "tests/perf/cost_model/test_cost_model.py": 9, "Start_Here.ipynb": 9,
     "labs/02_collectives.ipynb": 130,
     "labs/03_data_parallel.ipynb": 70, "labs/13_scaling.ipynb": 65, "tests/perf/test_memory_accounting.py": 45,
