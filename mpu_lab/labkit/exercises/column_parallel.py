@@ -6,6 +6,8 @@
   graded on every rank of a playground world against ``ColumnParallelLinear`` built from the
   same master weight (forward, and ``x.grad``: f's all-reduce).
 * A rank-side helper of the lab's RNG section: :func:`shard_init_matches_single_gpu`.
+* The MPU walkthrough's master weight, built its way and Megatron's
+  (:func:`print_walkthrough_master_weight`).
 """
 from __future__ import annotations
 
@@ -90,6 +92,67 @@ def shard_init_matches_single_gpu(seed: int = 1234, rows_per_rank: int = 2,
         generator=torch.Generator(device=device).manual_seed(seed + 2718))
     return {"mpu_lab": torch.equal(mine.detach().cpu(), dense_mpu_lab[rows]),
             "megatron_default": torch.equal(own, dense_megatron[rows])}
+
+
+# ---------------------------------------------------------------- the walkthrough's master weight
+def _rows(rows) -> str:
+    """``rows`` (a list of row numbers) in a few words: ``0, 16, 32, ..., 496 (32 rows)``."""
+    head = ", ".join(str(r) for r in rows[:3])
+    return f"{head}, ..., {rows[-1]} ({len(rows)} rows)" if len(rows) > 4 else \
+        ", ".join(map(str, rows)) + f" ({len(rows)} rows)"
+
+
+def walkthrough_master_weight(input_size: int = 1024, output_size: int = 512,
+                              world_size: int = 16, tp: int = 2) -> Dict[str, Any]:
+    """The MPU walkthrough's master weight, two more slips shown on tensors (one process).
+
+    * Its ``m_initialize_affine_weight_cpu`` makes ``torch.empty(output_size, input_size)`` and
+      never passes it to ``init_method``: ``torch.empty`` draws no random numbers (the default
+      generator's state is unchanged), so the "master" is whatever that memory held.
+    * Its ``get_weight_list`` takes ``master_weight[gp::world_size]``: every ``world_size``-th
+      row starting at ``gp``, not the contiguous block ``torch.split`` gives (which its own
+      ``weight_list`` computes and leaves unused). Each row of the master here holds its row
+      number, so a slice shows the rows it took; and with random weights, each rank's
+      ``Y_i = X A_i`` all-gathered is compared with the dense ``X A`` for both ways of cutting
+      into ``tp`` pieces.
+    Returns the facts; :func:`print_walkthrough_master_weight` prints them."""
+    before = torch.random.get_rng_state()
+    torch.empty(output_size, input_size)   # cpu: the notebook's process, as the walkthrough
+    numbered = torch.arange(output_size)[:, None].expand(  # cpu: one process; row i holds i
+        output_size, input_size)
+    interleaved = [numbered[gp::world_size][:, 0].tolist() for gp in range(2)]
+    blocks = [b[:, 0].tolist() for b in torch.split(numbered, output_size // tp, dim=0)]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, input_size, generator=gen)     # cpu: one process, no rank
+    w = torch.randn(output_size, input_size, generator=gen)   # cpu: one process; [out, in]: A = w^T
+    dense = x @ w.t()
+
+    def gathered(shards):    # each rank's Y_i = X A_i, then the all-gather along the columns
+        return torch.cat([x @ shard.t() for shard in shards], dim=-1)
+
+    return {"empty_draws_nothing": torch.equal(before, torch.random.get_rng_state()),
+            "interleaved_rows": interleaved, "block_rows": blocks,
+            "interleaved_gathers_to_dense": torch.allclose(
+                gathered([w[r::tp] for r in range(tp)]), dense, atol=1e-4),
+            "blocks_gather_to_dense": torch.allclose(
+                gathered(torch.split(w, output_size // tp, dim=0)), dense, atol=1e-4),
+            "sizes": (input_size, output_size, world_size, tp)}
+
+
+def print_walkthrough_master_weight(**sizes) -> Dict[str, Any]:
+    """Print :func:`walkthrough_master_weight`'s facts, one line each."""
+    got = walkthrough_master_weight(**sizes)
+    input_size, output_size, world_size, tp = got["sizes"]
+    print(f"torch.empty({output_size}, {input_size}) left the random generator's state as it was "
+          f"(it drew no numbers): {got['empty_draws_nothing']}")
+    for gp, rows in enumerate(got["interleaved_rows"]):
+        print(f"walkthrough, master_weight[{gp}::{world_size}]: rows {_rows(rows)}")
+    for i, rows in enumerate(got["block_rows"]):
+        print(f"Megatron, torch.split(master_weight, {output_size // tp})[{i}]: rows {_rows(rows)}")
+    print(f"t = {tp} ranks' X A_i, all-gathered, equal the dense X A: rows [r::{tp}] "
+          f"{got['interleaved_gathers_to_dense']}, torch.split blocks "
+          f"{got['blocks_gather_to_dense']}")
+    return got
 
 
 # --------------------------------------------------------------------------- write the code

@@ -278,7 +278,7 @@ def learner_calls(fn: Callable, stage: int, num_stages: int) -> List[str]:
     recorder = _CallRecorder()
     recorded = types.FunctionType(fn.__code__, dict(fn.__globals__, dist=recorder, torch=torch),
                                   fn.__name__, fn.__defaults__, fn.__closure__)
-    recorded(stage, num_stages, torch.zeros(1))
+    recorded(stage, num_stages, torch.zeros(1))   # cpu: recorded calls only, nothing is sent
     return recorder.calls
 
 
@@ -294,8 +294,8 @@ def megatron_calls(stage: int, num_stages: int) -> List[str]:
         from megatron.core.pipeline_parallel import p2p_communication   # optional: only here
     recorder = _CallRecorder()
     group = types.SimpleNamespace(rank=lambda: stage, size=lambda: num_stages)
-    prev = torch.zeros(1) if stage > 0 else None
-    after = torch.zeros(1) if stage < num_stages - 1 else None
+    prev = torch.zeros(1) if stage > 0 else None   # cpu: recorded calls only, nothing is sent
+    after = torch.zeros(1) if stage < num_stages - 1 else None   # cpu: as prev
     with mock.patch.object(torch.distributed, "isend", recorder.isend), \
             mock.patch.object(torch.distributed, "irecv", recorder.irecv):
         p2p_communication._p2p_ops(tensor_send_prev=prev, tensor_recv_prev=prev,

@@ -7,6 +7,8 @@ backward of f and g (Shoeybi et al. 2019, §3), graded on a playground world aga
 :func:`~mpu_lab.tensor_parallel.mappings.reduce_from_tensor_model_parallel_region`."""
 from __future__ import annotations
 
+import ast
+import inspect
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -21,6 +23,7 @@ from mpu_lab.labkit.exercises.common import (
     verdict,
 )
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
+from mpu_lab.labkit.megatron_core import MAPPINGS as MEGATRON_NAMES
 from mpu_lab.tensor_parallel import mappings
 
 
@@ -214,3 +217,52 @@ G_EXERCISE = Exercise(
          "partial sum of the output, and the output's gradient is the same on every rank. "
          "Which direction needs a sum, and over which group "
          "(parallel_state.get_tensor_model_parallel_group())?")
+
+
+# --------------------------------------------------------------------------- the code and the real thing
+# f and g as mpu_lab's mappings.py defines them: the public function, its autograd Function and
+# the all-reduce helper both use, read from the module's source by name (not imported).
+F_AND_G = ("_reduce", "_CopyToModelParallelRegion", "_ReduceFromModelParallelRegion",
+           "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region")
+
+
+def source_of(module, names: Sequence[str]) -> str:
+    """The source of the top-level functions and classes ``names`` of ``module``, in the order
+    given, separated by a blank line. Raises ``ValueError`` naming a name the module lacks."""
+    text = inspect.getsource(module)
+    found = {node.name: ast.get_source_segment(text, node) for node in ast.parse(text).body
+             if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    absent = [n for n in names if n not in found]
+    if absent:
+        raise ValueError(f"{module.__name__} defines no {absent}; it defines {sorted(found)}")
+    return "\n\n\n".join(found[n] for n in names)
+
+
+def print_f_and_g_source() -> None:
+    """Print f and g from ``mpu_lab/tensor_parallel/mappings.py`` (:data:`F_AND_G`)."""
+    print(source_of(mappings, F_AND_G))
+
+
+def _worst(value: float) -> str:
+    return "0" if value == 0 else f"{value:.1e}"
+
+
+def print_side_by_side(results: Sequence[dict]) -> None:
+    """``launch/megatron_core_side_by_side.py --what mappings`` in a few lines: per mapping,
+    the shapes in and out on rank 0 and the largest difference between mpu_lab and
+    Megatron-core over all ranks, forward and backward (0: bit-identical). Prints the job's
+    reason instead when it skipped (megatron-core not installed)."""
+    if results and "skipped" in results[0]:
+        print(results[0]["skipped"])
+        return
+    first = results[0]
+    print(f"megatron-core {first['megatron_core']} and mpu_lab at tp={first['tp']}, the same "
+          f"tensors through both on each of {len(results)} ranks; rank groups the same on every "
+          f"rank: {all(r['groups_equal'] for r in results)}")
+    print(f"{'mapping':<44}{'rank 0: in -> out':<28}largest |difference|, fwd / bwd")
+    for name, on_rank0 in first["mappings"].items():
+        fwd = max(r["mappings"][name]["forward"] for r in results)
+        bwd = max(r["mappings"][name]["backward"] for r in results)
+        shape_in, shape_out = on_rank0["shape"]
+        print(f"{MEGATRON_NAMES.get(name, name):<44}{f'{shape_in} -> {shape_out}':<28}"
+              f"{_worst(fwd)} / {_worst(bwd)}")

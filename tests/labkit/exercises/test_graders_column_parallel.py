@@ -191,3 +191,18 @@ def test_fused_layout_and_figure_arguments_are_checked():
     with pytest.raises(ValueError, match="names the 3 fused parts"):
         splits.plot_column_split(1024, 768, 2, stride=3, part_names=["gate", "up"])
     assert splits.plot_column_split(1024, 1536, 8, stride=3).axes
+
+
+def test_the_walkthroughs_master_weight_slips_shown_on_tensors(capsys):
+    # worked by hand: 512 rows cut 16 ways by [gp::16] take every 16th row; Megatron's
+    # torch.split(.., 256) at t = 2 takes rows 0-255 and 256-511
+    got = column_parallel.print_walkthrough_master_weight()
+    assert got["empty_draws_nothing"] is True
+    assert got["interleaved_rows"][0] == list(range(0, 512, 16))
+    assert got["interleaved_rows"][1] == list(range(1, 512, 16))
+    assert got["block_rows"] == [list(range(256)), list(range(256, 512))]
+    # interleaved shards gather into XA with its columns out of order; blocks into XA itself
+    assert got["interleaved_gathers_to_dense"] is False and got["blocks_gather_to_dense"] is True
+    out = capsys.readouterr().out
+    assert "master_weight[0::16]: rows 0, 16, 32, ..., 496 (32 rows)" in out
+    assert "torch.split(master_weight, 256)[1]: rows 256, 257, 258, ..., 511 (256 rows)" in out

@@ -12,6 +12,8 @@ x = [0, 1, 2, 3] + 10 * rank with a gradient of ones, so rank 0's group [0, 1] s
 import linecache
 import types
 
+import pytest
+
 from mpu_lab.labkit import exercises
 from mpu_lab.labkit.exercises.tp_mappings import F_AND_G_CASES, F_EXERCISE, G_EXERCISE, run_g_case
 from mpu_lab.labkit.notebooks.solutions import solution_source
@@ -355,3 +357,32 @@ def test_an_exercise_layout_regroups_for_the_grading_and_puts_the_worlds_groups_
                       f"{CASE_1}.")
     assert out[1].startswith(f"Not yet: rank 0, input '{CASE_1}': forward (g_forward(x)) "
                              f"expected shape (4,) [10, 12, 14, 16], got shape (4,) [60, 64, 68, 72].")
+
+
+def test_f_and_g_source_is_read_from_mappings_by_name(capsys):
+    from mpu_lab.labkit.exercises import tp_mappings
+    from mpu_lab.tensor_parallel import mappings
+    tp_mappings.print_f_and_g_source()
+    out = capsys.readouterr().out
+    names = ["def _reduce(", "class _CopyToModelParallelRegion(",
+             "class _ReduceFromModelParallelRegion(", "def copy_to_tensor_model_parallel_region(",
+             "def reduce_from_tensor_model_parallel_region("]
+    assert [out.index(n) for n in names] == sorted(out.index(n) for n in names)
+    assert "return _reduce(grad_output, ctx.group), None" in out      # f: all-reduce backward
+    assert "class _ScatterToModelParallelRegion" not in out
+    with pytest.raises(ValueError, match=r"defines no \['f'\]"):
+        tp_mappings.source_of(mappings, ["f"])
+
+
+def test_the_side_by_side_table_keeps_the_worst_difference_over_ranks(capsys):
+    from mpu_lab.labkit.exercises import tp_mappings
+    rank = lambda r, fwd: {"rank": r, "tp": 2, "megatron_core": "0.0", "groups_equal": True,
+                           "mappings": {"copy": {"forward": fwd, "backward": 0.0,
+                                                 "shape": [[8, 2, 16], [8, 2, 16]]}}}
+    tp_mappings.print_side_by_side([rank(0, 0.0), rank(1, 2.5e-7)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("on each of 2 ranks; rank groups the same on every rank: True")
+    assert lines[2].split() == ["copy_to_tensor_model_parallel_region", "[8,", "2,", "16]", "->",
+                                "[8,", "2,", "16]", "2.5e-07", "/", "0"]
+    tp_mappings.print_side_by_side([{"skipped": "megatron-core is not installed"}])
+    assert capsys.readouterr().out == "megatron-core is not installed\n"
