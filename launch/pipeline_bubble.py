@@ -20,7 +20,7 @@ import os
 
 from mpu_lab import distributed, launcher
 from mpu_lab import parallel_state as ps
-from mpu_lab.perf import pipeline_bubble
+from mpu_lab.perf import pipeline_bubble, rank_clock
 
 
 @launcher.entrypoint
@@ -29,8 +29,7 @@ def main():
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--iterations", type=int, default=3)
     args = parser.parse_args()
-    cores_available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else os.cpu_count()
+    cores_available = len(rank_clock.usable_cores())
     core = pipeline_bubble.pin_this_rank()     # before the process group: its threads inherit it
     distributed.init()
     p = int(os.environ["WORLD_SIZE"])

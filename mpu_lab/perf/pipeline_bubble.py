@@ -7,7 +7,8 @@
 A bubble is time a stage waits. On a GPU a waiting stage leaves its GPU idle; on a CPU with more
 ranks than cores a waiting rank hands its core to another rank, so the bubble costs almost no
 wall time and cannot be seen. :func:`measure_bubble` therefore sizes the run to the machine:
-``p`` ranks, each pinned to a core of its own with one thread (:func:`pin_this_rank`), running
+``p`` ranks, each pinned to a core of its own with one thread (:func:`pin_this_rank`, with
+:mod:`mpu_lab.perf.rank_clock`'s pinning), running
 the toy model (:mod:`mpu_lab.pipeline_parallel.toy`, made wide enough that a forward takes
 milliseconds) through mpu_lab's 1F1B. Each rank reads its own clocks around every iteration:
 the wall time between two barriers, and its busy time, twice: the forwards and backwards
@@ -34,6 +35,7 @@ import torch
 
 from mpu_lab import distributed, launcher
 from mpu_lab import parallel_state as ps
+from mpu_lab.perf import rank_clock
 from mpu_lab.perf.cost_model import DGX_H100, Cluster, ModelShape, ParallelConfig, predict_iteration
 from mpu_lab.perf.pipeline_timeline import ScheduleRecorder
 from mpu_lab.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
@@ -63,11 +65,11 @@ def pin_this_rank() -> Optional[int]:
     may use) with one thread, so it never waits for a core; returns the core (``None`` on a
     GPU rank, or where the OS cannot pin). Call it before the process group is made, so the
     communication threads inherit the pinning."""
-    if distributed.get_device().type == "cuda" or not hasattr(os, "sched_setaffinity"):
+    if distributed.get_device().type == "cuda":
         return None
-    cores = sorted(os.sched_getaffinity(0))
-    core = cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]
-    os.sched_setaffinity(0, {core})
+    core = rank_clock.core_for(int(os.environ.get("LOCAL_RANK", "0")))
+    if not rank_clock.pin_process(os.getpid(), core):
+        return None
     torch.set_num_threads(1)
     return core
 
@@ -112,7 +114,7 @@ def machine_note(ranks: int) -> str:
     """One sentence: whether this machine gives each of ``ranks`` ranks a processor of its own
     (a GPU, or else a CPU core), so that a measured timeline's gaps are a bubble."""
     gpus = torch.cuda.device_count()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = len(rank_clock.usable_cores())
     if (gpus or cores) >= ranks:
         return (f"{ranks} ranks on {gpus or cores} {'GPUs' if gpus else 'CPU cores'}: one each, "
                 f"so the measured gaps are the bubble.")

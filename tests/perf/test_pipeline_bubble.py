@@ -100,7 +100,7 @@ def test_live_bubble_is_within_a_tenth_of_the_formula_on_a_quiet_machine(measure
                                                    (8, 2, 8, True), (0, 16, 8, True)])
 def test_machine_note_says_whether_each_rank_has_a_processor(monkeypatch, gpus, cores, ranks, fits):
     monkeypatch.setattr(pb.torch.cuda, "device_count", lambda: gpus)
-    monkeypatch.setattr(pb.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(pb.rank_clock, "usable_cores", lambda: list(range(cores)))
     note = pb.machine_note(ranks)
     assert ("measured gaps are the bubble" in note) == fits
     assert ("PREDICTED for a DGX H100" in note) == (not fits)
