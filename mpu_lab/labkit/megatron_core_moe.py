@@ -87,6 +87,29 @@ def parse_case(name: str, world_size: Optional[int] = None) -> Case:
     return case
 
 
+# --------------------------------------------------------------------------- pure: the groups
+# mpu_lab's expert key -> the token Megatron-core's expert RankGenerator is asked for it
+EXPERT_TOKENS = {"ep": "ep", "expert-tp": "tp", "expert-tp-ep": "tp-ep",
+                 "expert-tp-ep-pp": "tp-ep-pp", "expert-dp": "dp"}
+
+
+def expert_groups_side_by_side(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1,
+                               etp: Optional[int] = None) -> Dict[str, object]:
+    """mpu_lab's expert groups next to those of Megatron-core's expert ``RankGenerator`` (built
+    as its ``initialize_model_parallel`` builds it: ``tp=etp, ep, dp=world/(etp*ep*pp), pp,
+    cp=1``, order ``tp-cp-ep-dp-pp``). Pure Python, one process. Returns ``{"edp",
+    "families": {key: {"token", "equal"}}, "all_equal"}``."""
+    mps = mc._megatron()[0]
+    ours = ps.generate_rank_groups(world_size, tp, pp, 1, ps.DEFAULT_ORDER, ep, etp)
+    etp = tp if etp is None else etp
+    edp = world_size // (etp * ep * pp)
+    gen = mps.RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order=ps.DEFAULT_ORDER)
+    families = {key: {"token": token, "equal": ours[key] == gen.get_ranks(token)}
+                for key, token in EXPERT_TOKENS.items()}
+    return {"edp": edp, "families": families,
+            "all_equal": all(f["equal"] for f in families.values())}
+
+
 # --------------------------------------------------------------------------- rank side
 def _megatron_layer(case: Case, num_experts: int):
     with mc.without_cuda_runtime_notice():
@@ -245,5 +268,5 @@ def all_equal(side_by_side: Dict[str, object], tol: float = TOL) -> bool:
                for w in (worst(side_by_side, n) for n in names))
 
 
-__all__: List[str] = ["Case", "parse_case", "compare_case", "run_side_by_side", "worst",
+__all__: List[str] = ["EXPERT_TOKENS", "expert_groups_side_by_side", "Case", "parse_case", "compare_case", "run_side_by_side", "worst",
                       "format_results", "all_equal", "DEFAULT_CASES", "TOL"]

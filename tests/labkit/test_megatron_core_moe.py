@@ -52,3 +52,21 @@ def test_moe_layer_equals_megatron_cores_on_four_cpu_ranks():
     table = mcm.format_results(result)
     assert table.startswith(f"megatron-core {mc.version()} vs mpu_lab, 4 CPU ranks")
     assert table.count("differs") == len(cases) and "NO" not in table
+
+
+@needs_megatron
+def test_expert_groups_equal_megatron_cores_expert_rank_generator_over_a_sweep():
+    checked = 0
+    for world in (8, 16, 32):
+        for tp in (1, 2, 4):
+            for pp in (1, 2):
+                for ep in (1, 2, 4, 8):
+                    for etp in (None, 1, 2):
+                        e = tp if etp is None else etp
+                        if world % (tp * pp) or world % (e * ep * pp):
+                            continue
+                        table = mcm.expert_groups_side_by_side(world, tp, pp, ep, etp)
+                        assert table["all_equal"], (world, tp, pp, ep, etp, table)
+                        assert table["edp"] == world // (e * ep * pp)
+                        checked += 1
+    assert checked > 60

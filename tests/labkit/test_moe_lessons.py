@@ -82,3 +82,20 @@ def test_the_pictures_draw_what_they_are_given():
     assert len(fig.axes[0].patches) == 2 * len(d["before"])
     fig = moe_viz.plot_loads({"a": [2.0, 1.5], "b": [3.0, 4.0]}, worst=4.0)
     assert [list(line.get_ydata()) for line in fig.axes[0].lines[:2]] == [[2.0, 1.5], [3.0, 4.0]]
+
+
+def test_lab_checks_right_and_wrong_answers(capsys):
+    from mpu_lab.labkit.exercises import mixture_of_experts as ex
+    # Mixtral from 8 to 64 experts: 32 x 56 more experts of 3 x 4096 x 14336 (and router
+    # columns) on 46.7 B; the FLOPs per token gain only the 56 router columns per layer
+    assert ex.check_moe_scaling((7.8, 1.0)) and not ex.check_moe_scaling((8, 8))
+    assert not ex.check_moe_scaling(None) and not ex.check_moe_scaling("big")
+    assert ex.check_capacity(8, 32, 4, 1, 1.0)                        # ceil(32 / 4 x 1.0)
+    assert ex.check_capacity(10, 10, 3, 2, 1.5)                       # ceil(20 / 3 x 1.5)
+    assert not ex.check_capacity(9, 32, 4, 1, 1.0)
+    assert ex.check_expert_data_parallel_size(2, 16, 2, 2, 2)         # 16 / (2 x 2 x 2)
+    assert ex.check_expert_data_parallel_size(1, 8, 1, 1, 8)
+    assert not ex.check_expert_data_parallel_size(4, 16, 2, 2, 2)
+    out = capsys.readouterr().out
+    assert "Right: the parameters grow 7.8x" in out and "No answer yet" in out
+    assert "Not yet: 4 is not it. Hint:" in out

@@ -51,6 +51,7 @@ from mpu_lab.labkit.exercises.parallel_transformer import (
 )
 from mpu_lab.labkit.exercises.context_parallel import LSE_MERGE, ZIGZAG_LAYOUT
 from mpu_lab.labkit.exercises.pipeline_parallel import ONE_F_ONE_B, check_bubble_share, check_peak_in_flight
+from mpu_lab.labkit.exercises.mixture_of_experts import DISPATCH
 from mpu_lab.labkit.exercises.train_gpt import check_micro_batches, check_padded_vocab
 from mpu_lab.labkit.exercises.performance import (
     check_best_config,
@@ -84,7 +85,7 @@ __all__ = [
     "grade", "Exercise", "Case", "Outcome", "compare",
     # write-the-code exercises, graded by grade(...) on a playground world
     "RANK_GROUPS", "COLUMN_FORWARD", "ROW_FORWARD", "row_forward_exercise", "F_EXERCISE",
-    "G_EXERCISE", "VOCAB_PARALLEL_CE", "ONE_F_ONE_B",
+    "G_EXERCISE", "VOCAB_PARALLEL_CE", "ONE_F_ONE_B", "DISPATCH",
     "check_group_of_rank", "check_crossing_count",
     "check_column_weight_shape", "check_strided_rows",
     "check_row_weight_shape", "MLP_ALL_REDUCES", "check_mlp_all_reduces",

@@ -1,4 +1,11 @@
-"""Lab 10's write-the-code exercise, :data:`DISPATCH`: the all-to-all token dispatcher's
+"""Lab 10's checks and its write-the-code exercise.
+
+Checks (the expected value computed by mpu_lab: the cost model, the router's capacity, the
+rank groups): :func:`check_moe_scaling` (parameters and FLOPs per token as E grows),
+:func:`check_capacity` (Switch's expert capacity), :func:`check_expert_data_parallel_size`
+(how many copies of each expert a layout keeps).
+
+The write-the-code exercise, :data:`DISPATCH`: the all-to-all token dispatcher's
 permutation and its count exchange, run with real all-to-alls on a live world.
 
 The learner writes ``my_dispatch(tokens, routing_map, group)``: this rank's tokens ``[T, h]``
@@ -24,8 +31,64 @@ import torch
 import torch.distributed as dist
 
 from mpu_lab import distributed, parallel_state
+from mpu_lab.labkit.exercises.common import Verdict, as_floats, as_int, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome
-from mpu_lab.models.moe import MoEAlltoAllTokenDispatcher
+from mpu_lab.models.moe import MoEAlltoAllTokenDispatcher, get_capacity
+from mpu_lab.parallel_state import generate_rank_groups
+from mpu_lab.perf.cost_model.moe import (MIXTRAL_8X7B, MoEModelShape, moe_flops_per_token,
+                                         moe_parameter_count)
+
+
+# --------------------------------------------------------------------------- checks
+def _with_experts(model: MoEModelShape, num_experts: int) -> MoEModelShape:
+    return MoEModelShape(**{**model.__dict__, "num_experts": num_experts})
+
+
+def check_moe_scaling(answer, from_experts: int = 8, to_experts: int = 64,
+                      model: MoEModelShape = MIXTRAL_8X7B) -> Verdict:
+    """``answer = (parameter factor, FLOPs-per-token factor)`` when ``model`` (top-k fixed)
+    goes from ``from_experts`` to ``to_experts`` experts per layer; right within 10 %."""
+    if unanswered(answer, "a pair (parameter factor, FLOPs-per-token factor)"):
+        return Verdict(False)
+    given = as_floats(answer)
+    small, large = _with_experts(model, from_experts), _with_experts(model, to_experts)
+    params = moe_parameter_count(large)["total"] / moe_parameter_count(small)["total"]
+    flops = moe_flops_per_token(large)["total"] / moe_flops_per_token(small)["total"]
+    if given is None or len(given) != 2:
+        print(f"Not yet: {answer!r} is not a pair of numbers (parameters, FLOPs per token).")
+        return Verdict(False)
+    ok = [abs(g - e) <= 0.1 * e for g, e in zip(given, (params, flops))]
+    return verdict(all(ok),
+                   f"the parameters grow {params:.1f}x (the experts are almost all of them), "
+                   f"the FLOPs per token {flops:.2f}x (a token still meets {model.k} experts).",
+                   "not quite. Hint: which part of the model grows with the number of experts, "
+                   "and how many experts does one token run through?")
+
+
+def check_capacity(answer, num_tokens: int, num_experts: int, topk: int,
+                   capacity_factor: float) -> Verdict:
+    """The expert capacity (Switch Transformers §2.2, Megatron's ``get_capacity``)."""
+    if unanswered(answer, "a number of tokens"):
+        return Verdict(False)
+    expected = get_capacity(num_tokens * topk, num_experts, capacity_factor)
+    return verdict(as_int(answer) == expected,
+                   f"{expected} (token, expert) pairs per expert.",
+                   f"{answer!r} is not it. Hint: the capacity is the fair share of the routed "
+                   f"(token, expert) pairs, times the factor, rounded up.")
+
+
+def check_expert_data_parallel_size(answer, world_size: int, tp: int, pp: int, ep: int) -> Verdict:
+    """How many ranks hold the same experts (Megatron's expert data-parallel size) with
+    expert-tensor-parallel size = ``tp``."""
+    if unanswered(answer, "a number of ranks"):
+        return Verdict(False)
+    groups = generate_rank_groups(world_size, tp, pp, expert_model_parallel_size=ep)
+    expected = len(groups["expert-dp"][0])
+    return verdict(as_int(answer) == expected,
+                   f"{expected}: each expert lives on {expected} ranks, which average its "
+                   f"gradients (e.g. {groups['expert-dp'][0]}).",
+                   f"{answer!r} is not it. Hint: a pipeline stage has world / p ranks; "
+                   f"t of them split one expert, ep of those groups split the experts.")
 
 
 def case_inputs(rank: int, num_tokens: int, num_experts: int, topk: int, seed: int,
@@ -194,4 +257,5 @@ DISPATCH = Exercise(
     ranks_needed=_even_world,
     layout=_dense_only)
 
-__all__: List[str] = ["DISPATCH", "case_inputs", "checked_all_to_all", "split_mismatches", "reference_dispatch", "run_dispatch_case"]
+__all__: List[str] = ["check_moe_scaling", "check_capacity", "check_expert_data_parallel_size",
+                       "DISPATCH", "case_inputs", "checked_all_to_all", "split_mismatches", "reference_dispatch", "run_dispatch_case"]

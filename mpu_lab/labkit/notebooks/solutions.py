@@ -58,6 +58,7 @@ SOLUTIONS: Dict[str, Solution] = {
                                               "my_zigzag": "solution_zigzag"}),
     "09": Solution("09_pipeline_parallel.py", {"my_1f1b_order": "solution_1f1b_order",
                                               "my_1f1b_loop": "solution_1f1b_loop"}),
+    "10": Solution("10_mixture_of_experts.py", {"my_dispatch": "solution_dispatch"}),
     "14": Solution("14_debugging.py", {"my_exchange": "solution_exchange"}),
     "03": Solution("03_data_parallel.py", {"my_grad_ready_hook": "solution_grad_ready_hook",
                                            "my_distributed_step": "solution_distributed_step"}),

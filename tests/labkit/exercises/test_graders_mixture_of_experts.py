@@ -20,9 +20,9 @@ import pytest
 from mpu_lab.labkit import moe_lessons
 from mpu_lab.labkit.exercises import grade
 from mpu_lab.labkit.exercises import mixture_of_experts as moe_ex
-from mpu_lab.labkit.notebooks.solutions import SOLUTIONS_DIR
+from mpu_lab.labkit.notebooks.solutions import solution_source
 
-OWN_SOLUTION = (SOLUTIONS_DIR / "10_mixture_of_experts.py").read_text()
+OWN_SOLUTION = solution_source("10")
 
 STUB = '''
 def my_dispatch(tokens, routing_map, group):
