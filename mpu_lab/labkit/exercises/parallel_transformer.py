@@ -157,15 +157,19 @@ def run_ce_case(learner: Callable, case: Case) -> Outcome:
                    f"rank, logits [{len(target)}, {per_rank}]) the loss", expected, got, atol=1e-4)
 
 
-VOCAB_PARALLEL_CE = Exercise(
-    name="my_vocab_parallel_ce",
-    run_case=run_ce_case,
-    cases=[
+# Where the targets sit in the vocabulary slices: the cases both exercises share.
+TARGET_LAYOUTS = [
         Case("targets all in rank 0's slice", dict(tokens=6, vocab_per_rank=5,
                                                    targets="first_shard")),
         Case("targets spread over every slice", dict(tokens=7, vocab_per_rank=5,
                                                      targets="spread")),
         Case("the last vocabulary id", dict(tokens=4, vocab_per_rank=3, targets="last")),
+]
+
+VOCAB_PARALLEL_CE = Exercise(
+    name="my_vocab_parallel_ce",
+    run_case=run_ce_case,
+    cases=TARGET_LAYOUTS + [
         Case("a single token", dict(tokens=1, vocab_per_rank=4, targets="spread")),
         Case("large logits (exp overflows without the max)",
              dict(tokens=5, vocab_per_rank=5, targets="spread", offset=500.0, scale=40.0)),
@@ -214,13 +218,7 @@ def run_ce_backward_case(learner: Callable, case: Case) -> Outcome:
 VOCAB_PARALLEL_CE_BACKWARD = Exercise(
     name="my_vocab_parallel_ce_backward",
     run_case=run_ce_backward_case,
-    cases=[
-        Case("targets all in rank 0's slice", dict(tokens=6, vocab_per_rank=5,
-                                                   targets="first_shard")),
-        Case("targets spread over every slice", dict(tokens=7, vocab_per_rank=5,
-                                                     targets="spread")),
-        Case("the last vocabulary id", dict(tokens=4, vocab_per_rank=3, targets="last")),
-    ],
+    cases=TARGET_LAYOUTS,
     hint="the derivative of log-sum-exp(z) - z_y with respect to z is the softmax of z minus the "
          "one-hot of y, and the chain rule multiplies each token's row by its grad_output. "
          "Which rank's slice holds the 1 of the one-hot, and what do the other ranks subtract?")
