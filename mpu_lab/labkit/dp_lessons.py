@@ -14,8 +14,12 @@
   bytes per parameter of weights, gradients and optimizer states, next to mpu_lab's fp32 figure
   (:func:`mpu_lab.perf.memory.mpu_lab_bytes_per_parameter`); :func:`print_megatron_bytes` —
   Megatron-core's table (:func:`mpu_lab.perf.cost_model.bytes_per_parameter`) next to it;
-* :func:`fit_counts`, :func:`print_fit_counts` — lab 12's explorer with and without the
-  distributed optimizer.
+* :func:`timing_ranks`, :func:`print_overlap_verdict` — the overlap lesson sized to the
+  machine (no more ranks than cores, each pinned) and what its measurement shows;
+* :func:`print_memory_table` — the memory job's table, one line per group of ranks that
+  printed the same;
+* :func:`fit_counts`, :func:`print_fit_counts` — lab 13's explorer with and without the
+  distributed optimizer (a "going further": the explorer is taught in lab 13).
 """
 from __future__ import annotations
 
@@ -263,7 +267,7 @@ def print_megatron_bytes(data_parallel_size: int) -> None:
 
 # --------------------------------------------------------------------------- 6. explorer
 def fit_counts(model, cluster, num_gpus: int, global_batch_size: int) -> Dict[bool, tuple]:
-    """``{distributed_optimizer: (fitting, total, best)}`` from lab 12's explorer."""
+    """``{distributed_optimizer: (fitting, total, best)}`` from lab 13's explorer."""
     out = {}
     for flag in (False, True):
         result = explore(model, cluster, num_gpus, global_batch_size,
