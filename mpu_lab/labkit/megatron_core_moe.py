@@ -110,6 +110,24 @@ def expert_groups_side_by_side(world_size: int, tp: int = 1, pp: int = 1, ep: in
             "all_equal": all(f["equal"] for f in families.values())}
 
 
+def groups_summary(world_size: int, tp: int, pp: int, ep: int = 1) -> str:
+    """One line: how many of mpu_lab's dense families (and, with ``ep`` > 1, expert families)
+    equal Megatron-core's ``RankGenerator``'s for this layout; the install hint where
+    megatron-core cannot be imported."""
+    reason = mc.missing()
+    if reason is not None:
+        return reason
+    dense = mc.rank_groups_side_by_side(world_size, tp, pp)["families"]
+    same = [k for k, f in dense.items() if f["equal"]]
+    line = (f"n={world_size}, t={tp}, p={pp}: {len(same)} of {len(dense)} dense families equal "
+            f"Megatron-core's ({', '.join(same)})")
+    if ep > 1:
+        experts = expert_groups_side_by_side(world_size, tp, pp, ep)["families"]
+        same = [k for k, f in experts.items() if f["equal"]]
+        line += f"; ep={ep}: {len(same)} of {len(experts)} expert families ({', '.join(same)})"
+    return line
+
+
 # --------------------------------------------------------------------------- rank side
 def _megatron_layer(case: Case, num_experts: int):
     with mc.without_cuda_runtime_notice():
@@ -268,5 +286,5 @@ def all_equal(side_by_side: Dict[str, object], tol: float = TOL) -> bool:
                for w in (worst(side_by_side, n) for n in names))
 
 
-__all__: List[str] = ["EXPERT_TOKENS", "expert_groups_side_by_side", "Case", "parse_case", "compare_case", "run_side_by_side", "worst",
+__all__: List[str] = ["EXPERT_TOKENS", "expert_groups_side_by_side", "groups_summary", "Case", "parse_case", "compare_case", "run_side_by_side", "worst",
                       "format_results", "all_equal", "DEFAULT_CASES", "TOL"]

@@ -70,3 +70,17 @@ def test_expert_groups_equal_megatron_cores_expert_rank_generator_over_a_sweep()
                         assert table["edp"] == world // (e * ep * pp)
                         checked += 1
     assert checked > 60
+
+
+def test_groups_summary_says_how_to_install_where_megatron_core_is_missing(monkeypatch):
+    monkeypatch.setattr(mc, "missing", lambda: mc.INSTALL_HINT)
+    assert mcm.groups_summary(16, 2, 2, ep=2) == mc.INSTALL_HINT
+
+
+@needs_megatron
+def test_groups_summary_counts_the_equal_families():
+    line = mcm.groups_summary(16, 2, 2, ep=2)
+    assert line.startswith("n=16, t=2, p=2: 11 of 11 dense families equal Megatron-core's (tp,")
+    assert line.endswith("ep=2: 5 of 5 expert families (ep, expert-tp, expert-tp-ep, "
+                         "expert-tp-ep-pp, expert-dp)")
+    assert "expert" not in mcm.groups_summary(16, 2, 4)

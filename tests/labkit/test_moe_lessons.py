@@ -99,3 +99,21 @@ def test_lab_checks_right_and_wrong_answers(capsys):
     out = capsys.readouterr().out
     assert "Right: the parameters grow 7.8x" in out and "No answer yet" in out
     assert "Not yet: 4 is not it. Hint:" in out
+
+
+def test_rank_group_views_show_the_expert_groups(capsys):
+    from mpu_lab.labkit import viz
+    viz.show_rank_groups(16, tp=2, pp=2, ep=2, draw=False)
+    out = capsys.readouterr().out
+    assert out.startswith("n = 16 = t*p*c*d = 2*2*1*4, ep = 2, expert dp = 2")
+    # 8 ranks per stage at t = 2, ep = 2: the ep groups pair ranks two apart (worked by hand)
+    assert " 8 expert model-parallel groups:\n [g0, g2], [g1, g3], [g4, g6], [g5, g7]" in out
+    assert " 8 expert data-parallel groups:\n [g0, g4], [g1, g5], [g2, g6], [g3, g7]" in out
+    assert "ep groups crossing a node boundary: 0 of 8" in out
+    viz.show_rank_groups(16, tp=2, pp=2, draw=False)                  # ep = 1: as before
+    assert "expert" not in capsys.readouterr().out
+    groups = {"tp": [[r] for r in range(20)]}
+    listed = viz.format_groups(groups, ["tp"], limit=8)
+    assert listed.endswith("[g6], [g7], ... (12 more)")
+    fig = viz.plot_group_families(16, tp=2, pp=2, ep=2, families=("dp", "ep", "expert-dp"))
+    assert "ep=2" in fig._suptitle.get_text() and len(fig.axes) == 3
