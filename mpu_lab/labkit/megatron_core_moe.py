@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -99,7 +100,13 @@ def expert_groups_side_by_side(world_size: int, tp: int = 1, pp: int = 1, ep: in
     as its ``initialize_model_parallel`` builds it: ``tp=etp, ep, dp=world/(etp*ep*pp), pp,
     cp=1``, order ``tp-cp-ep-dp-pp``). Pure Python, one process. Returns ``{"edp",
     "families": {key: {"token", "equal"}}, "all_equal"}``."""
-    mps = mc._megatron()[0]
+    reason = mc.missing()
+    if reason is not None:
+        raise ImportError(reason)
+    with mc.without_cuda_runtime_notice(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # its import-time notices about absent extras
+        # megatron-core is optional (and slow to import): imported only where it is used.
+        from megatron.core import parallel_state as mps
     ours = ps.generate_rank_groups(world_size, tp, pp, 1, ps.DEFAULT_ORDER, ep, etp)
     etp = tp if etp is None else etp
     edp = world_size // (etp * ep * pp)
