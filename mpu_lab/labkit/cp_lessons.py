@@ -173,7 +173,8 @@ def attention_inputs(seq_length: int, b: int, n: int, d: int, seed: int, scale_q
     """The whole sequence's ``[s, b, n, d]`` q, k, v in natural order, the same on every rank
     (a CPU generator seeded with ``seed``)."""
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(seq_length, b, n, d, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(seq_length, b, n, d, generator=gen, device="cpu")  # cpu: a CPU generator
+               for _ in range(3))
     return (q * scale_q).to(device), k.to(device), v.to(device)
 
 

@@ -105,9 +105,10 @@ def layout_input(b: int, seq_length: int, kind: str, seed: int, device=None) -> 
     """A ``[b, s]`` batch tensor, the same on every rank: token ids (``"tokens"``: distinct
     integers, so a wrong position shows) or a float mask-like tensor (``"floats"``)."""
     if kind == "tokens":
-        return (torch.arange(b * seq_length).view(b, seq_length) * 7 + seed).to(device)
+        ids = torch.arange(b * seq_length, device=device)
+        return ids.view(b, seq_length) * 7 + seed
     gen = torch.Generator().manual_seed(seed)
-    return torch.rand(b, seq_length, generator=gen).to(device)
+    return torch.rand(b, seq_length, generator=gen, device="cpu").to(device)  # cpu: a CPU generator
 
 
 def run_zigzag_case(learner: Callable, case: Case) -> Outcome:
