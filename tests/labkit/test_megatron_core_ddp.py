@@ -26,6 +26,7 @@ def test_cpu_patches_patch_nothing_on_a_gpu_rank():
         assert torch.zeros(2).type() == "torch.FloatTensor"
 
 
+@pytest.mark.slow          # starts a 2-rank torchrun job itself
 @pytest.mark.skipif(not megatron_core.available(), reason="megatron-core is not installed")
 def test_megatron_core_ddp_and_distributed_optimizer_match_mpu_lab_and_the_reference():
     job = launcher.run("megatron_core_ddp.py", ["--steps", "2"], nproc=2, show="none",
