@@ -113,7 +113,8 @@ EXPECTED_SECONDS = {
     "tests/checkpointing/test_reshard_vocab_padding.py": 15, "tests/labs/test_performance_content.py": 13,
     "tests/perf/cost_model/test_cost_model.py": 9, "Start_Here.ipynb": 9,
     "labs/02_collectives.ipynb": 130,
-    "labs/03_data_parallel.ipynb": 70, "labs/13_scaling.ipynb": 65, "tests/perf/test_memory_accounting.py": 45,
+    "labs/03_data_parallel.ipynb": 200,   # 425 s under nbval on the loaded 2-core machine
+    "tests/labkit/test_megatron_core_ddp.py": 40, "labs/13_scaling.ipynb": 65, "tests/perf/test_memory_accounting.py": 45,
     "tests/perf/test_dp_overlap.py": 30,
     "tests/context_parallel/test_context_parallel_mp.py": 35,
     "tests/models/moe/test_moe_mp.py": 170,
