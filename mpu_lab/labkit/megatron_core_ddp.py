@@ -57,8 +57,8 @@ def build_mlp(seed: int, sizes: Sequence[int] = SIZES) -> torch.nn.Sequential:
 def rank_batch(rank: int, step: int, batch: int, sizes: Sequence[int] = SIZES):
     """``(x, y)`` of data-parallel rank ``rank`` at ``step``: its own samples."""
     gen = torch.Generator().manual_seed(1000 * step + rank + 1)
-    x = torch.randn(batch, sizes[0], generator=gen)
-    return x, torch.randn(batch, sizes[-1], generator=gen)
+    x = torch.randn(batch, sizes[0], generator=gen, device="cpu")  # cpu: the job runs on CPUs
+    return x, torch.randn(batch, sizes[-1], generator=gen, device="cpu")  # cpu: the same
 
 
 def _loss(model, x, y) -> torch.Tensor:

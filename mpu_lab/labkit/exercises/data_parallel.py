@@ -251,7 +251,8 @@ def hook_batches(sizes: Sequence[int], d: int, micro_batches: int, seed: int):
     each), the same on every rank, so each can build the whole global batch for the
     reference."""
     gen = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(4, sizes[0], generator=gen), torch.randn(4, sizes[-1], generator=gen))
+    cpu = dict(generator=gen, device="cpu")   # cpu: a CPU generator; the grader moves them
+    return [[(torch.randn(4, sizes[0], **cpu), torch.randn(4, sizes[-1], **cpu))
              for _ in range(micro_batches)] for _ in range(d)]
 
 
