@@ -344,12 +344,14 @@ def run_bucket_hook_case(learner: Callable, case: Case) -> Outcome:
     d, me = dist.get_world_size(group=group), dist.get_rank(group=group)
     sizes, m, seed = case.params["sizes"], case.params["micro_batches"], case.params["seed"]
     where = f"data-parallel rank {me} of {d}:"
-    data = hook_batches(sizes, d, m, seed + 1)
-    reference = hook_mlp(sizes, seed)
+    device = distributed.get_device()
+    data = [[(x.to(device), y.to(device)) for x, y in rank]
+            for rank in hook_batches(sizes, d, m, seed + 1)]
+    reference = hook_mlp(sizes, seed).to(device)
     loss = sum(torch.nn.functional.mse_loss(reference(x), y) for rank in data for x, y in rank)
     (loss / (d * m)).backward()
 
-    model = hook_mlp(sizes, seed)
+    model = hook_mlp(sizes, seed).to(device)
     buffer = ParamAndGradBuffer(list(model.parameters()), d, case.params["bucket_size"])
     for p in buffer.params:
         p.grad = p.main_grad                    # autograd accumulates into the buffer
