@@ -15,21 +15,33 @@ sets ``OMP_NUM_THREADS`` to cores / ranks), and reads each rank's busy and idle 
 own CPU clock (:mod:`mpu_lab.perf.rank_clock`). On GPUs it samples NVML's utilisation.
 
 :func:`speedup_line` is the verdict ``launch/utilisation.py`` and lab 12 end with.
+
+Where the machine has fewer cores than the walkthrough has GPUs, :func:`predicted_bad_vs_remedy`
+gives the bad and the remedy pipeline as a DGX H100 would run them (one stage per GPU): the
+cost model's compute time per micro-batch fed to the 1F1B simulator
+(:func:`mpu_lab.perf.pipeline_bubble.predicted_timeline`) — a prediction, not a measurement.
 """
 from __future__ import annotations
 
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from mpu_lab.perf.cost_model import DGX_H100, Cluster, ModelShape
+from mpu_lab.perf.pipeline_bubble import GPT3_1_3B, predicted_timeline
 from mpu_lab.perf.rank_clock import cores_note, usable_cores
 from mpu_lab.perf.runs import ProfiledRun, profile_training, training_flags
 from mpu_lab.perf.step_time import TrainConfig
+from mpu_lab.pipeline_parallel.timeline import LogicalTimeline
 
 __all__ = ["ROLES", "timing_ranks", "bad_vs_good_configs", "run_bad_vs_good", "role_of",
            "fastest_step_s", "mean_step_s", "speedups", "speedup_line", "format_steps", "format_busy_idle",
-           "schedule_busy_share"]
+           "schedule_busy_share", "WALKTHROUGH_GPUS", "predicted_bad_vs_remedy",
+           "predicted_speedup", "format_predicted", "measured_vs_predicted_line"]
 
 ROLES = ("bad", "remedy", "good")
+
+# The walkthrough's machine: one DGX H100, 8 GPUs, a pipeline stage on each.
+WALKTHROUGH_GPUS = 8
 
 
 def timing_ranks(requested: int, on_gpu: bool, cores: Optional[int] = None
@@ -183,3 +195,68 @@ def format_busy_idle(runs: Dict[str, ProfiledRun], configs: Dict[str, TrainConfi
                          f"{b.busy_share:.2f} (schedule: {expected:.2f})")
     return "\n".join(lines)
 
+
+
+# ---------------------------------------------------------------- predicted for a DGX H100
+def predicted_bad_vs_remedy(pipeline_parallel_size: int = WALKTHROUGH_GPUS, microbatches: int = 8,
+                            micro_batch_size: int = 1, model: ModelShape = GPT3_1_3B,
+                            cluster: Cluster = DGX_H100) -> Dict[str, LogicalTimeline]:
+    """``{label: LogicalTimeline}`` of the bad and the remedy pipeline on ``cluster``, one stage
+    per GPU, the same ``microbatches × micro_batch_size`` sequences per step: the bad one takes
+    them as one micro-batch, the remedy as ``microbatches`` (1F1B,
+    :func:`~mpu_lab.perf.pipeline_bubble.predicted_timeline`; times in seconds, the
+    point-to-point messages left out). Labels as :func:`bad_vs_good_configs`'s."""
+    p, m = pipeline_parallel_size, microbatches
+    if p < 2 or model.num_layers % p:
+        raise ValueError(f"the pipeline needs at least 2 stages that divide the model's "
+                         f"{model.num_layers} layers, got {p}")
+    if m < 2 or micro_batch_size < 1:
+        raise ValueError(f"the remedy needs at least 2 micro-batches of at least 1 sequence, "
+                         f"got {m} of {micro_batch_size}")
+    return {f"bad: PP={p}, 1 micro-batch": predicted_timeline(
+                model, p, 1, micro_batch_size=m * micro_batch_size, cluster=cluster),
+            f"remedy: PP={p}, {m} micro-batches": predicted_timeline(
+                model, p, m, micro_batch_size=micro_batch_size, cluster=cluster)}
+
+
+def predicted_speedup(timelines: Dict[str, LogicalTimeline]) -> float:
+    """The bad pipeline's predicted step over the remedy's."""
+    by_role = {role_of(label): tl for label, tl in timelines.items()}
+    missing = [r for r in ROLES[:2] if r not in by_role]
+    if missing:
+        raise ValueError(f"no {' and no '.join(missing)} timeline among {list(timelines)}")
+    return float(by_role["bad"].makespan) / float(by_role["remedy"].makespan)
+
+
+def format_predicted(timelines: Dict[str, LogicalTimeline], micro_batch_size: int = 1,
+                     model: ModelShape = GPT3_1_3B, cluster: Cluster = DGX_H100) -> str:
+    """What :func:`predicted_bad_vs_remedy` predicted (pass it the same ``micro_batch_size``,
+    ``model`` and ``cluster``): one line per timeline (the step, each GPU's busy share, the idle
+    share), then the predicted speed-up beside the schedule's own ``p·m/(m + p − 1)``."""
+    p = next(iter(timelines.values())).pipeline_parallel_size
+    m = max(tl.num_microbatches for tl in timelines.values())
+    lines = [f"PREDICTED for a {cluster.name} ({model.name}, {m * micro_batch_size} sequences "
+             f"of {model.seq_length} tokens per step, one pipeline stage per GPU; cost model + "
+             f"1F1B simulator, point-to-point messages left out):"]
+    for label, tl in timelines.items():
+        share = tl.bubble_share
+        lines.append(f"  {label}: step {float(tl.makespan) * 1e3:6.1f} ms, each GPU busy "
+                     f"{1 - share} of it, idle {share}")
+    lines.append(f"predicted speed-up of the remedy over the bad configuration: "
+                 f"{predicted_speedup(timelines):.2f} x (the schedule alone: p·m/(m+p-1) = "
+                 f"{p * m}/{m + p - 1} = {p * m / (m + p - 1):.2f})")
+    return "\n".join(lines)
+
+
+def measured_vs_predicted_line(runs: Dict[str, ProfiledRun], timelines: Dict[str, LogicalTimeline],
+                               cluster: Cluster = DGX_H100) -> str:
+    """The remedy's speed-up over the bad run, measured here and predicted, side by side."""
+    measured = {role_of(label): label for label in runs}
+    predicted = {role_of(label): label for label in timelines}
+    for name, have in (("measured runs", measured), ("predicted timelines", predicted)):
+        if "bad" not in have or "remedy" not in have:
+            raise ValueError(f"the {name} need a bad and a remedy entry, got {list(have.values())}")
+    return (f"remedy's speed-up over the bad configuration: measured here "
+            f"({measured['remedy'].split(': ', 1)[1]}) {speedups(runs)['remedy']:.2f} x; "
+            f"PREDICTED for a {cluster.name} ({predicted['remedy'].split(': ', 1)[1]}) "
+            f"{predicted_speedup(timelines):.2f} x")

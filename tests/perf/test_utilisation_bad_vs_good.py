@@ -95,3 +95,58 @@ def test_the_script_refuses_bad_arguments_before_starting_anything(capsys):
             script.parse_args(argv)
         assert message in capsys.readouterr().err
     assert script.parse_args([]).microbatches == 8
+
+
+def _stage_pair_s(timeline, stage=0):
+    """One forward plus one backward of a micro-batch on ``stage`` (seconds)."""
+    recs = timeline.records[stage]
+    return sum(float(next(r[4] - r[3] for r in recs if r[0] == kind)) for kind in "FB")
+
+
+def test_the_predicted_dgx_timelines_follow_the_schedule_worked_by_hand():
+    timelines = bad_vs_good.predicted_bad_vs_remedy(8, 8)
+    assert list(timelines) == ["bad: PP=8, 1 micro-batch", "remedy: PP=8, 8 micro-batches"]
+    bad, remedy = timelines.values()
+    # one micro-batch: the 8 stages run one after the other, forward down, backward up
+    assert float(bad.makespan) == pytest.approx(8 * _stage_pair_s(bad), rel=1e-12)
+    # 8 micro-batches through 8 stages: m + p - 1 = 15 forward-backward pairs of a stage
+    assert float(remedy.makespan) == pytest.approx(15 * _stage_pair_s(remedy), rel=1e-12)
+    # idle share (p-1)/(m+p-1): 7/8 and 7/15, exactly
+    assert (str(bad.bubble_share), str(remedy.bubble_share)) == ("7/8", "7/15")
+    # a micro-batch of 8 sequences costs 8 of 1 sequence (GEMMs and elementwise ops both
+    # scale with the tokens), so the speed-up is the schedule's p m/(m+p-1) = 64/15
+    assert _stage_pair_s(bad) == pytest.approx(8 * _stage_pair_s(remedy), rel=1e-9)
+    assert bad_vs_good.predicted_speedup(timelines) == pytest.approx(64 / 15, rel=1e-9)
+    # by hand, a floor: a stage's 3 layers' matmuls alone, forward + backward, at the H100's
+    # 989 TFLOP/s peak: 3 * 6 * 12 h^2 s = 3 * 72 * 2048^2 * 2048 / 989e12 s = 1.88 ms
+    assert 1.88e-3 < _stage_pair_s(remedy) < 50e-3
+
+
+def test_the_prediction_is_printed_labelled_and_beside_the_measured_line():
+    timelines = bad_vs_good.predicted_bad_vs_remedy(8, 8)
+    lines = bad_vs_good.format_predicted(timelines).splitlines()
+    assert lines[0].startswith("PREDICTED for a DGX H100 (GPT-3 XL (1.3 B), 8 sequences of 2048 "
+                               "tokens per step")
+    assert lines[1].startswith("  bad: PP=8, 1 micro-batch: step ")
+    assert lines[1].endswith("each GPU busy 1/8 of it, idle 7/8")
+    assert lines[2].endswith("each GPU busy 8/15 of it, idle 7/15")
+    assert lines[3] == ("predicted speed-up of the remedy over the bad configuration: 4.27 x "
+                        "(the schedule alone: p·m/(m+p-1) = 64/15 = 4.27)")
+    runs = {"bad: PP=2, 1 micro-batch": _run("bad", [1.1], [1.0]),
+            "remedy: PP=2, 8 micro-batches": _run("remedy", [0.5], [0.4]),
+            "good: DP=2": _run("good", [0.55], [0.5])}
+    # measured: 1.1 / 0.5 = 2.20 x
+    assert bad_vs_good.measured_vs_predicted_line(runs, timelines) == (
+        "remedy's speed-up over the bad configuration: measured here (PP=2, 8 micro-batches) "
+        "2.20 x; PREDICTED for a DGX H100 (PP=8, 8 micro-batches) 4.27 x")
+
+
+def test_bad_predicted_sizes_are_refused_with_the_numbers():
+    with pytest.raises(ValueError, match="divide the model's 24 layers, got 5"):
+        bad_vs_good.predicted_bad_vs_remedy(5, 8)
+    with pytest.raises(ValueError, match="at least 2 micro-batches of at least 1 sequence, got 1 of 1"):
+        bad_vs_good.predicted_bad_vs_remedy(8, 1)
+    timelines = bad_vs_good.predicted_bad_vs_remedy(4, 8)
+    only_bad = {"bad: PP=4, 1 micro-batch": timelines["bad: PP=4, 1 micro-batch"]}
+    with pytest.raises(ValueError, match="no remedy timeline"):
+        bad_vs_good.predicted_speedup(only_bad)
