@@ -208,8 +208,8 @@ def compare_case(case: Case) -> Dict[str, object]:
         with megatron_core_cpu.cpu_patches(on_cpu), megatron_core_cpu.moe_patches(on_cpu):
             theirs = _megatron_layer(case, num_experts)
             gen = torch.Generator().manual_seed(SEED + dist.get_rank())
-            x = torch.randn(SEQ // case.tp, BATCH, HIDDEN, generator=gen)
-            dout = torch.randn(SEQ // case.tp, BATCH, HIDDEN, generator=gen)
+            x = torch.randn(SEQ // case.tp, BATCH, HIDDEN, generator=gen)  # cpu: the job runs on CPUs
+            dout = torch.randn(SEQ // case.tp, BATCH, HIDDEN, generator=gen)  # cpu: the job runs on CPUs
             out_own_init, _ = _run(theirs, x, dout)    # its own weights: must differ
             theirs.zero_grad(set_to_none=True)
             loaded = theirs.load_state_dict(mine.state_dict(), strict=False)

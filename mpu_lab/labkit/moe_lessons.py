@@ -70,7 +70,7 @@ def capacity_demo(num_tokens: int = 32, num_experts: int = 4, topk: int = 1,
     ``popular`` (its logit raised), then the capacity applied: ``capacity`` (Switch:
     ``ceil(T * k / E * factor)``), tokens per expert ``before`` and ``kept``, ``dropped``."""
     gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)  # cpu: CPU generator
     logits[:, 0] += popular
     probs, routing_map = topk_routing_with_score_function(logits, topk, use_pre_softmax=True)
     kept_probs, kept_map = apply_router_token_dropping(probs, routing_map, topk, capacity_factor)
@@ -182,14 +182,14 @@ def train_load(aux_loss: float, steps: int = 40, tokens: int = 64, hidden: int =
         teacher = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.Tanh(),
                                       torch.nn.Linear(4 * hidden, hidden)).to(device)
         gen = torch.Generator().manual_seed(seed + 1)
-        centres = 2 * torch.randn(clusters, hidden, generator=gen)
+        centres = 2 * torch.randn(clusters, hidden, generator=gen)  # cpu: CPU generator
         gen.manual_seed(seed + 2 + torch.distributed.get_rank())
         optimizer = torch.optim.Adam(layer.parameters(), lr=lr)
         group = parallel_state.get_expert_model_parallel_group()
         loads = []
         for _ in range(steps):
-            which = torch.randint(0, clusters, (tokens,), generator=gen)
-            x = (centres[which] + 0.3 * torch.randn(tokens, hidden, generator=gen))
+            which = torch.randint(0, clusters, (tokens,), generator=gen)  # cpu: CPU generator
+            x = (centres[which] + 0.3 * torch.randn(tokens, hidden, generator=gen))  # cpu: CPU generator
             x = x.unsqueeze(1).to(device)                                   # [s, b=1, h]
             with torch.no_grad():
                 target = teacher(x)
@@ -220,7 +220,7 @@ def count_dispatch_bytes(tokens: int = 16, hidden: int = 8, num_experts: int = 8
     torch.manual_seed(seed)
     layer = MoELayer(_moe_config(hidden, num_experts, topk, dispatcher=dispatcher))
     gen = torch.Generator().manual_seed(seed + 1 + torch.distributed.get_rank())
-    x = torch.randn(tokens, 1, hidden, generator=gen).to(device).requires_grad_(True)
+    x = torch.randn(tokens, 1, hidden, generator=gen).to(device).requires_grad_(True)  # cpu: CPU generator
     with CollectiveLog() as log:
         output, _ = layer(x)
         output.sum().backward()

@@ -97,14 +97,15 @@ def case_inputs(rank: int, num_tokens: int, num_experts: int, topk: int, seed: i
     ``[100 rank + t, 100 rank + t + 0.5]``; the routing is the top ``topk`` of random logits
     drawn from ``seed`` and the rank. ``skew``: rank 0's tokens all choose among the first
     ``topk`` experts (so rank 0 sends some peers nothing: a split size of zero)."""
-    ids = 100.0 * rank + torch.arange(num_tokens, dtype=torch.float32)
+    ids = 100.0 * rank + torch.arange(num_tokens, dtype=torch.float32)  # cpu: a CPU generator; moved below
     tokens = torch.stack([ids, ids + 0.5], dim=1)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)  # cpu: a CPU generator; moved below
     if skew and rank == 0:
         logits[:, :topk] += 100.0
     top = logits.topk(topk, dim=1).indices
-    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter(1, top, True)
+    routing_map = torch.zeros(num_tokens, num_experts,  # cpu: beside the CPU logits; moved below
+                              dtype=torch.bool).scatter(1, top, True)
     return tokens.to(device), routing_map.to(device)
 
 
