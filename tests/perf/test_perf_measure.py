@@ -195,7 +195,8 @@ def _script(name):
     ("bench_bandwidth", ["--ops", "alltoall"], "unknown collective 'alltoall'"),
     ("bench_bandwidth", ["--min-bytes", "1M", "--max-bytes", "1K"], "larger than the maximum"),
     ("bench_bandwidth", ["--iters", "0"], "--iters"),
-    ("utilisation", ["--nproc", "3"], "must divide --layers 8"),
+    ("utilisation", ["--nproc", "1"], "needs at least 2 ranks"),
+    ("utilisation", ["--heads", "3"], "must divide --hidden"),
 ])
 def test_benchmark_scripts_refuse_bad_flags_before_starting(name, argv, message, capsys):
     with pytest.raises(SystemExit):
