@@ -18,7 +18,8 @@ import pytest
 
 from mpu_lab import launcher
 from mpu_lab.labkit import broken_jobs, debugging
-from mpu_lab.labkit.exercises import grade, debugging
+from mpu_lab.labkit.exercises import debugging as checks
+from mpu_lab.labkit.exercises import grade
 from mpu_lab.labkit.faults import FAULT_KINDS
 from mpu_lab.labkit.notebooks.solutions import solution_source
 
@@ -51,7 +52,7 @@ NEXT_ONLY = SOLUTION.replace("(stage - 1, stage + 1)", "(stage + 1,)")
 
 
 def _grade(source, world, as_notebook):
-    return grade(as_notebook(source)["my_exchange"], debugging.EXCHANGE, world)
+    return grade(as_notebook(source)["my_exchange"], checks.EXCHANGE, world)
 
 
 def _groups(world):
@@ -61,7 +62,7 @@ def _groups(world):
 
 # --------------------------------------------------------------------------- name the cause
 def _printed_suspects(capsys):
-    debugging.print_suspects()
+    checks.print_suspects()
     lines = capsys.readouterr().out.splitlines()
     return dict(re.match(r"^([A-Z])\. (.*)$", line).groups() for line in lines)
 
@@ -72,42 +73,42 @@ def test_each_cause_is_right_under_its_printed_letter_and_wrong_under_another(ca
     assert list(printed.values()) == sorted(printed.values())      # not in the lab's order
     for kind, info in FAULT_KINDS.items():
         (letter,) = [k for k, text in printed.items() if text == info["cause"]]
-        assert debugging.check_cause(letter, kind)
+        assert checks.check_cause(letter, kind)
         assert capsys.readouterr().out.startswith(f"Right: {letter}. {info['cause'][:20]}")
-        assert debugging.check_cause(letter.lower(), kind)               # a lower-case letter too
+        assert checks.check_cause(letter.lower(), kind)               # a lower-case letter too
         capsys.readouterr()
         other = next(k for k in printed if k != letter)
-        assert not debugging.check_cause(other, kind)
+        assert not checks.check_cause(other, kind)
         out = capsys.readouterr().out
         assert out.startswith(f"Not yet: {other} (") and "Hint:" in out, out
 
 
 def test_cause_answers_that_are_not_a_letter(capsys):
-    assert not debugging.check_cause(None, "hang")
+    assert not checks.check_cause(None, "hang")
     assert capsys.readouterr().out.startswith("No answer yet: replace None with a letter A, B")
-    assert not debugging.check_cause("hang", "hang")                      # the kind is not a letter
+    assert not checks.check_cause("hang", "hang")                      # the kind is not a letter
     assert "is not one of the letters" in capsys.readouterr().out
     with pytest.raises(ValueError, match="unknown fault kind 'hnag'"):
-        debugging.letter_of("hnag")
+        checks.letter_of("hnag")
 
 
 def test_the_culprit_is_the_rank_the_fault_was_injected_into(capsys):
-    assert debugging.check_culprit(1, "hang:1")
+    assert checks.check_culprit(1, "hang:1")
     assert capsys.readouterr().out.startswith("Right: rank 1")
-    assert debugging.check_culprit(3, "crash:3:5")
+    assert checks.check_culprit(3, "crash:3:5")
     capsys.readouterr()
-    assert not debugging.check_culprit(0, "hang:1")
+    assert not checks.check_culprit(0, "hang:1")
     assert "Hint:" in capsys.readouterr().out
-    assert not debugging.check_culprit(None, "hang:1")
+    assert not checks.check_culprit(None, "hang:1")
     assert capsys.readouterr().out.startswith("No answer yet")
     with pytest.raises(ValueError, match="names no rank"):
-        debugging.check_culprit(1, "hang")
+        checks.check_culprit(1, "hang")
 
 
 # --------------------------------------------------------------------------- write the code
 def test_the_solution_passes_and_the_world_keeps_its_groups(grading_world, as_notebook, capsys):
     before = _groups(grading_world)
-    assert grade(as_notebook(OWN_SOLUTION)["solution_exchange"], debugging.EXCHANGE, grading_world)
+    assert grade(as_notebook(OWN_SOLUTION)["solution_exchange"], checks.EXCHANGE, grading_world)
     out = capsys.readouterr().out
     assert out.startswith("Right: solution_exchange agrees with the reference on all 4 ranks for 3 "
                           "inputs: a 1-element message;"), out
@@ -167,7 +168,7 @@ def test_after_the_attempt_the_learners_order_sits_next_to_megatrons(as_notebook
     from mpu_lab.labkit import megatron_core
     if not megatron_core.available():
         pytest.skip(megatron_core.missing())
-    got = debugging.compare_with_megatron(as_notebook(OWN_SOLUTION)["solution_exchange"])
+    got = checks.compare_with_megatron(as_notebook(OWN_SOLUTION)["solution_exchange"])
     assert {s: theirs for s, (_, theirs) in got.items()} == MEGATRON_AT_4
     # the solution: even stages send then receive, towards the previous stage first
     assert got[1][0] == ["recv<0", "send>0", "recv<2", "send>2"]
@@ -177,15 +178,15 @@ def test_after_the_attempt_the_learners_order_sits_next_to_megatrons(as_notebook
 
 
 def test_before_the_attempt_nothing_of_megatrons_order_is_shown(as_notebook, capsys):
-    assert debugging.compare_with_megatron(as_notebook(STUB)["my_exchange"]) is None
+    assert checks.compare_with_megatron(as_notebook(STUB)["my_exchange"]) is None
     out = capsys.readouterr().out
     assert out.startswith("No answer yet: my_exchange still raises") and "send>" not in out
 
 
 def test_messages_name_their_stage():
     """The grader's expected messages, worked by hand: 100 * stage + 0, 1, 2, ..."""
-    assert debugging.message_of(0, (1,)).tolist() == [0.0]
-    assert debugging.message_of(3, (2, 2)).tolist() == [[300.0, 301.0], [302.0, 303.0]]
+    assert checks.message_of(0, (1,)).tolist() == [0.0]
+    assert checks.message_of(3, (2, 2)).tolist() == [[300.0, 301.0], [302.0, 303.0]]
 
 
 # --------------------------------------------------------------------------- the lab's tools
@@ -276,8 +277,8 @@ class _FakeRun:
 
 def test_the_report_hides_the_fault_until_reveal(capsys):
     run = _FakeRun()
-    debugging.print_report(run)
-    debugging.print_report(run, "diagnosis")
+    checks.print_report(run)
+    checks.print_report(run, "diagnosis")
     out = capsys.readouterr().out
     assert out == ("torchrun --nproc-per-node 2 launch/train_gpt.py --train-iters 3 "
                    "--inject-fault ? (+ a tiny GPT)\n"
@@ -285,12 +286,12 @@ def test_the_report_hides_the_fault_until_reveal(capsys):
                    "(the injected fault).\n"
                    "  rank 1: was stopped at mpu_lab/labkit/faults.py, in (the injected fault)\n")
     assert "hang" not in out
-    debugging.reveal(run.fault, run)
+    checks.reveal(run.fault, run)
     assert capsys.readouterr().out == (
         f"it was --inject-fault hang:1: {FAULT_KINDS['hang']['what']}\n"
         "likely cause: rank 1 never reached the collective\n")
     with pytest.raises(ValueError, match="part must be 'show' or 'diagnosis', got 'all'"):
-        debugging.print_report(run, "all")
+        checks.print_report(run, "all")
 
 
 def test_jobs_are_numbered_in_the_labs_order_with_their_faults_hidden(capsys):
@@ -301,20 +302,20 @@ def test_jobs_are_numbered_in_the_labs_order_with_their_faults_hidden(capsys):
             return f"the {name} run"
 
     jobs = Jobs()
-    assert debugging.job_names(jobs)[:2] == ["hang", "skip-collective"]
-    assert debugging.job_result(jobs, 1) == "the hang run"
-    assert debugging.lab_job(jobs, 5) is jobs.jobs["crash"]
-    debugging.print_jobs(jobs)
+    assert checks.job_names(jobs)[:2] == ["hang", "skip-collective"]
+    assert checks.job_result(jobs, 1) == "the hang run"
+    assert checks.lab_job(jobs, 5) is jobs.jobs["crash"]
+    checks.print_jobs(jobs)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(jobs.jobs) and lines[0].startswith("job 1  2 ranks  --inject-fault ?")
     assert lines[4].endswith("(you start this one yourself)")
     assert not any(kind in line for line in lines for kind in FAULT_KINDS)
     with pytest.raises(ValueError, match=f"there is no job 0: the jobs are 1 to {len(lines)}"):
-        debugging.job_result(jobs, 0)
+        checks.job_result(jobs, 0)
 
 
 def test_check_cause_takes_the_jobs_fault_spec(capsys):
-    letter = debugging.letter_of("crash")
-    assert debugging.check_cause(letter, "crash:1")
-    assert debugging.check_cause(letter, "crash:1:2")
+    letter = checks.letter_of("crash")
+    assert checks.check_cause(letter, "crash:1")
+    assert checks.check_cause(letter, "crash:1:2")
     assert capsys.readouterr().out.startswith(f"Right: {letter}.")
