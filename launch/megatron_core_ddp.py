@@ -15,12 +15,11 @@ Megatron-core is optional: where it cannot be imported every rank reports
     print(mpu_lab.labkit.megatron_core_ddp.format_ddp_results(job.results))
 """
 import argparse
-import os
-import warnings
 
 from mpu_lab import distributed, launcher
 from mpu_lab import parallel_state as ps
 from mpu_lab.labkit import megatron_core as mc
+from mpu_lab.labkit import megatron_core_cpu as mcc
 from mpu_lab.labkit import megatron_core_ddp as mcd
 
 
@@ -37,18 +36,9 @@ def main():
     if bad or args.steps < 1:
         raise ValueError(f"--modes {bad} unknown (known: {', '.join(mcd.MODES)}) or "
                          f"--steps {args.steps} < 1")
-    rank = int(os.environ.get("RANK", "0"))
-    reason = mc.missing()
-    if reason is not None:
-        launcher.report({"rank": rank, "skipped": reason})
-        if rank == 0:
-            print(reason)
+    rank = mcc.start_job(mc.missing(), more_warnings=(".*Transformer Engine.*", ".*Apex.*"))
+    if rank is None:
         return
-    # Expected noise, hidden: Megatron-core's speed hints for GPUs and torch's deprecations.
-    for message in (".*CUDA_DEVICE_MAX_CONNECTIONS.*", ".*is deprecated.*",
-                    ".*Transformer Engine.*", ".*Apex.*"):
-        warnings.filterwarnings("ignore", message=message)
-    distributed.init()
     ps.initialize_model_parallel()
     results = mcd.run_rank(modes, args.steps)
     launcher.report(results)

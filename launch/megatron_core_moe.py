@@ -17,10 +17,10 @@ From a notebook::
 """
 import argparse
 import os
-import warnings
 
 from mpu_lab import distributed, launcher
 from mpu_lab.labkit import megatron_core as mc
+from mpu_lab.labkit import megatron_core_cpu as mcc
 from mpu_lab.labkit import megatron_core_moe as mcm
 
 
@@ -29,20 +29,11 @@ def main():
     parser = argparse.ArgumentParser(description="Megatron-core's MoELayer vs mpu_lab's")
     parser.add_argument("--cases", nargs="+", default=list(mcm.DEFAULT_CASES))
     args = parser.parse_args()
-    rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cases = [mcm.parse_case(name, world_size) for name in args.cases]
-    reason = mc.missing()
-    if reason is not None:
-        launcher.report({"rank": rank, "skipped": reason})
-        if rank == 0:
-            print(reason)
+    rank = mcc.start_job(mc.missing())
+    if rank is None:
         return
-    # Expected noise, hidden: Megatron-core warns that CUDA_DEVICE_MAX_CONNECTIONS is unset (a
-    # speed hint for GPUs) and calls torch collectives that recent torch marks deprecated.
-    for message in (".*CUDA_DEVICE_MAX_CONNECTIONS.*", ".*is deprecated.*"):
-        warnings.filterwarnings("ignore", message=message)
-    distributed.init()
     results = [mcm.compare_case(case) for case in cases]
     launcher.report({"rank": rank, "megatron_core": mc.version(), "cases": results})
     lines = launcher.gather_lines(f"rank {rank}: " + ", ".join(

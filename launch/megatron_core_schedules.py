@@ -19,11 +19,10 @@ From a notebook::
     print(mcs.format_results(mcs.run_side_by_side(["1f1b", "interleaved"])))
 """
 import argparse
-import os
-import warnings
 
 from mpu_lab import distributed, launcher
 from mpu_lab.labkit import megatron_core as mc
+from mpu_lab.labkit import megatron_core_cpu as mcc
 from mpu_lab.labkit import megatron_core_schedules as mcs
 
 
@@ -34,18 +33,9 @@ def main():
     parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
-    rank = int(os.environ.get("RANK", "0"))
-    reason = mc.missing()
-    if reason is not None:
-        launcher.report({"rank": rank, "skipped": reason})
-        if rank == 0:
-            print(reason)
+    rank = mcc.start_job(mc.missing())
+    if rank is None:
         return
-    # Expected noise, hidden: Megatron-core warns that CUDA_DEVICE_MAX_CONNECTIONS is unset (a
-    # speed hint for GPUs) and calls torch collectives that recent torch marks deprecated.
-    for message in (".*CUDA_DEVICE_MAX_CONNECTIONS.*", ".*is deprecated.*"):
-        warnings.filterwarnings("ignore", message=message)
-    distributed.init()
     cases = [mcs.compare_case(mcs.CASES[name], args.num_microbatches, args.seed)
              for name in args.cases]
     launcher.report({"rank": rank, "megatron_core": mc.version(), "cases": cases})

@@ -12,10 +12,36 @@ and 0.19.2 by switching each off). On a GPU rank nothing is patched.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Iterator
+import os
+import warnings
+from typing import Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from mpu_lab import distributed, launcher
+
+# Expected noise in a side-by-side job, hidden: Megatron-core warns that
+# CUDA_DEVICE_MAX_CONNECTIONS is unset (a speed hint for GPUs) and calls torch collectives that
+# recent torch marks deprecated.
+EXPECTED_WARNINGS = (".*CUDA_DEVICE_MAX_CONNECTIONS.*", ".*is deprecated.*")
+
+
+def start_job(missing: Optional[str], more_warnings: Sequence[str] = ()) -> Optional[int]:
+    """The start every ``launch/megatron_core_*.py`` rank shares: where Megatron-core is
+    ``missing`` (its install hint, :func:`mpu_lab.labkit.megatron_core.missing`), report
+    ``{"skipped": hint}``, print the hint on rank 0 and return ``None``; otherwise hide the
+    expected warnings, initialise ``torch.distributed`` and return this rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    if missing is not None:
+        launcher.report({"rank": rank, "skipped": missing})
+        if rank == 0:
+            print(missing)
+        return None
+    for message in EXPECTED_WARNINGS + tuple(more_warnings):
+        warnings.filterwarnings("ignore", message=message)
+    distributed.init()
+    return rank
 
 
 class _NoOpStream:
