@@ -3,28 +3,17 @@ its dense twin (PlainGPT in one process, same initial weights), at CP = 2, CP = 
 CP = 2, CP = 2 x PP = 2, each --cp-comm-type, with sequence parallelism and the distributed
 optimizer; a checkpoint saved at CP = 2 (distributed optimizer) resumed at CP = 1. One 4-rank torchrun job
 (tests/mp/gpt_cp_checks.py), whose reports every test reads."""
-import pathlib
-
 import pytest
 
-from mpu_lab.launcher import run
+from mp_reports import job_reports, rel_diff
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
-WORKER = pathlib.Path(__file__).resolve().parents[1] / "mp" / "gpt_cp_checks.py"
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    job = run(WORKER, [str(tmp_path_factory.mktemp("cp_ckpt"))], nproc=4, timeout_s=300,
-              show="none")
-    assert [rep["rank"] for rep in job.results] == [0, 1, 2, 3]
-    return job.results
-
-
-def rel_diff(a, b):
-    assert len(a) == len(b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return job_reports("gpt_cp_checks.py", tmp_path_factory, "cp_ckpt")
 
 
 # name: (TP, CP, PP, DP) at 4 ranks

@@ -10,6 +10,7 @@ import torch
 from mpu_lab import checkpointing
 from mpu_lab.launcher import run
 from mpu_lab.models import PlainGPT, TransformerConfig
+from mp_reports import rel_diff
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -25,11 +26,6 @@ def reports(four_rank_job):
     """Each rank's dict from tests/mp/gpt_checks.py's checks, run in the shared 4-rank job
     (tests/mp/four_rank_checks.py; ``four_rank_job`` in conftest.py)."""
     return [rep["gpt"] for rep in four_rank_job[0]]
-
-
-def rel_diff(a, b):
-    assert len(a) == len(b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 def test_tp_shards_are_slices_of_the_tp1_master_weights(reports):

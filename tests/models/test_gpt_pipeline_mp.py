@@ -11,6 +11,7 @@ from mpu_lab.labkit.viz import plot_gantt
 from mpu_lab.models import PlainGPT, TransformerConfig
 from mpu_lab.perf.pipeline_timeline import measured_bubble, pipeline_records
 from mpu_lab.pipeline_parallel import partition_table, schedule_order
+from mp_reports import rel_diff
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -36,11 +37,6 @@ def reports(eight_rank_job):
     """Each rank's dict from tests/mp/gpt_pipeline_checks.py's checks, run in the shared
     8-rank job (tests/mp/eight_rank_checks.py; ``eight_rank_job`` in conftest.py)."""
     return [rep["gpt_pipeline"] for rep in eight_rank_job[0]]
-
-
-def rel_diff(a, b):
-    assert len(a) == len(b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 def test_every_stage_starts_from_the_pp1_weights_and_the_tied_copies_agree(reports):

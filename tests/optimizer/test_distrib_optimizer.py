@@ -10,6 +10,7 @@ import torch
 
 from mpu_lab import training
 from mpu_lab.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from mp_reports import rel_diff
 
 RTOL = 1e-5
 LAYOUTS = ["dp4", "tp2_sp_dp2", "pp2_dp2"]
@@ -19,11 +20,6 @@ MODES = ["overlap", "distributed", "distributed_overlap"]
 @pytest.fixture(scope="module")
 def reports(four_rank_job):
     return [rep["dp"] for rep in four_rank_job[0]]
-
-
-def rel_diff(a, b):
-    assert len(a) == len(b) > 0
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 # ------------------------------------------------------------------ the buffer, by hand

@@ -7,28 +7,18 @@ torchrun job (tests/mp/gpt_moe_checks.py), whose reports every test reads; in it
 saved at EP=2 resumes at EP=4, at EP=1, at TP=2 x EP=2 with the experts split etp=2 and at
 EP=2 x PP=2; the distributed optimizer (saving, resuming, and training: a second gradient
 buffer for the experts over expert-DP) and --overlap-grad-reduce give the same losses too."""
-import pathlib
-
 import pytest
 
 from mpu_lab.launcher import run
+from mp_reports import job_reports, rel_diff
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
-WORKER = pathlib.Path(__file__).resolve().parents[2] / "mp" / "gpt_moe_checks.py"
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    job = run(WORKER, [str(tmp_path_factory.mktemp("moe_ckpt"))], nproc=4, timeout_s=300,
-              show="none")
-    assert [rep["rank"] for rep in job.results] == [0, 1, 2, 3]
-    return job.results
-
-
-def rel_diff(a, b):
-    assert len(a) == len(b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return job_reports("gpt_moe_checks.py", tmp_path_factory, "moe_ckpt")
 
 
 # name: (tp, pp, dp, ep, etp, edp) at 4 ranks; edp = 4 / (etp x ep x pp)
