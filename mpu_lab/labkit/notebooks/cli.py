@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from mpu_lab.labkit import REPO_ROOT
+from mpu_lab.labkit.notebooks import sizing
 from mpu_lab.labkit.notebooks.gpu_check import DEFAULT_OUTPUT_DIR, PROFILES, gpu_check
 from mpu_lab.labkit.notebooks.regenerate import regenerate
 from mpu_lab.labkit.notebooks.selection import load_params, notebook_paths, select
@@ -94,6 +95,11 @@ def main(argv=None) -> int:
     fig = sub.add_parser("figures", help="regenerate figures/*.png deterministically")
     fig.add_argument("--out", default=str(REPO_ROOT / "figures"))
     sub.add_parser("check", help="structure checks (no kernel)")
+    size = sub.add_parser("sizes", help="Start_Here's table of lab times (core and Going "
+                                        "further), or one lab's sections with --sections")
+    size.add_argument("--only", action="append", help="lab stem or number (repeatable)")
+    size.add_argument("--sections", action="store_true",
+                      help="minutes per section (reading, exercises, questions; no compute)")
     args = parser.parse_args(argv)
 
     if args.command == "regenerate":
@@ -111,6 +117,15 @@ def main(argv=None) -> int:
             return gpu_check(args.output_dir, profile=args.profile, only=args.only,
                              stall_s=args.stall_s, cell_timeout=args.cell_timeout,
                              bench_timeout=args.bench_timeout, kernel=args.kernel)
+    if args.command == "sizes":
+        labs = select(sorted((REPO_ROOT / "labs").glob("[0-9][0-9]_*.ipynb")), args.only)
+        if not args.sections:
+            sizing.print_lab_sizes(labs)
+        for path in labs if args.sections else ():
+            print(f"{path.stem}")
+            for heading, minutes in sizing.section_minutes(path):
+                print(f"  {minutes:5.1f} min  {heading}")
+        return 0
     if args.command == "figures":
         for path in save_figures(args.out):
             print(path)

@@ -29,6 +29,9 @@ CORE_BUDGET_MIN = 45          # one sitting
 TIMES_FILE = REPO_ROOT / "labs" / "compute_times.json"
 _GOING_FURTHER = re.compile(r"^#+\s*Going further", re.M)
 _WORD = re.compile(r"[A-Za-z0-9_$\\]+")
+# what a reader skips in markdown: a link's target (its text is read), a bare URL, an HTML tag
+_UNREAD = re.compile(r"(?<=\])\([^)\s]*\)|https?://\S+|</?[A-Za-z][^>\n]*>")
+_HEADING = re.compile(r"^(#{1,2})\s+(.+)$", re.M)
 
 
 @dataclasses.dataclass
@@ -41,6 +44,8 @@ class LabSize:
     exercises: int
     questions: int
     compute_s: Optional[float]
+    extra_exercises: int = 0
+    extra_questions: int = 0
 
     @property
     def core_minutes(self) -> float:
@@ -51,37 +56,69 @@ class LabSize:
 
     @property
     def extra_minutes(self) -> float:
-        return self.extra_words / WORDS_PER_MINUTE
+        """Reading, exercises and questions of the "Going further" sections."""
+        return (self.extra_words / WORDS_PER_MINUTE + MINUTES_PER_EXERCISE * self.extra_exercises
+                + MINUTES_PER_QUESTION * self.extra_questions)
 
 
-def _words(source: str) -> int:
+def _words(source: str, markdown: bool = False) -> int:
+    if markdown:
+        source = _UNREAD.sub(" ", source)
     return len(_WORD.findall(source))
 
 
+def _cell_parts(cell) -> tuple:
+    """(words, write-the-code exercises, questions) of one cell; a parameters cell counts none."""
+    if cell.cell_type == "code" and "parameters" in cell.metadata.get("tags", []):
+        return 0, 0, 0
+    words = _words(cell.source, markdown=cell.cell_type == "markdown")
+    if cell.cell_type != "code":
+        return words, 0, 0
+    return (words, len(re.findall(r"\bgrade\(", cell.source)),
+            len(re.findall(r"\bcheck_\w+\(", cell.source)))
+
+
 def lab_size(path: pathlib.Path, compute: Optional[Dict[str, float]] = None) -> LabSize:
-    """Count one notebook: markdown and code words before and after the first "Going
-    further" heading; ``grade(`` calls (write-the-code exercises) and ``check_`` calls
-    (questions) in the core's code cells."""
+    """Count one notebook: words (markdown as read: link targets, URLs and HTML tags left out),
+    ``grade(`` calls (write-the-code exercises) and ``check_`` calls (questions), before and
+    after the first "Going further" heading."""
     import nbformat
 
     nb = nbformat.read(str(path), as_version=4)
-    core = extra = exercises = questions = 0
+    core = extra = exercises = questions = extra_exercises = extra_questions = 0
     in_core = True
     for cell in nb.cells:
         if cell.cell_type == "markdown" and _GOING_FURTHER.search(cell.source):
             in_core = False
-        if cell.cell_type == "code" and "parameters" in cell.metadata.get("tags", []):
-            continue
-        words = _words(cell.source)
+        words, graded, checked = _cell_parts(cell)
         if in_core:
             core += words
-            if cell.cell_type == "code":
-                exercises += len(re.findall(r"\bgrade\(", cell.source))
-                questions += len(re.findall(r"\bcheck_\w+\(", cell.source))
+            exercises += graded
+            questions += checked
         else:
             extra += words
+            extra_exercises += graded
+            extra_questions += checked
     seconds = (compute or {}).get(path.stem)
-    return LabSize(path.stem, core, extra, exercises, questions, seconds)
+    return LabSize(path.stem, core, extra, exercises, questions, seconds, extra_exercises,
+                   extra_questions)
+
+
+def section_minutes(path: pathlib.Path) -> List[tuple]:
+    """``[(heading, minutes)]`` for each ``#``/``##`` section of one notebook, compute left out:
+    where a lab's reading and exercises go, to see which depth could move to "Going further"."""
+    import nbformat
+
+    nb = nbformat.read(str(path), as_version=4)
+    sections = [["(before the title)", 0.0]]
+    for cell in nb.cells:
+        heading = _HEADING.search(cell.source) if cell.cell_type == "markdown" else None
+        if heading:
+            sections.append([heading.group(2).strip(), 0.0])
+        words, graded, checked = _cell_parts(cell)
+        sections[-1][1] += (words / WORDS_PER_MINUTE + MINUTES_PER_EXERCISE * graded
+                            + MINUTES_PER_QUESTION * checked)
+    return [(name, minutes) for name, minutes in sections if minutes or name != sections[0][0]]
 
 
 def load_compute_times(path: pathlib.Path = TIMES_FILE) -> Dict[str, float]:
