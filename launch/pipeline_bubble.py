@@ -35,7 +35,8 @@ def main():
     p = int(os.environ["WORLD_SIZE"])
     ps.initialize_model_parallel(pipeline_model_parallel_size=p)
     runs = [pipeline_bubble.time_iterations(m, args.iterations) for m in args.microbatches]
-    launcher.report({"core": core, "cores_available": cores_available, "runs": runs})
+    launcher.report({"core": core, "cores_available": cores_available, "runs": runs,
+                     "device": str(distributed.get_device())})
     for m, run in zip(args.microbatches, runs):
         share = 1 - sum(run["busy_s"]) / sum(run["wall_s"])
         lines = launcher.gather_lines(f"rank {ps.get_pipeline_model_parallel_rank()}, m = {m}: "

@@ -110,17 +110,22 @@ def time_iterations(num_microbatches: int, iterations: int = 3, warmup: int = 1,
 
 
 # --------------------------------------------------------------------------- driver side
-def machine_note(ranks: int) -> str:
+def machine_note(ranks: int, env: Optional[Dict[str, str]] = None) -> str:
     """One sentence: whether this machine gives each of ``ranks`` ranks a processor of its own
-    (a GPU, or else a CPU core), so that a measured timeline's gaps are a bubble."""
-    gpus = torch.cuda.device_count()
+    (a GPU, or else a CPU core), so that a measured timeline's gaps are a bubble. The ranks'
+    devices follow :func:`mpu_lab.distributed.choose_device` (``MPU_LAB_DEVICE=cpu``, in ``env``
+    or this process's environment, keeps them on the CPU): more ranks than GPUs share them."""
+    on_cpu = {**os.environ, **(env or {})}.get("MPU_LAB_DEVICE") == "cpu"
+    gpus = 0 if on_cpu else torch.cuda.device_count()
     cores = len(rank_clock.usable_cores())
     if (gpus or cores) >= ranks:
         return (f"{ranks} ranks on {gpus or cores} {'GPUs' if gpus else 'CPU cores'}: one each, "
                 f"so the measured gaps are the bubble.")
-    return (f"{ranks} ranks on {cores} CPU cores and no GPU: the ranks share cores, so the "
-            f"measured chart is not a bubble. Below it, the same schedule PREDICTED for a DGX "
-            f"H100.")
+    shared = (f"{gpus} GPU{'s' if gpus > 1 else ''}: the ranks share "
+              f"{'them' if gpus > 1 else 'it'}" if gpus else
+              f"{cores} CPU cores and no GPU: the ranks share cores")
+    return (f"{ranks} ranks on {shared}, so the measured chart is not a bubble. Below it, the "
+            f"same schedule PREDICTED for a DGX H100.")
 
 
 @dataclasses.dataclass
@@ -145,28 +150,56 @@ class BubbleRun:
 @dataclasses.dataclass
 class BubbleMeasurement:
     """What :func:`measure_bubble` found: per micro-batch count, the measured idle share next to
-    ``(p-1)/(m+p-1)``; the cores the ranks were pinned to; whether the job had more ranks than
-    the machine has cores."""
+    ``(p-1)/(m+p-1)``; the cores the ranks were pinned to and the devices they computed on;
+    whether the job had more ranks than the machine has processors for them (cores, or GPUs)."""
 
     pipeline_parallel_size: int
     runs: List[BubbleRun]
     cores: List[Optional[int]]
     cores_available: int
+    devices: List[str] = dataclasses.field(default_factory=list)   # per rank, "cpu" or "cuda:i"
+
+    @property
+    def gpus(self) -> List[str]:
+        """The distinct GPUs the ranks computed on (none on the CPU)."""
+        return sorted({d for d in self.devices if d.startswith("cuda")})
 
     @property
     def oversubscribed(self) -> bool:
+        """More ranks than processors: ranks sharing a GPU, or more ranks than cores."""
+        if self.gpus:
+            return self.pipeline_parallel_size > len(self.gpus)
         return self.pipeline_parallel_size > self.cores_available
+
+    @property
+    def placement(self) -> str:
+        """Where the stages ran, in a few words (for a chart's title)."""
+        p, gpus = self.pipeline_parallel_size, self.gpus
+        if gpus:
+            return ("one GPU per stage" if not self.oversubscribed else
+                    f"{p} stages sharing {len(gpus)} GPU{'s' if len(gpus) > 1 else ''}")
+        if any(c is None for c in self.cores):
+            return "stages not pinned to cores"
+        return ("one core per stage" if not self.oversubscribed else
+                f"{p} stages on {self.cores_available} core(s)")
 
     def summary(self, tol: float = 0.1) -> str:
         """A few lines: how the ranks ran, then one row per micro-batch count."""
-        p = self.pipeline_parallel_size
-        if all(c is None for c in self.cores):
-            how = "one GPU each"
+        p, gpus = self.pipeline_parallel_size, self.gpus
+        if gpus:
+            how = (f"one GPU each ({', '.join(gpus)})" if not self.oversubscribed else
+                   f"sharing {len(gpus)} GPU{'s' if len(gpus) > 1 else ''} ({', '.join(gpus)}): "
+                   f"MORE RANKS THAN GPUS, the timing is not a bubble")
+            head = f"1F1B, p = {p} stages, {how}."
         else:
-            how = (f"each pinned to a core of its own with one thread (cores "
-                   f"{', '.join(str(c) for c in self.cores)})")
-        lines = [f"1F1B, p = {p} stages, {how}; this machine has {self.cores_available} "
-                 f"core(s){': MORE RANKS THAN CORES, the timing is not a bubble' if self.oversubscribed else ''}.",
+            if any(c is None for c in self.cores):
+                how = "on the CPU, not pinned to cores (this system refused the pinning)"
+            else:
+                how = (f"each pinned to a core of its own with one thread (cores "
+                       f"{', '.join(str(c) for c in self.cores)})")
+            head = (f"1F1B, p = {p} stages, {how}; this machine has {self.cores_available} "
+                    f"core(s){': MORE RANKS THAN CORES, the timing is not a bubble' if self.oversubscribed else ''}.")
+        lines = [head,
                  f"{'m':>4}  {'(p-1)/(m+p-1)':>13}  {'measured idle share':>19}  "
                  f"{'from CPU time':>13}  within {tol} of the formula?"]
         for run in self.runs:
@@ -210,7 +243,7 @@ def measure_bubble(pipeline_parallel_size: int = 2, microbatches: Sequence[int] 
                               idle_share(per_rank, "cpu_s") if on_cpu else None,
                               [[tuple(x) for x in r["records"]] for r in per_rank]))
     return BubbleMeasurement(pipeline_parallel_size, runs, [r["core"] for r in reports],
-                             reports[0]["cores_available"])
+                             reports[0]["cores_available"], [r["device"] for r in reports])
 
 
 def predicted_timeline(model: ModelShape = GPT3_1_3B, pipeline_parallel_size: int = 4,
