@@ -30,6 +30,7 @@ import sys
 from typing import Dict, Mapping, Optional, Tuple
 
 from mpu_lab.labkit import REPO_ROOT
+from mpu_lab.labkit.notebooks import stopwatch
 from mpu_lab.labkit.notebooks.selection import load_params, matches
 
 PROFILE_DIR = REPO_ROOT / "labs" / "profiles"
@@ -156,6 +157,7 @@ def resolve(profile, notebook: str, namespace: Mapping[str, object],
         raise ValueError(f"profile {name!r} gives no value for {missing} ({notebook})")
     shown = ", ".join(f"{k}={_show(v)}" for k, v in filled.items())
     print(f"profile {name}{why}: {shown or 'nothing to fill'}{note}", file=out)
+    stopwatch.start(notebook, REPO_ROOT / "labs")   # the learner's own time with this lab
     return filled
 
 

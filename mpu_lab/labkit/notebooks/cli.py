@@ -3,6 +3,7 @@ gpu-check."""
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.labkit.notebooks import sizing
@@ -100,6 +101,9 @@ def main(argv=None) -> int:
     size.add_argument("--only", action="append", help="lab stem or number (repeatable)")
     size.add_argument("--sections", action="store_true",
                       help="minutes per section (reading, exercises, questions; no compute)")
+    size.add_argument("--times", nargs="+", metavar="FILE",
+                      help="learners' stopwatch files (~/.mpu_lab/lab_times.json each): "
+                           "show the median minutes measured per lab")
     args = parser.parse_args(argv)
 
     if args.command == "regenerate":
@@ -120,7 +124,7 @@ def main(argv=None) -> int:
     if args.command == "sizes":
         labs = select(sorted((REPO_ROOT / "labs").glob("[0-9][0-9]_*.ipynb")), args.only)
         if not args.sections:
-            sizing.print_lab_sizes(labs)
+            sizing.print_lab_sizes(labs, [pathlib.Path(t) for t in args.times or ()])
         for path in labs if args.sections else ():
             print(f"{path.stem}")
             for heading, minutes in sizing.section_minutes(path):

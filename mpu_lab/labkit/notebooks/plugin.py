@@ -4,12 +4,17 @@ streams are left out of the comparison (library warnings, such as a deprecation 
 torch prints, change between versions while the notebook's results do not)."""
 from __future__ import annotations
 
+import os
 import pathlib
+
+from mpu_lab.labkit.notebooks.stopwatch import OFF_ENV
 
 
 def pytest_configure(config):
     """Resolve a relative ``--nbval-sanitize-with`` against the rootdir, so pytest finds the
-    sanitize file from any working directory (nbval opens it relative to the cwd)."""
+    sanitize file from any working directory (nbval opens it relative to the cwd). Turn the
+    learner's stopwatch off: a notebook nbval runs is no learner's sitting."""
+    os.environ[OFF_ENV] = "0"
     name = getattr(config.option, "nbval_sanitize_with", None)
     if name and not pathlib.Path(name).is_absolute() and not pathlib.Path(name).exists():
         candidate = pathlib.Path(str(config.rootpath)) / name

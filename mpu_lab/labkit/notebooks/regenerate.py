@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import pathlib
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
 from mpu_lab.labkit import REPO_ROOT
+from mpu_lab.labkit.notebooks import stopwatch
 from mpu_lab.labkit.notebooks.selection import check_param_sections, params_for
 from mpu_lab.labkit.notebooks.sizing import record_compute_times
 from mpu_lab.labkit.notebooks.structure import REVEAL, output_problems
@@ -86,6 +88,7 @@ def run_notebooks(paths: Sequence[pathlib.Path], params: Optional[Dict[str, dict
     params = params or {}
     if params:
         check_param_sections(known or paths, params)
+    os.environ[stopwatch.OFF_ENV] = "0"   # the kernels it starts are no learner's sitting
     outcomes = []
     for path in paths:
         values = params_for(path, nbformat.read(path, as_version=4), params)

@@ -21,6 +21,7 @@ import re
 from typing import Dict, List, Optional, Sequence
 
 from mpu_lab.labkit import REPO_ROOT
+from mpu_lab.labkit.notebooks import stopwatch
 
 WORDS_PER_MINUTE = 120        # technical prose with formulas and code, read to be understood
 MINUTES_PER_EXERCISE = 10     # write a function, run the grader, fix it once
@@ -145,26 +146,47 @@ def lab_sizes(labs: Optional[Sequence[pathlib.Path]] = None) -> List[LabSize]:
     return [lab_size(p, compute) for p in paths]
 
 
-def format_lab_sizes(sizes: Sequence[LabSize]) -> str:
-    """The table Start_Here prints: one row per lab, the core's estimate last."""
+def format_lab_sizes(sizes: Sequence[LabSize], measured: Optional[Dict[str, tuple]] = None,
+                     measured_title: str = "measured") -> str:
+    """The table Start_Here prints: one row per lab, the core's estimate, then (where a
+    stopwatch file holds any) the minutes measured while working through the core, and the
+    optional depth last."""
+    measured = measured or {}
+    shown = f" {measured_title:>12}" if measured else ""
     lines = [f"{'lab':<26} {'core words':>10} {'exercises':>9} {'questions':>9} "
-             f"{'compute':>8} {'core, est.':>10} {'going further':>13}"]
+             f"{'compute':>8} {'core, est.':>10}{shown} {'going further':>13}"]
     for s in sizes:
         compute = "n/a" if s.compute_s is None else f"{s.compute_s / 60:.1f} min"
         extra = f"+{s.extra_minutes:.0f} min" if s.extra_words else "-"
+        mine = ""
+        if measured:
+            minutes, learners = measured.get(s.name, (None, 0))
+            mine = f" {'-':>12}" if minutes is None else \
+                f" {f'{minutes:.0f} min' + (f' ({learners})' if learners > 1 else ''):>12}"
         lines.append(f"{s.name:<26} {s.core_words:>10,} {s.exercises:>9} {s.questions:>9} "
-                     f"{compute:>8} {s.core_minutes:>6.0f} min {extra:>13}")
+                     f"{compute:>8} {s.core_minutes:>6.0f} min{mine} {extra:>13}")
     return "\n".join(lines)
 
 
-def print_lab_sizes(labs: Optional[Sequence[pathlib.Path]] = None) -> None:
+def print_lab_sizes(labs: Optional[Sequence[pathlib.Path]] = None,
+                    times: Optional[Sequence[pathlib.Path]] = None) -> None:
+    """Start_Here's table. ``times``: stopwatch files (one per learner) whose median is shown;
+    by default this learner's own file, where it exists."""
     sizes = lab_sizes(labs)
     machine = (json.loads(TIMES_FILE.read_text()).get("machine", "this machine")
                if TIMES_FILE.exists() else "no machine yet")
-    print(format_lab_sizes(sizes))
+    files = list(times) if times else [p for p in [stopwatch.log_path()] if p.exists()]
+    measured = stopwatch.median_minutes(files)
+    title = "yours" if not times else "measured"
+    print(format_lab_sizes(sizes, measured, title))
     print(f"\ncore, est. = words / {WORDS_PER_MINUTE} per minute + {MINUTES_PER_EXERCISE} min per "
           f"write-the-code exercise + {MINUTES_PER_QUESTION} min per question + the compute, "
           f"measured when the lab was last re-executed ({machine}).")
+    if measured:
+        whose = ("your own sittings" if not times else
+                 f"the median over {len(files)} learners' files (how many worked through it)")
+        print(f"{title} = the active minutes from a lab's first cell to the last cell of its core, "
+              f"pauses over {stopwatch.BREAK_S // 60} min left out: {whose}.")
     over = [s.name for s in sizes if s.core_minutes > CORE_BUDGET_MIN]
     print(f"cores over {CORE_BUDGET_MIN} min: {', '.join(over) if over else 'none'}; "
           f"total of the cores {sum(s.core_minutes for s in sizes) / 60:.1f} h")
