@@ -106,17 +106,12 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     info = distributed.init()
     rows = [bench(op, size, args, info) for op in args.ops for size in args.sizes]
-    notes = []
-    if info.backend == "gloo" and "reduce_scatter" in args.ops:
-        notes.append(bandwidth.GLOO_REDUCE_SCATTER_NOTE)
     if info.rank == 0:
         print(f"# {info.world_size} ranks, backend {info.backend}, device {info.device.type}, "
               f"{args.dtype}, {args.iters} timed calls per size after {args.warmup} warm-up")
         print(bandwidth.format_bandwidth(rows))
         print(f"# wrong results: {sum(r['wrong'] for r in rows)}")
-        for note in notes:
-            print(f"# note: {note}")
-    launcher.report(dict(rows=rows, notes=notes, world_size=info.world_size, backend=info.backend,
+    launcher.report(dict(rows=rows, world_size=info.world_size, backend=info.backend,
                        device=str(info.device), dtype=args.dtype, iters=args.iters))
     distributed.shutdown()
 

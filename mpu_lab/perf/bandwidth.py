@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["COLLECTIVES", "GLOO_REDUCE_SCATTER_NOTE", "bus_factor", "algbw", "busbw",
+__all__ = ["COLLECTIVES", "bus_factor", "algbw", "busbw",
            "parse_size", "message_sizes", "collective_numel", "format_bandwidth", "best_busbw",
            "allreduce_fit", "ring_steps", "alpha_beta_seconds", "fit_alpha_beta"]
 
@@ -36,10 +36,6 @@ _BUS_FACTORS: Dict[str, Callable[[int], float]] = {
     "broadcast": lambda n: 1.0,
 }
 COLLECTIVES: Tuple[str, ...] = tuple(_BUS_FACTORS)
-GLOO_REDUCE_SCATTER_NOTE = (
-    "on gloo, mpu_lab.comm computes reduce_scatter as an all-reduce followed by keeping this "
-    "rank's chunk (gloo's own reduce_scatter is slower on shared cores), so its row times an "
-    "all-reduce of the whole array; its busbw still uses the reduce-scatter factor (n-1)/n")
 
 
 def _check_op(op: str) -> None:
