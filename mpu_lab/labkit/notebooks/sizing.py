@@ -175,7 +175,8 @@ def print_lab_sizes(labs: Optional[Sequence[pathlib.Path]] = None,
     sizes = lab_sizes(labs)
     machine = (json.loads(TIMES_FILE.read_text()).get("machine", "this machine")
                if TIMES_FILE.exists() else "no machine yet")
-    files = list(times) if times else [p for p in [stopwatch.log_path()] if p.exists()]
+    own = stopwatch.log_path()   # not under nbval or papermill, which turn the stopwatch off
+    files = list(times) if times else [own] if stopwatch.enabled() and own.exists() else []
     measured = stopwatch.median_minutes(files)
     title = "yours" if not times else "measured"
     print(format_lab_sizes(sizes, measured, title))

@@ -118,3 +118,17 @@ def test_start_here_shows_the_median_beside_the_estimate(tmp_path, monkeypatch, 
     sizing.print_lab_sizes([lab], [b, c])
     out = capsys.readouterr().out
     assert "measured" in out and "35 min (2)" in out      # median of 30 and 40 minutes
+
+
+def test_start_here_shows_your_own_time_only_while_the_stopwatch_is_on(tmp_path, monkeypatch,
+                                                                       capsys):
+    monkeypatch.setattr(sizing, "TIMES_FILE", tmp_path / "none.json")
+    lab = _lab(tmp_path)
+    monkeypatch.setenv(stopwatch.TIMES_ENV, str(_learner(tmp_path / "mine.json",
+                                                          [_s("05_demo", 1, 1500, True)])))
+    monkeypatch.setenv(stopwatch.OFF_ENV, "1")
+    sizing.print_lab_sizes([lab])
+    assert "yours" in (out := capsys.readouterr().out) and "25 min" in out
+    monkeypatch.setenv(stopwatch.OFF_ENV, "0")      # nbval: Start_Here's stored table holds
+    sizing.print_lab_sizes([lab])
+    assert "yours" not in capsys.readouterr().out
