@@ -1,4 +1,4 @@
-# Lab 04, section 9: one answer to my_column_forward. Load it on purpose, in a new cell:
+# Lab 04, section 8: one answer to my_column_forward. Load it on purpose, in a new cell:
 #     %load solutions/04_column_parallel.py
 # run that cell, then grade it:
 #     exercises.grade(solution_column_forward, exercises.column_parallel.COLUMN_FORWARD, world)
