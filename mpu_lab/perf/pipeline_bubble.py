@@ -119,8 +119,9 @@ def machine_note(ranks: int, env: Optional[Dict[str, str]] = None) -> str:
     gpus = 0 if on_cpu else torch.cuda.device_count()
     cores = len(rank_clock.usable_cores())
     if (gpus or cores) >= ranks:
-        return (f"{ranks} ranks on {gpus or cores} {'GPUs' if gpus else 'CPU cores'}: one each, "
-                f"so the measured gaps are the bubble.")
+        n, kind = (gpus, "GPU") if gpus else (cores, "CPU core")
+        return (f"{ranks} rank{'s' if ranks > 1 else ''} on {n} {kind}{'s' if n > 1 else ''}: "
+                f"one each, so the measured gaps are the bubble.")
     shared = (f"{gpus} GPU{'s' if gpus > 1 else ''}: the ranks share "
               f"{'them' if gpus > 1 else 'it'}" if gpus else
               f"{cores} CPU cores and no GPU: the ranks share cores")
