@@ -20,11 +20,14 @@ The causal mask, block pair by block pair, with Megatron's layout (rank ``r`` ho
 So after step 0 every step costs every rank the same half-block: the load balance that the
 layout was chosen for.
 
-The backward pass is a second ring. The blocks travel again, each rank adds its queries'
-contribution to the travelling block's ``dK, dV``, and those gradients travel with their block;
-one step after the last they arrive back at the rank that owns the block. (TransformerEngine
-sends them at once with the next block; here the ``dK, dV`` message waits until the block has
-been used, which keeps one message in flight at a time.)
+The backward pass is a second ring. The blocks travel again. A rank keeps its own queries'
+contribution to its own block's ``dK, dV`` at home; from step 1 on, the ``dK, dV`` of the block
+it holds travel one step behind the block: it adds its share and passes them to rank ``r + 1``,
+which holds that block in the next step. After the last step the next rank is the block's
+owner, which adds them to what it kept: ``cp - 1`` hops, so a rank sends ``2(cp - 1)`` blocks of
+K, V and ``2(cp - 1)`` of dK, dV, TransformerEngine's count. (TransformerEngine sends the
+``dK, dV`` together with the next block; here they go once the block has been used, which keeps
+one message in flight at a time.)
 """
 from __future__ import annotations
 
@@ -105,7 +108,8 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
         delta = softmax_delta(dout_acc, out)       # [b, n, s/cp]
         dq = torch.zeros_like(q_acc)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)   # the travelling block's dK, dV
+        dkv_own = torch.zeros(kv.shape, dtype=dtype, device=kv.device)  # this rank's block's dK, dV
+        dkv = torch.zeros_like(dkv_own)        # the dK, dV of the block held, travelling with it
         for step in range(cp_size):
             if step + 1 < cp_size:
                 incoming = exchange.send_recv_async(kv, send_to, recv_from, group, tag=KV_TAG)
@@ -115,13 +119,17 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
                 q_acc[rows], kv[0, cols].to(dtype), kv[1, cols].to(dtype), dout_acc[rows],
                 lse[..., rows], delta[..., rows], diagonal, scale)
             dq[rows] += dq_block
-            dkv[0, cols] += dk_block
-            dkv[1, cols] += dv_block
+            held = dkv_own if step == 0 else dkv
+            held[0, cols] += dk_block
+            held[1, cols] += dv_block
             if step + 1 < cp_size:
                 kv = incoming.wait()
-            # dK, dV follow their block to the rank that uses it next; after the last step the
-            # next rank is the block's owner, and this rank receives its own block's gradient.
-            dkv = exchange.send_recv(dkv, send_to, recv_from, group, tag=DKV_TAG)
+            if step > 0:
+                # dK, dV follow their block to the rank that uses it next; after the last step
+                # the next rank is the block's owner: this rank receives its own block's share
+                # from the others, and the rank before it starts the next block's from zero.
+                dkv = exchange.send_recv(dkv, send_to, recv_from, group, tag=DKV_TAG)
+        dkv = dkv_own + dkv            # at cp = 1 nothing travelled: dkv is still zero
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 

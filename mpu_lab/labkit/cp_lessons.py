@@ -336,10 +336,3 @@ def format_bytes_rows(rows: List[dict], block: float) -> str:
                      f"{r['backward']:>9g} {r['backward_formula']:>8g}  {blocks:<41} "
                      f"{r['calls']}")
     return "\n".join(lines)
-
-
-def mirror_p2p_backward_blocks(cp: int) -> int:
-    """K/V blocks (each ``(s/cp)·b·h`` values) the mirror's ring backward sends per rank: K and
-    V again at ``cp - 1`` steps, and the travelling dK, dV at every one of its ``cp`` steps
-    (they start at the owner, so they make ``cp`` hops to come home)."""
-    return 2 * (cp - 1) + 2 * cp
