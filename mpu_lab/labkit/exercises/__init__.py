@@ -69,7 +69,6 @@ from mpu_lab.labkit.exercises.debugging import EXCHANGE, check_cause, check_culp
 from mpu_lab.labkit.exercises.data_parallel import (
     DISTRIBUTED_STEP,
     check_optimizer_state_gb,
-    check_ring_all_reduce_mb,
 )
 from mpu_lab.labkit.exercises.playground import (
     check_copy_to_grad,
@@ -99,7 +98,7 @@ __all__ = [
     "check_bounds", "check_critical", "check_tp_share", "check_smallest_cp", "check_best_ep",
     "copy_to_grad_expected", "reduce_from_expected", "reduce_scatter_sequence_expected",
     "check_copy_to_grad", "check_reduce_from", "check_reduce_scatter_to_sequence",
-    "DISTRIBUTED_STEP", "check_optimizer_state_gb", "check_ring_all_reduce_mb",
+    "DISTRIBUTED_STEP", "check_optimizer_state_gb",
     "RING_ALL_REDUCE", "check_ring_send_bytes",
     "LSE_MERGE", "ZIGZAG_LAYOUT",
 ]

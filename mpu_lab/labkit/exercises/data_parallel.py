@@ -1,6 +1,5 @@
 """Lab 03's checks: the optimizer-state bytes per rank with and without the distributed
-optimizer (:func:`check_optimizer_state_gb`), the bytes a rank sends in a ring all-reduce of
-the gradients (:func:`check_ring_all_reduce_mb`), and the write-the-code exercise
+optimizer (:func:`check_optimizer_state_gb`), and the write-the-code exercise
 :data:`DISTRIBUTED_STEP`: the distributed optimizer's step for one flat buffer
 (reduce-scatter the gradient, update this rank's shard, all-gather the parameters), run on a
 live world and compared on every rank with the plain step (all-reduce the gradient, update
@@ -18,7 +17,6 @@ from mpu_lab import comm, distributed, parallel_state
 from mpu_lab.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from mpu_lab.labkit.exercises.common import Verdict, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
-from mpu_lab.perf.bandwidth import bus_factor
 from mpu_lab.perf.cost_model import bytes_per_parameter_terms
 
 
@@ -72,27 +70,6 @@ def check_optimizer_state_gb(answer: Any, num_params: float, d: int,
                     f"{answer!r} is not it. Hint: which of Megatron's bytes per parameter "
                     f"({params_dtype} weights, {grads_dtype} gradients) belong to the "
                     f"optimizer, and does {who} split them over the {d} data-parallel ranks?")
-
-
-def ring_all_reduce_bytes(grad_bytes: float, d: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of ``grad_bytes`` over ``d`` ranks:
-    ``2 (d - 1) / d`` of the array (nccl-tests' bus factor,
-    :func:`mpu_lab.perf.bandwidth.bus_factor`)."""
-    return bus_factor("all_reduce", d) * grad_bytes
-
-
-def check_ring_all_reduce_mb(answer: Any, grad_mb: float, d: int, rtol: float = 0.01) -> Verdict:
-    """MB each rank sends per step when a ring all-reduces ``grad_mb`` MB of gradients over
-    ``d`` data-parallel ranks."""
-    if unanswered(answer, "a number of MB"):
-        return Verdict(False)
-    expected = ring_all_reduce_bytes(grad_mb, d)
-    given = _as_number(answer)
-    return verdict(given is not None and abs(given - expected) <= rtol * expected,
-                    f"{expected:g} MB: a ring all-reduce is a reduce-scatter ((d-1)/d of the "
-                    f"array) then an all-gather (again (d-1)/d): 2 x {d - 1}/{d} x {grad_mb:g} MB.",
-                    f"{answer!r} is not it. Hint: cut the array into d = {d} chunks; in the "
-                    f"reduce-scatter each rank passes on d-1 chunks, in the all-gather d-1 more.")
 
 
 # --------------------------------------------------------------------------- write the code

@@ -159,16 +159,6 @@ def test_optimizer_state_per_rank_worked_by_hand(capsys):
         data_parallel.optimizer_state_bytes(10, 0, True)
 
 
-def test_ring_all_reduce_bytes_worked_by_hand(capsys):
-    # d = 4: each rank sends 3 chunks of a quarter in the reduce-scatter, 3 more in the gather
-    assert data_parallel.check_ring_all_reduce_mb(150, grad_mb=100, d=4)
-    assert capsys.readouterr().out.startswith("Right: 150 MB")
-    assert not data_parallel.check_ring_all_reduce_mb(200, grad_mb=100, d=4)
-    assert "Hint:" in capsys.readouterr().out
-    assert data_parallel.ring_all_reduce_bytes(64, 2) == 64
-    assert not data_parallel.check_ring_all_reduce_mb("a lot", grad_mb=100, d=4)
-
-
 # --------------------------------------------------------------------------- the lab's lessons
 def test_the_toy_buffer_layout_worked_by_hand(capsys):
     """p0..p4 of 6, 3, 10, 5, 7 elements, reversed: p4 p3 | p2 p1 | p0; a bucket closes once
