@@ -88,6 +88,11 @@ def main(argv=None) -> int:
                      help="seconds one cell may run (default %(default)s)")
     gpu.add_argument("--bench-timeout", type=float, default=600,
                      help="seconds each benchmark may run (default %(default)s)")
+    gpu.add_argument("--jobs", type=int, default=1,
+                     help="labs run at once, sharing the GPUs (default %(default)s)")
+    gpu.add_argument("--time-budget", type=float, default=None, metavar="S",
+                     help="start no lab or benchmark after S seconds; the table says what "
+                          "did not run (default: no limit)")
     for p in (reg, gpu):
         p.add_argument("--stall-s", type=float, default=DEFAULT_STALL_S,
                        help="kill and retry a notebook whose kernel, while a cell executes, "
@@ -120,7 +125,8 @@ def main(argv=None) -> int:
         with terminate_as_exit():
             return gpu_check(args.output_dir, profile=args.profile, only=args.only,
                              stall_s=args.stall_s, cell_timeout=args.cell_timeout,
-                             bench_timeout=args.bench_timeout, kernel=args.kernel)
+                             bench_timeout=args.bench_timeout, kernel=args.kernel,
+                             jobs=args.jobs, time_budget_s=args.time_budget)
     if args.command == "sizes":
         labs = select(sorted((REPO_ROOT / "labs").glob("[0-9][0-9]_*.ipynb")), args.only)
         if not args.sections:

@@ -12,12 +12,19 @@ machine profile, then the throughput and bandwidth benchmarks, as one table.
 
 The table is printed and written as markdown to ``DIR/gpu_check.md`` with the device name,
 torch version and date, ready to paste into the README.
+
+On a machine lent for a short while: ``--jobs N`` runs N labs at once (their ranks then share
+the GPUs, so a lab's seconds are wall time under that sharing; the benchmarks still run alone,
+after the labs), and ``--time-budget S`` starts no lab and no benchmark after S seconds: what
+did not start is in the table as "not run", and the table is written all the same.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import pathlib
 import sys
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mpu_lab import launcher
@@ -141,9 +148,15 @@ def _failure(exc: BaseException) -> str:
 
 def gpu_check(output_dir=None, profile: str = "auto", only: Optional[List[str]] = None,
               stall_s: float = DEFAULT_STALL_S, cell_timeout: Optional[int] = 900,
-              bench_timeout: float = 600.0, kernel: str = "python3", out=sys.stdout) -> int:
+              bench_timeout: float = 600.0, kernel: str = "python3", out=sys.stdout,
+              jobs: int = 1, time_budget_s: Optional[float] = None) -> int:
     """Run the labs and the benchmarks at ``profile``; print and write the table. Returns the
-    exit code: 0 when every lab passed and both benchmarks ran."""
+    exit code: 0 when every lab passed and both benchmarks ran. ``jobs``: labs run at once;
+    ``time_budget_s``: nothing starts after this many seconds (see the module's docstring)."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise SystemExit(f"--jobs must be a whole number >= 1, got {jobs!r}")
+    if time_budget_s is not None and not time_budget_s > 0:
+        raise SystemExit(f"--time-budget must be a number of seconds > 0, got {time_budget_s!r}")
     output_dir = pathlib.Path(output_dir or DEFAULT_OUTPUT_DIR).resolve()
     if output_dir == REPO_ROOT.resolve():
         raise SystemExit("--output-dir must not be the repository: the committed notebooks "
@@ -158,24 +171,40 @@ def gpu_check(output_dir=None, profile: str = "auto", only: Optional[List[str]] 
     print(f"profile {chosen} ({shown}); {device}; torch {torch_version}; writing under "
           f"{output_dir}", file=out, flush=True)
 
-    labs = select([p for p in notebook_paths() if p.parent.name == "labs"], only)
-    outcomes = run_notebooks(labs, params, output_dir=output_dir, kernel=kernel,
+    started = time.monotonic()
+
+    def in_budget() -> bool:
+        return time_budget_s is None or time.monotonic() - started < time_budget_s
+
+    def one_lab(path: pathlib.Path) -> Outcome:
+        if not in_budget():
+            return Outcome(path.name, False, 0.0, f"not run: past --time-budget {time_budget_s:g} s")
+        return run_notebooks([path], params, output_dir=output_dir, kernel=kernel,
                              timeout_s=cell_timeout, stall_s=stall_s, out=out,
-                             known=notebook_paths())
-    print("benchmark: bench_gpt_vs_plain.py ...", file=out, flush=True)
-    try:
-        throughput = run_throughput(chosen, bench_timeout)
-    except Exception as exc:  # LaunchError, LaunchTimeout: reported in the table
-        throughput = _failure(exc)
-    print("benchmark: bench_bandwidth.py ...", file=out, flush=True)
-    try:
-        bandwidth = run_bandwidth(chosen, gpus, bench_timeout)
-    except Exception as exc:  # as above
-        bandwidth = _failure(exc)
+                             known=notebook_paths())[0]
+
+    labs = select([p for p in notebook_paths() if p.parent.name == "labs"], only)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        outcomes = list(pool.map(one_lab, labs))     # in the labs' order, whatever finished first
+    throughput = bandwidth = f"not run: past --time-budget {time_budget_s} s"
+    if in_budget():
+        print("benchmark: bench_gpt_vs_plain.py ...", file=out, flush=True)
+        try:
+            throughput = run_throughput(chosen, bench_timeout)
+        except Exception as exc:  # LaunchError, LaunchTimeout: reported in the table
+            throughput = _failure(exc)
+    if in_budget():
+        print("benchmark: bench_bandwidth.py ...", file=out, flush=True)
+        try:
+            bandwidth = run_bandwidth(chosen, gpus, bench_timeout)
+        except Exception as exc:  # as above
+            bandwidth = _failure(exc)
 
     header = {"device": device, "torch": torch_version,
               "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
               "profile": f"{chosen} ({shown})"}
+    if jobs > 1:
+        header["labs at once"] = f"{jobs} (seconds are wall time while sharing)"
     table = markdown(header, outcomes, throughput, bandwidth)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "gpu_check.md").write_text(table)
