@@ -1,0 +1,43 @@
+"""Every lab is sized for one sitting (issue 29): its core ends with a Summary, the depth after it
+sits in "Going further" sections that say the rest of the course does not depend on them, and
+the core's estimate (mpu_lab.labkit.notebooks.sizing, itself tested on notebooks counted by
+hand) stays within the budget, at the compute recorded by the last re-execution."""
+import pathlib
+import re
+
+import nbformat
+import pytest
+
+from mpu_lab.labkit.notebooks import sizing
+
+LABS = sorted((pathlib.Path(__file__).resolve().parents[2] / "labs").glob("[0-9][0-9]_*.ipynb"))
+
+
+def _headings(nb):
+    return [line[3:] for cell in nb.cells if cell.cell_type == "markdown"
+            for line in cell.source.splitlines() if line.startswith("## ")]
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
+def test_the_core_ends_with_a_summary_and_only_going_further_follows(path):
+    headings = _headings(nbformat.read(str(path), as_version=4))
+    assert "Summary" in headings, headings
+    cut = headings.index("Summary")
+    assert not [h for h in headings[:cut] if h.startswith("Going further")]
+    assert [h for h in headings[cut + 1:] if not h.startswith(("Going further", "Sources"))] == []
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
+def test_each_going_further_says_the_course_does_not_depend_on_it(path):
+    nb = nbformat.read(str(path), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and cell.source.startswith("## Going further"):
+            opening = cell.source.split("\n", 1)[-1][:400]
+            assert re.search(r"does\s+not\s+depend", opening), cell.source[:200]
+
+
+def test_every_core_fits_one_sitting():
+    sizes = sizing.lab_sizes(LABS)
+    assert len(sizes) == 14
+    over = {s.name: round(s.core_minutes) for s in sizes if s.core_minutes > sizing.CORE_BUDGET_MIN}
+    assert over == {}
