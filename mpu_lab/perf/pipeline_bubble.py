@@ -110,6 +110,11 @@ def time_iterations(num_microbatches: int, iterations: int = 3, warmup: int = 1,
 
 
 # --------------------------------------------------------------------------- driver side
+def _count(n: int, word: str) -> str:
+    """``"1 GPU"``, ``"2 GPUs"``."""
+    return f"{n} {word}{'s' if n > 1 else ''}"
+
+
 def machine_note(ranks: int, env: Optional[Dict[str, str]] = None) -> str:
     """One sentence: whether this machine gives each of ``ranks`` ranks a processor of its own
     (a GPU, or else a CPU core), so that a measured timeline's gaps are a bubble. The ranks'
@@ -120,9 +125,9 @@ def machine_note(ranks: int, env: Optional[Dict[str, str]] = None) -> str:
     cores = len(rank_clock.usable_cores())
     if (gpus or cores) >= ranks:
         n, kind = (gpus, "GPU") if gpus else (cores, "CPU core")
-        return (f"{ranks} rank{'s' if ranks > 1 else ''} on {n} {kind}{'s' if n > 1 else ''}: "
+        return (f"{_count(ranks, 'rank')} on {_count(n, kind)}: "
                 f"one each, so the measured gaps are the bubble.")
-    shared = (f"{gpus} GPU{'s' if gpus > 1 else ''}: the ranks share "
+    shared = (f"{_count(gpus, 'GPU')}: the ranks share "
               f"{'them' if gpus > 1 else 'it'}" if gpus else
               f"{cores} CPU cores and no GPU: the ranks share cores")
     return (f"{ranks} ranks on {shared}, so the measured chart is not a bubble. Below it, the "
@@ -178,7 +183,7 @@ class BubbleMeasurement:
         p, gpus = self.pipeline_parallel_size, self.gpus
         if gpus:
             return ("one GPU per stage" if not self.oversubscribed else
-                    f"{p} stages sharing {len(gpus)} GPU{'s' if len(gpus) > 1 else ''}")
+                    f"{p} stages sharing {_count(len(gpus), 'GPU')}")
         if any(c is None for c in self.cores):
             return "stages not pinned to cores"
         return ("one core per stage" if not self.oversubscribed else
@@ -189,7 +194,7 @@ class BubbleMeasurement:
         p, gpus = self.pipeline_parallel_size, self.gpus
         if gpus:
             how = (f"one GPU each ({', '.join(gpus)})" if not self.oversubscribed else
-                   f"sharing {len(gpus)} GPU{'s' if len(gpus) > 1 else ''} ({', '.join(gpus)}): "
+                   f"sharing {_count(len(gpus), 'GPU')} ({', '.join(gpus)}): "
                    f"MORE RANKS THAN GPUS, the timing is not a bubble")
             head = f"1F1B, p = {p} stages, {how}."
         else:

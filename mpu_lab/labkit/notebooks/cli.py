@@ -9,7 +9,7 @@ from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.labkit.notebooks import sizing
 from mpu_lab.labkit.notebooks.gpu_check import DEFAULT_OUTPUT_DIR, PROFILES, gpu_check
 from mpu_lab.labkit.notebooks.regenerate import regenerate
-from mpu_lab.labkit.notebooks.selection import load_params, notebook_paths, select
+from mpu_lab.labkit.notebooks.selection import lab_paths, load_params, notebook_paths, select
 from mpu_lab.labkit.notebooks.structure import structure_problems
 from mpu_lab.labkit.notebooks.watchdog import DEFAULT_STALL_S, terminate_as_exit
 from mpu_lab.labkit.viz.figures import save_figures
@@ -128,11 +128,12 @@ def main(argv=None) -> int:
                              bench_timeout=args.bench_timeout, kernel=args.kernel,
                              jobs=args.jobs, time_budget_s=args.time_budget)
     if args.command == "sizes":
-        labs = select(sorted((REPO_ROOT / "labs").glob("[0-9][0-9]_*.ipynb")), args.only)
+        labs = select(lab_paths(), args.only)
         if not args.sections:
             sizing.print_lab_sizes(labs, [pathlib.Path(t) for t in args.times or ()])
-        for path in labs if args.sections else ():
-            print(f"{path.stem}")
+            return 0
+        for path in labs:
+            print(path.stem)
             for heading, minutes in sizing.section_minutes(path):
                 print(f"  {minutes:5.1f} min  {heading}")
         return 0

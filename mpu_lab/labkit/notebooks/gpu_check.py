@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mpu_lab import launcher
 from mpu_lab.labkit import REPO_ROOT, profiles
 from mpu_lab.labkit.notebooks.regenerate import Outcome, run_notebooks
-from mpu_lab.labkit.notebooks.selection import notebook_paths, select
+from mpu_lab.labkit.notebooks.selection import lab_paths, notebook_paths, select
 from mpu_lab.labkit.notebooks.watchdog import DEFAULT_STALL_S
 
 PROFILES = profiles.NAMES
@@ -172,21 +172,22 @@ def gpu_check(output_dir=None, profile: str = "auto", only: Optional[List[str]] 
           f"{output_dir}", file=out, flush=True)
 
     started = time.monotonic()
+    not_run = f"not run: past --time-budget {time_budget_s:g} s" if time_budget_s else ""
 
     def in_budget() -> bool:
         return time_budget_s is None or time.monotonic() - started < time_budget_s
 
     def one_lab(path: pathlib.Path) -> Outcome:
         if not in_budget():
-            return Outcome(path.name, False, 0.0, f"not run: past --time-budget {time_budget_s:g} s")
+            return Outcome(path.name, False, 0.0, not_run)
         return run_notebooks([path], params, output_dir=output_dir, kernel=kernel,
                              timeout_s=cell_timeout, stall_s=stall_s, out=out,
                              known=notebook_paths())[0]
 
-    labs = select([p for p in notebook_paths() if p.parent.name == "labs"], only)
+    labs = select(lab_paths(), only)
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         outcomes = list(pool.map(one_lab, labs))     # in the labs' order, whatever finished first
-    throughput = bandwidth = f"not run: past --time-budget {time_budget_s} s"
+    throughput = bandwidth = not_run
     if in_budget():
         print("benchmark: bench_gpt_vs_plain.py ...", file=out, flush=True)
         try:

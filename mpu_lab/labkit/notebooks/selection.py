@@ -13,7 +13,12 @@ def notebook_paths(root: pathlib.Path = REPO_ROOT) -> List[pathlib.Path]:
     """``Start_Here.ipynb`` then ``labs/*.ipynb`` in name order."""
     root = pathlib.Path(root)
     start = [root / "Start_Here.ipynb"] if (root / "Start_Here.ipynb").exists() else []
-    return start + sorted((root / "labs").glob("*.ipynb"))
+    return start + lab_paths(root)
+
+
+def lab_paths(root: pathlib.Path = REPO_ROOT) -> List[pathlib.Path]:
+    """``labs/*.ipynb`` in name order (the labs, without Start_Here)."""
+    return sorted((pathlib.Path(root) / "labs").glob("*.ipynb"))
 
 
 def _matches(path: pathlib.Path, selector) -> bool:

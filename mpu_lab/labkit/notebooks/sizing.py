@@ -22,13 +22,13 @@ from typing import Dict, List, Optional, Sequence
 
 from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.labkit.notebooks import stopwatch
+from mpu_lab.labkit.notebooks.selection import lab_paths
 
 WORDS_PER_MINUTE = 120        # technical prose with formulas and code, read to be understood
 MINUTES_PER_EXERCISE = 10     # write a function, run the grader, fix it once
 MINUTES_PER_QUESTION = 2      # a predicted number or shape, checked
 CORE_BUDGET_MIN = 45          # one sitting
 TIMES_FILE = REPO_ROOT / "labs" / "compute_times.json"
-_GOING_FURTHER = re.compile(r"^#+\s*Going further", re.M)
 _WORD = re.compile(r"[A-Za-z0-9_$\\]+")
 # what a reader skips in markdown: a link's target (its text is read), a bare URL, an HTML tag
 _UNREAD = re.compile(r"(?<=\])\([^)\s]*\)|https?://\S+|</?[A-Za-z][^>\n]*>")
@@ -51,15 +51,18 @@ class LabSize:
     @property
     def core_minutes(self) -> float:
         """Reading, exercises, questions and the measured compute of the whole notebook."""
-        compute = (self.compute_s or 0.0) / 60
-        return (self.core_words / WORDS_PER_MINUTE + MINUTES_PER_EXERCISE * self.exercises
-                + MINUTES_PER_QUESTION * self.questions + compute)
+        return minutes(self.core_words, self.exercises, self.questions) + (self.compute_s or 0.0) / 60
 
     @property
     def extra_minutes(self) -> float:
         """Reading, exercises and questions of the "Going further" sections."""
-        return (self.extra_words / WORDS_PER_MINUTE + MINUTES_PER_EXERCISE * self.extra_exercises
-                + MINUTES_PER_QUESTION * self.extra_questions)
+        return minutes(self.extra_words, self.extra_exercises, self.extra_questions)
+
+
+def minutes(words: int, exercises: int, questions: int) -> float:
+    """The estimate's minutes for reading ``words``, working ``exercises`` and ``questions``."""
+    return (words / WORDS_PER_MINUTE + MINUTES_PER_EXERCISE * exercises
+            + MINUTES_PER_QUESTION * questions)
 
 
 def _words(source: str, markdown: bool = False) -> int:
@@ -89,7 +92,7 @@ def lab_size(path: pathlib.Path, compute: Optional[Dict[str, float]] = None) -> 
     core = extra = exercises = questions = extra_exercises = extra_questions = 0
     in_core = True
     for cell in nb.cells:
-        if cell.cell_type == "markdown" and _GOING_FURTHER.search(cell.source):
+        if cell.cell_type == "markdown" and stopwatch.GOING_FURTHER.search(cell.source):
             in_core = False
         words, graded, checked = _cell_parts(cell)
         if in_core:
@@ -116,9 +119,7 @@ def section_minutes(path: pathlib.Path) -> List[tuple]:
         heading = _HEADING.search(cell.source) if cell.cell_type == "markdown" else None
         if heading:
             sections.append([heading.group(2).strip(), 0.0])
-        words, graded, checked = _cell_parts(cell)
-        sections[-1][1] += (words / WORDS_PER_MINUTE + MINUTES_PER_EXERCISE * graded
-                            + MINUTES_PER_QUESTION * checked)
+        sections[-1][1] += minutes(*_cell_parts(cell))
     return [(name, minutes) for name, minutes in sections if minutes or name != sections[0][0]]
 
 
@@ -141,7 +142,7 @@ def record_compute_times(seconds: Dict[str, float], path: pathlib.Path = TIMES_F
 
 
 def lab_sizes(labs: Optional[Sequence[pathlib.Path]] = None) -> List[LabSize]:
-    paths = labs or sorted((REPO_ROOT / "labs").glob("[0-9][0-9]_*.ipynb"))
+    paths = labs or lab_paths()
     compute = load_compute_times()
     return [lab_size(p, compute) for p in paths]
 

@@ -32,7 +32,8 @@ from typing import Callable, Dict, Iterable, List, Optional
 TIMES_ENV = "MPU_LAB_TIMES"
 OFF_ENV = "MPU_LAB_STOPWATCH"
 BREAK_S = 20 * 60        # a pause longer than this between two cells is a break
-_GOING_FURTHER = re.compile(r"^#+\s*Going further", re.M)
+# where a lab's core ends: its first "Going further" heading (Start_Here's table counts the same)
+GOING_FURTHER = re.compile(r"^#+\s*Going further", re.M)
 # cells the learner is meant to edit (a question's answer, an exercise's stub): never run as
 # written, so they cannot mark how far the learner got
 _EDITED = re.compile(r"\banswer = None\b|^def my_\w+\(", re.M)
@@ -51,15 +52,15 @@ def core_cells(notebook: pathlib.Path) -> List[str]:
     """The sources of the code cells before the first "Going further" heading, stripped: what
     a learner runs as written to work through the lab's core (the parameters cell, answer
     cells and exercise stubs left out)."""
-    cells = json.loads(notebook.read_text())["cells"]
+    import nbformat
+
     core: List[str] = []
-    for cell in cells:
-        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        if cell["cell_type"] == "markdown" and _GOING_FURTHER.search(source):
+    for cell in nbformat.read(str(notebook), as_version=4).cells:
+        if cell.cell_type == "markdown" and GOING_FURTHER.search(cell.source):
             break
-        if (cell["cell_type"] == "code" and not _EDITED.search(source)
-                and "parameters" not in cell.get("metadata", {}).get("tags", [])):
-            core.append(source.strip())
+        if (cell.cell_type == "code" and not _EDITED.search(cell.source)
+                and "parameters" not in cell.metadata.get("tags", [])):
+            core.append(cell.source.strip())
     return core
 
 
