@@ -11,6 +11,7 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 from mpu_lab.launcher.paths import REPO_ROOT
+from mpu_lab.launcher.worker import main_thread_stack
 
 # Frames in the launcher's own files (the entrypoint's wrappers) are not the user's code.
 _LAUNCHER_DIR = pathlib.Path(__file__).resolve().parent
@@ -159,7 +160,7 @@ def _rank_facts(result_dir: pathlib.Path, nproc: int, exit_codes: Dict[int, int]
             d = json.loads(record.read_text()) if record.exists() else None
         except (OSError, ValueError):
             d = None
-        text = stack.read_text() if stack.exists() else ""
+        text = main_thread_stack(stack.read_text()) if stack.exists() else ""
         if d is not None:
             facts[r] = dict(how="raised", where=_where(d["traceback"]), message=d["message"],
                             op=_collective_in(d["traceback"]), traceback=d["traceback"],

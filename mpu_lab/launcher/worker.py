@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import signal
 import sys
 import time
@@ -59,14 +60,29 @@ def gather_lines(text: str):
     return [bytes(row.tolist()).rstrip(b"\0").decode() for row in rows.cpu()]
 
 
+# A thread's heading in a faulthandler dump of every thread ("Current thread 0x7f... (most
+# recent call first):" for the one that took the signal, "Thread 0x7f...:" for the others).
+_THREAD_HEADING = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+.*$", re.M)
+
+
+def main_thread_stack(text: str) -> str:
+    """The main thread's part of a faulthandler dump of every thread: the last one (CPython
+    lists a process's threads newest first). A dump of one thread is returned as it is."""
+    return _THREAD_HEADING.split(text)[-1]
+
+
 def _dump_stack_on_sigterm(directory: str, rank: int) -> None:
     """When torchrun (or :func:`kill_tree`) stops this rank with SIGTERM, write where its main
     thread was to ``stack_rank<r>.txt`` first (``faulthandler``: works even inside a blocked
     C++ collective), then terminate as SIGTERM would. That is how a failure report can say
-    where a rank that never joined a collective was stuck."""
+    where a rank that never joined a collective was stuck.
+
+    Every thread is dumped: the kernel may hand a process's SIGTERM to any of its threads
+    (gloo's, torch's), and a dump of only the thread that took it then says nothing of the
+    main one. :func:`main_thread_stack` reads the main thread's."""
     try:
         f = open(pathlib.Path(directory) / f"stack_rank{rank}.txt", "w")
-        faulthandler.register(signal.SIGTERM, file=f, all_threads=False, chain=True)
+        faulthandler.register(signal.SIGTERM, file=f, all_threads=True, chain=True)
     except (OSError, AttributeError, ValueError, RuntimeError):
         pass   # no faulthandler.register (Windows) or no result folder: report less
 

@@ -58,8 +58,9 @@ def test_job_past_its_time_limit_is_killed_with_every_worker():
     assert "timeout_s=40" in str(err.value)
     assert processes_with(marker) == []
     # where each rank was when it was stopped (faulthandler's dump on SIGTERM)
-    assert re.search(r"rank 0 was stopped at tests/mp/launch_probe\.py:\d+ in main", str(err.value))
-    assert re.search(r"rank 1 was stopped at tests/mp/launch_probe\.py:\d+ in main", str(err.value))
+    message = str(err.value)
+    assert re.search(r"rank 0 was stopped at tests/mp/launch_probe\.py:\d+ in main", message), message
+    assert re.search(r"rank 1 was stopped at tests/mp/launch_probe\.py:\d+ in main", message), message
     assert err.value.states[0] != err.value.states[1]   # all_reduce vs sleep
 
 

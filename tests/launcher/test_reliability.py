@@ -11,10 +11,13 @@ import _thread
 import contextlib
 import hashlib
 import json
+import os
 import pathlib
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -453,6 +456,44 @@ def test_failure_report_wording_from_the_ranks_records(tmp_path):
         "and the others then lost their peer."]
     text, _ = diagnosis.diagnose(tmp_path, 3, "ValueError: timeout_s must be > 0", "", None)
     assert text == ""
+
+
+# A rank whose SIGTERM the kernel hands to a thread other than the main one (here the rank's
+# own helper thread signals itself, as gloo's threads may take torchrun's signal): the dump
+# must still say where the main thread was. (A dump of the signalled thread alone said
+# "stopped (no record of where)" for a rank that was waiting in all_reduce.)
+SIGNALLED_ON_A_HELPER_THREAD = """
+import signal, threading, time
+from mpu_lab import launcher
+
+@launcher.entrypoint
+def main():
+    ready = threading.Event()
+    def take_the_signal():
+        ready.wait()
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        time.sleep(60)
+    threading.Thread(target=take_the_signal, daemon=True).start()
+    ready.set()
+    time.sleep(60)   # where the main thread is when the signal comes
+
+main()
+"""
+
+
+def test_a_stack_dump_names_the_main_threads_place_whichever_thread_took_sigterm(tmp_path):
+    script = tmp_path / "rank_with_a_helper_thread.py"
+    script.write_text(SIGNALLED_ON_A_HELPER_THREAD)
+    env = dict(os.environ, **{launcher.RESULT_DIR_ENV: str(tmp_path), "RANK": "0"})
+    done = subprocess.run([sys.executable, str(script)], env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    dump = (tmp_path / "stack_rank0.txt").read_text()
+    assert "Current thread" in dump and "in take_the_signal" in dump   # the helper took it
+    _, states = diagnosis.diagnose(tmp_path, 1, "", "", None, {0: -15})
+    line = SIGNALLED_ON_A_HELPER_THREAD.splitlines().index(
+        "    time.sleep(60)   # where the main thread is when the signal comes") + 1
+    assert states[0] == f"was stopped at {script.name}:{line} in main", states
 
 
 def test_a_rank_that_exits_while_the_others_are_outside_any_collective(tmp_path):
