@@ -41,10 +41,12 @@ from mpu_lab.labkit.playground.errors import (
     PlaygroundError,
     RankError,
     RankOutput,
+    WorldStartTimeout,
 )
 from mpu_lab.labkit.playground.magic import load_ipython_extension, ranks_magic, start_world
 from mpu_lab.labkit.playground.world import (
     DEFAULT_TIMEOUT_S,
+    START_ATTEMPTS,
     START_TIMEOUT_S,
     World,
     check_world_args,
@@ -52,7 +54,7 @@ from mpu_lab.labkit.playground.world import (
 )
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S", "START_TIMEOUT_S", "HEADING", "PlaygroundError", "RankError",
-    "CollectiveTimeout", "RankOutput", "World", "check_world_args", "start_world",
+    "DEFAULT_TIMEOUT_S", "START_TIMEOUT_S", "START_ATTEMPTS", "HEADING", "PlaygroundError", "RankError",
+    "CollectiveTimeout", "WorldStartTimeout", "RankOutput", "World", "check_world_args", "start_world",
     "current_world", "ranks_magic", "load_ipython_extension",
 ]

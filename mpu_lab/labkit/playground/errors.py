@@ -12,6 +12,16 @@ class PlaygroundError(RuntimeError):
     """The world cannot do what was asked (not started, stopped, needs a restart)."""
 
 
+class WorldStartTimeout(PlaygroundError):
+    """The engines of a world being started did not all register, or did not all answer their
+    first request, within ``start_timeout_s``; ``late`` names the ranks that did not answer
+    (every rank while registering)."""
+
+    def __init__(self, message: str, late: Sequence[int]):
+        super().__init__(message)
+        self.late = list(late)
+
+
 class RankError(PlaygroundError):
     """Some ranks raised. ``failures`` maps rank -> :class:`RankOutput`; ``outputs`` has every
     rank that ran, in rank order (the others' values and stdout included)."""

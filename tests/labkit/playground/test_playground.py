@@ -54,6 +54,8 @@ def test_bad_arguments_raise_before_anything_starts(monkeypatch):
         playground.start_world(2, backend="mpi")
     with pytest.raises(ValueError, match="timeout_s must be .* > 0, got 0"):
         playground.start_world(2, timeout_s=0)
+    with pytest.raises(ValueError, match="start_timeout_s must be .* > 0, got -1"):
+        playground.start_world(2, start_timeout_s=-1)
 
 
 def test_each_engine_is_one_rank_with_torchrun_variables_and_megatron_groups(world):
@@ -277,3 +279,48 @@ def test_stop_does_not_report_a_log_file_someone_else_already_removed(caplog):
         log.error("Failed to remove /tmp/ipcontroller-1.log: [Errno 13] Permission denied")
     assert [r.getMessage() for r in caplog.records] == [
         "Failed to remove /tmp/ipcontroller-1.log: [Errno 13] Permission denied"]
+
+
+def _setup_that_hangs_the_first_time(env, flags=""):
+    """Shipped to the engines in place of engine_setup (ipyparallel sends its code): each rank's
+    first engine writes its PID to a flag file and never answers, as an engine under load once
+    did in CI; an engine of the same rank started later finds the flag and sets up."""
+    import os
+    import time
+    flag = os.path.join(flags, f"rank{env['RANK']}")
+    if not os.path.exists(flag):
+        with open(flag, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(3600)
+    from mpu_lab.labkit.playground.engine import engine_setup
+    return engine_setup(env)
+
+
+def test_a_start_whose_engines_do_not_answer_is_made_again_from_fresh_engines(tmp_path,
+                                                                              monkeypatch):
+    from mpu_lab.labkit.playground import world as world_module
+    hang = ipyparallel.interactive(_setup_that_hangs_the_first_time)   # sent as code
+    hang.__defaults__ = (str(tmp_path),)
+    monkeypatch.setattr(world_module, "engine_setup", hang)
+    w = playground.start_world(2, timeout_s=5, start_timeout_s=10)
+    try:
+        assert w.timings["start_attempts"] == 2
+        assert w.run("x = torch.ones(1); dist.all_reduce(x); x.item()") == [2.0, 2.0]
+        first = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+        assert not set(first) & set(w.pids)
+        assert [p for p in first if not _gone(p)] == []     # the silent engines were stopped
+    finally:
+        w.stop()
+
+
+def test_a_world_that_never_starts_says_what_did_not_answer_and_leaves_no_process():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(playground.WorldStartTimeout) as err:
+        playground.start_world(2, start_timeout_s=0.01)   # no engine registers that fast
+    assert str(err.value).startswith("the world's engines did not start: only ")
+    assert "engines registered within 0.01 s (tried 2 times" in str(err.value)
+    assert "start_timeout_s=0.02" in str(err.value)
+    assert err.value.late == [0, 1]
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and not _gone(p.pid)]
+    assert left == []
