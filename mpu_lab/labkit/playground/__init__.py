@@ -46,6 +46,7 @@ from mpu_lab.labkit.playground.errors import (
 from mpu_lab.labkit.playground.magic import load_ipython_extension, ranks_magic, start_world
 from mpu_lab.labkit.playground.world import (
     DEFAULT_TIMEOUT_S,
+    SETUP_RESEND_S,
     START_ATTEMPTS,
     START_TIMEOUT_S,
     World,
@@ -54,7 +55,8 @@ from mpu_lab.labkit.playground.world import (
 )
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S", "START_TIMEOUT_S", "START_ATTEMPTS", "HEADING", "PlaygroundError", "RankError",
-    "CollectiveTimeout", "WorldStartTimeout", "RankOutput", "World", "check_world_args", "start_world",
-    "current_world", "ranks_magic", "load_ipython_extension",
+    "DEFAULT_TIMEOUT_S", "START_TIMEOUT_S", "START_ATTEMPTS", "SETUP_RESEND_S", "HEADING",
+    "PlaygroundError", "RankError", "CollectiveTimeout", "WorldStartTimeout", "RankOutput",
+    "World", "check_world_args", "start_world", "current_world", "ranks_magic",
+    "load_ipython_extension",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import signal
 import sys
@@ -15,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from mpu_lab import distributed, launcher, parallel_state
+from mpu_lab.labkit.playground.cluster_logs import quiet_about_removed_logs
 from mpu_lab.labkit.playground.engine import (
     engine_init,
     engine_setup,
@@ -35,6 +35,7 @@ from mpu_lab.launcher import process_tree
 DEFAULT_TIMEOUT_S = 15.0      # collective timeout: a stuck cell answers in seconds, not minutes
 START_TIMEOUT_S = 180.0       # engines registering with the controller on a busy machine
 START_ATTEMPTS = 2            # a start that times out is made again once, from fresh engines
+SETUP_RESEND_S = 10.0         # an engine's first request unanswered this long is sent again
 _WORLDS: List["World"] = []   # started and not stopped (stopped at exit)
 _CURRENT: Optional["World"] = None   # the world %%ranks talks to
 
@@ -135,35 +136,52 @@ class World:
         self.controller_pid = self.cluster.controller.process.pid
         self.engine_ids = sorted(self.client.ids)[: self.world_size]
         port = distributed.free_port()
-        replies = [self.client[e].apply_async(
-            engine_setup, engine_env(r, self.world_size, port, self.timeout_s))
-            for r, e in enumerate(self.engine_ids)]
-        self.pids = self._answers(replies, self.start_timeout_s, "set up")
+        # ipyparallel tells the client an engine registered before the engine has surely
+        # connected to the scheduler, and a request routed to it before then is dropped
+        # (ipyparallel issue #476). The setup request is idempotent, so a rank that has not
+        # answered it is asked again every SETUP_RESEND_S; the first answer counts. Once every
+        # engine has answered, each is connected, and later requests are sent once.
+        envs = [engine_env(r, self.world_size, port, self.timeout_s)
+                for r in range(self.world_size)]
+        self.pids = self._answers(
+            lambda r: self.client[self.engine_ids[r]].apply_async(engine_setup, envs[r]),
+            self.start_timeout_s, "set up", resend_s=SETUP_RESEND_S)
         self.timings["engine_start_s"] = time.perf_counter() - t0
 
     def _init_group(self, new_port: bool = False) -> None:
         t0 = time.perf_counter()
         port = distributed.free_port() if new_port else None
-        replies = [self.client[e].apply_async(engine_init, self.requested_backend,
-                                              self.timeout_s, self.tp, self.pp, port)
-                   for e in self.engine_ids]
-        infos = self._answers(replies, self.start_timeout_s + self.timeout_s,
-                              "join the process group")
+        infos = self._answers(
+            lambda r: self.client[self.engine_ids[r]].apply_async(
+                engine_init, self.requested_backend, self.timeout_s, self.tp, self.pp, port),
+            self.start_timeout_s + self.timeout_s, "join the process group")
         self.backend, self.device = infos[0]["backend"], [i["device"] for i in infos]
         self.broken = ""
         self.timings["group_init_s"] = time.perf_counter() - t0
 
-    def _answers(self, replies, timeout_s: float, what: str) -> List[Any]:
-        """Every rank's answer to its first requests, in rank order; :class:`WorldStartTimeout`
-        naming the ranks that did not answer within ``timeout_s`` (all share one deadline)."""
+    def _answers(self, send: Callable[[int], Any], timeout_s: float, what: str,
+                 resend_s: Optional[float] = None) -> List[Any]:
+        """Every rank's answer to ``send(rank)`` (an ipyparallel AsyncResult), in rank order.
+        With ``resend_s``, a rank still silent after that long is sent the request again (the
+        first answer counts). :class:`WorldStartTimeout` names the ranks that did not answer
+        within ``timeout_s``, one deadline for all."""
         deadline = time.monotonic() + timeout_s
-        for a in replies:
-            a.wait(max(0.0, deadline - time.monotonic()))
-        late = [r for r, a in enumerate(replies) if not a.ready()]
-        if late:
-            raise WorldStartTimeout(f"rank(s) {late} did not {what} within {timeout_s:g} s "
-                                    f"(the engines had registered)", late)
-        return [a.get() for a in replies]
+        sent = {r: [send(r)] for r in range(self.world_size)}
+        last_sent = time.monotonic()
+        while True:
+            first = {r: next((a for a in tries if a.ready()), None) for r, tries in sent.items()}
+            late = [r for r, a in first.items() if a is None]
+            if not late:
+                return [first[r].get() for r in range(self.world_size)]
+            now = time.monotonic()
+            if now >= deadline:
+                raise WorldStartTimeout(f"rank(s) {late} did not {what} within {timeout_s:g} s "
+                                        f"(the engines had registered)", late)
+            if resend_s is not None and now - last_sent >= resend_s:
+                for r in late:
+                    sent[r].append(send(r))
+                last_sent = now
+            time.sleep(0.02)
 
     def start(self) -> "World":
         """Start the engines and the groups; this world becomes the one ``%%ranks`` uses.
@@ -359,23 +377,6 @@ class World:
         (:func:`mpu_lab.labkit.viz.plot_collective`)."""
         return plot_collective(title, self.values(before), self.values(after),
                                    groups=self.groups(family))
-
-
-class _AlreadyRemoved(logging.Filter):
-    """Drops ipyparallel's "Failed to remove <its log file>: [Errno 2] ..." at stop: in
-    JupyterLab its server extension and this kernel both clean the cluster's log files, and the
-    one that comes second finds the file already gone, which is the goal, not an error."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("Failed to remove") and "Errno 2" in message)
-
-
-def quiet_about_removed_logs(log) -> None:
-    if isinstance(log, logging.Logger):
-        log.addFilter(_AlreadyRemoved())
-        for handler in log.handlers:
-            handler.addFilter(_AlreadyRemoved())
 
 
 def current_world() -> World:

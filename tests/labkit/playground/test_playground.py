@@ -271,9 +271,9 @@ def test_stop_writes_nothing_to_the_parents_stderr(tmp_path):
 def test_stop_does_not_report_a_log_file_someone_else_already_removed(caplog):
     import logging
 
-    from mpu_lab.labkit.playground import world as world_module
+    from mpu_lab.labkit.playground.cluster_logs import quiet_about_removed_logs
     log = logging.getLogger("ipyparallel.cluster.cluster.test-quiet")
-    world_module.quiet_about_removed_logs(log)
+    quiet_about_removed_logs(log)
     with caplog.at_level(logging.ERROR, logger=log.name):
         log.error("Failed to remove /tmp/ipcontroller-1.log: [Errno 2] No such file or directory")
         log.error("Failed to remove /tmp/ipcontroller-1.log: [Errno 13] Permission denied")
@@ -309,6 +309,38 @@ def test_a_start_whose_engines_do_not_answer_is_made_again_from_fresh_engines(tm
         first = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)]
         assert not set(first) & set(w.pids)
         assert [p for p in first if not _gone(p)] == []     # the silent engines were stopped
+    finally:
+        w.stop()
+
+
+class _Dropped:
+    """An AsyncResult for a request the scheduler dropped: never ready."""
+
+    def ready(self):
+        return False
+
+
+def test_a_setup_request_the_scheduler_dropped_is_sent_again(monkeypatch):
+    """ipyparallel may announce an engine before it is connected to the scheduler, which then
+    drops a request routed to it (ipyparallel issue #476): here each rank's first setup
+    request is dropped on purpose; the world still starts, in its first attempt."""
+    from mpu_lab.labkit.playground import world as world_module
+    real = ipyparallel.DirectView.apply_async
+    sends = []
+
+    def apply_async(view, f, *args, **kwargs):
+        if f is world_module.engine_setup:
+            sends.append(view.targets)
+            if sends.count(view.targets) == 1:
+                return _Dropped()
+        return real(view, f, *args, **kwargs)
+
+    monkeypatch.setattr(ipyparallel.DirectView, "apply_async", apply_async)
+    w = playground.start_world(2, timeout_s=5, start_timeout_s=60)
+    try:
+        assert w.timings["start_attempts"] == 1
+        assert sorted(sends) == sorted(w.engine_ids * 2)
+        assert w.run("x = torch.ones(1); dist.all_reduce(x); x.item()") == [2.0, 2.0]
     finally:
         w.stop()
 
