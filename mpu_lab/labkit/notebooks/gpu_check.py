@@ -116,6 +116,10 @@ def markdown(header: Dict[str, str], labs: Sequence[Outcome], throughput, bandwi
         result = "pass" if o.ok else f"FAIL: {o.message.replace('|', '/')[:120]}"
         lines.append(f"| {o.name.removesuffix('.ipynb')} | {result} | {o.seconds:.1f} |")
     lines.append("")
+    failed = [o for o in labs if not o.ok and not o.message.startswith("not run")]
+    if failed:      # the table cuts a message short: a stall's "the kernel was at: ..." with it
+        lines += ["Each failure in full:", ""]
+        lines += [f"- {o.name.removesuffix('.ipynb')}: {o.message}" for o in failed] + [""]
     if isinstance(throughput, dict):
         s = throughput["shape"]
         lines += [f"| throughput: {s['num_layers']} layers, hidden {s['hidden_size']}, "

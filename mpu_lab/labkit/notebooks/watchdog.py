@@ -14,6 +14,11 @@ executing, ``stall_s`` seconds with no marker and less than ``min_cpu`` of one c
 tree count as a stall: the tree is killed (the kernel, torchrun jobs, ipyparallel engines;
 also descendants that were re-parented, found by an environment tag every process inherits)
 and :func:`execute_watched` runs the notebook once more, saying so and why.
+
+Before the kill, the kernel is asked where it was: it starts with a ``faulthandler`` dump of
+its threads registered on ``KERNEL_STACK_SIGNAL`` (an ``exec_lines`` startup line, so no cell
+and no execution count changes), and the stall report ends with its main thread's innermost
+frames: a hang that happens only on another machine says where it waits.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import json
 import os
 import pathlib
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -37,10 +43,23 @@ import psutil
 from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.launcher import process_tree
 from mpu_lab.launcher.pump import pump_lines
+from mpu_lab.launcher.worker import main_thread_stack
 
 DEFAULT_STALL_S = 120.0
 MARK = "@@mpu_lab_watchdog "
 TAG_ENV = "MPU_LAB_WATCHDOG_TAG"   # inherited by every process the notebook starts
+STACK_ENV = "MPU_LAB_KERNEL_STACK"   # the file a watched kernel writes its stack dump to
+KERNEL_STACK_SIGNAL = getattr(signal, "SIGUSR2", None)    # None on Windows: no dump asked
+# Run by the kernel at startup (IPKernelApp.exec_lines): dump every thread to the file named
+# by STACK_ENV on KERNEL_STACK_SIGNAL. Names are deleted after: the notebook's namespace stays
+# as a learner's kernel has it.
+_REGISTER_DUMP = (
+    "import faulthandler as _fh, os as _os, signal as _sg\n"
+    f"if _os.environ.get({STACK_ENV!r}) and hasattr(_sg, 'SIGUSR2'):\n"
+    "    _fh.register(_sg.SIGUSR2, "
+    f"file=open(_os.environ[{STACK_ENV!r}], 'w'), all_threads=True)\n"
+    "del _fh, _os, _sg")
+_FAULTHANDLER_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 
 class NotebookStalled(RuntimeError):
@@ -77,6 +96,7 @@ def _child_main(spec_path: str) -> int:
             spec["input"], spec["output"], parameters=spec["parameters"] or None,
             kernel_name=spec["kernel"], cwd=spec["cwd"], progress_bar=False, log_output=True,
             request_save_on_cell_execute=False, execution_timeout=spec["timeout_s"],
+            extra_arguments=[f"--IPKernelApp.exec_lines={_REGISTER_DUMP}"],
             on_cell_execute=lambda cell, cell_index: mark(
                 "start", cell=cell_index, line=cell.source.strip().splitlines()[0][:60]),
             on_cell_executed=lambda cell, cell_index, execute_reply: mark("done", cell=cell_index),
@@ -117,6 +137,44 @@ class _CpuMeter:
         return self.total
 
 
+def kernel_stack(root_pid: int, dump: pathlib.Path, wait_s: float = 2.0, frames: int = 12) -> str:
+    """Where the notebook's kernel (an ``ipykernel`` process under ``root_pid``) is: its main
+    thread's frames, innermost first, as ``file:line in function``, down to the cell's line
+    (a cell's file is "the cell"; IPython's frames below it are the same for every cell), at
+    most ``frames``. "" when no kernel wrote a dump within ``wait_s``."""
+    if KERNEL_STACK_SIGNAL is None:
+        return ""
+    for p in process_tree.tree(root_pid)[1:]:
+        with contextlib.suppress(psutil.Error):
+            if "ipykernel" in " ".join(p.cmdline()):
+                p.send_signal(KERNEL_STACK_SIGNAL)
+    deadline = time.monotonic() + wait_s
+    text = ""
+    while time.monotonic() < deadline:
+        text = dump.read_text() if dump.exists() else ""
+        if _FAULTHANDLER_FRAME.search(text):
+            time.sleep(0.1)                      # the rest of the dump follows at once
+            text = dump.read_text()
+            break
+        time.sleep(0.05)
+    found = [f"{_frame_file(f)}:{line} in {func}"
+             for f, line, func in _FAULTHANDLER_FRAME.findall(main_thread_stack(text))]
+    cell = next((i for i, f in enumerate(found) if f.startswith("the cell:")), len(found))
+    return "; ".join(found[:min(cell + 1, frames)])
+
+
+def _frame_file(path: str) -> str:
+    if "ipykernel_" in path and pathlib.Path(path).parent.name.startswith("ipykernel_"):
+        return "the cell"
+    parts = pathlib.Path(path).parts
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            return "/".join(parts[parts.index(marker) + 1:])
+    with contextlib.suppress(ValueError):
+        return str(pathlib.Path(path).resolve().relative_to(REPO_ROOT))
+    return path
+
+
 # --------------------------------------------------------------------------- the parent side
 @contextlib.contextmanager
 def terminate_as_exit():
@@ -154,8 +212,9 @@ def run_once(source: pathlib.Path, output: pathlib.Path, parameters: Optional[di
     spec.write_text(json.dumps(dict(input=str(source), output=str(output), error=str(error),
                                     parameters=parameters or {}, kernel=kernel, cwd=cwd,
                                     timeout_s=timeout_s)))
+    dump = output.with_suffix(".stack.txt")
     env = dict(os.environ)
-    env[TAG_ENV] = tag
+    env[TAG_ENV], env[STACK_ENV] = tag, str(dump)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, "-c", _CHILD_CODE, str(spec)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -194,12 +253,14 @@ def run_once(source: pathlib.Path, output: pathlib.Path, parameters: Optional[di
                 start_t, start_cpu = samples[0]
                 used = samples[-1][1] - start_cpu
                 if start_t <= now - stall_s and used < min_cpu * (now - start_t):
+                    where = kernel_stack(proc.pid, dump)
                     killed = kill_tree(proc, tag)
                     raise NotebookStalled(
                         f"the kernel stopped answering: cell {cell} ({line!r}) executing, no output for "
                         f"{idle_s:.0f} s and {used:.2f} CPU-s used by its process tree in "
                         f"{now - start_t:.0f} s (stall_s={stall_s:g}); killed {len(killed)} "
-                        f"processes ({', '.join(map(str, killed))})")
+                        f"processes ({', '.join(map(str, killed))}); the kernel was at: "
+                        f"{where or 'no stack dump came back'}")
         proc.wait()
     except BaseException:   # the stall, KeyboardInterrupt included: leave nothing behind
         kill_tree(proc, tag)
@@ -209,6 +270,7 @@ def run_once(source: pathlib.Path, output: pathlib.Path, parameters: Optional[di
         if leftovers:   # a notebook must not leave processes behind it (an engine, a job)
             kill_tree(proc, tag)
         spec.unlink(missing_ok=True)
+        dump.unlink(missing_ok=True)
     if error.exists():
         raise NotebookFailed(error.read_text())
     if proc.returncode != 0 or not output.exists():

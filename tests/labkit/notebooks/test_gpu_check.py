@@ -58,6 +58,7 @@ def test_labs_run_at_once_and_the_table_is_in_the_labs_order(fake, tmp_path):
         "| 01_rank_groups | pass | 12.3 |",
         "| 02_collectives | FAIL: cell 3: boom / again | 12.3 |",
         "| 03_data_parallel | pass | 12.3 |"]
+    assert "\n- 02_collectives: cell 3: boom | again\n" in table      # in full, below the table
     assert "| GPTModel(TP=1) | 371,004 | 32.1 % |" in table
     assert "| PlainGPT | 381,158 | 33.0 % |" in table
     assert "| step-time ratio GPTModel / PlainGPT | 1.027 | |" in table
@@ -75,6 +76,7 @@ def test_past_the_time_budget_nothing_more_starts_and_the_table_says_so(fake, tm
     assert "| 02_collectives | FAIL: not run: past --time-budget 2 s | 0.0 |" in table
     assert "| 03_data_parallel | FAIL: not run: past --time-budget 2 s | 0.0 |" in table
     assert "throughput benchmark FAILED: not run: past --time-budget 2 s" in table
+    assert "Each failure in full" not in table           # what did not run did not fail
     assert fake["benchmarks"] == 0
 
 

@@ -59,6 +59,8 @@ def test_an_idle_kernel_is_killed_with_its_children_retried_once_and_reported(tm
     assert "stuck.ipynb: the kernel stopped answering: cell 1 ('import os, subprocess, sys, " \
         "time') executing" in lines[0], text
     assert "retrying (1 of 1)" in lines[0]
+    # where the kernel's main thread waited, from its own stack dump (the cell's 4th line)
+    assert "the kernel was at: the cell:4 in <module>; retrying" in lines[0], text
     assert "FAILED, not written" in lines[1] and "gave up after 2 tries" in lines[1], text
     seen = pids_in(pids)
     assert len(seen) == 4, seen                               # two tries, kernel + child each
