@@ -87,6 +87,7 @@ def _child_main(spec_path: str) -> int:
         def emit(self, record):
             mark("output")
 
+    no_output_widget_echo()
     log = logging.getLogger("papermill")
     log.handlers[:] = [Progress()]
     log.setLevel(logging.INFO)
@@ -105,6 +106,19 @@ def _child_main(spec_path: str) -> int:
         pathlib.Path(spec["error"]).write_text(str(exc) or type(exc).__name__)
         return 1
     return 0
+
+
+def no_output_widget_echo() -> None:
+    """nbclient's stand-in for a browser's Output widget echoes every output captured into the
+    widget back to the kernel, on the shell channel, from its IOPub reader, while its shell
+    reader awaits the cell's execute_reply on the same socket. Now and then that reply is then
+    never seen: kernel and papermill both idle until the cell timeout (nbclient issue #312,
+    open). An ipywidgets ``interactive`` cell captures its figure so: lab 01's widget cell hung
+    so on an H200 and, with two notebooks at once, here. The echo only updates the kernel-side
+    copy of the widget's outputs, which nobody reads in a batch run, so it is not sent."""
+    from nbclient.output_widget import OutputWidget    # papermill's executor (nbclient)
+
+    OutputWidget.sync_state = lambda self: None
 
 
 _CHILD_CODE = ("import sys; from mpu_lab.labkit.notebooks.watchdog import _child_main; "

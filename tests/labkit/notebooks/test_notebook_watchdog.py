@@ -113,3 +113,36 @@ def test_a_regeneration_stopped_by_sigterm_leaves_no_process_behind(tmp_path):
             psutil.Process(p).kill()
     assert left == [], "processes left behind"
     assert rc == 128 + signal.SIGTERM   # ended through SystemExit, not by the signal itself
+
+
+def test_the_output_widget_stand_in_of_papermill_echoes_nothing_to_the_kernel(monkeypatch):
+    """nbclient's stand-in for an Output widget sends each captured output back to the kernel
+    on the shell channel while the cell's execute_reply is awaited on it: with two notebooks
+    regenerated at once, 3 of 8 runs of a notebook of 40 widget cells stalled on a widget cell
+    (nbclient issue #312); the watchdog's child turns the echo off (0 of 8)."""
+    from jupyter_client.session import Session
+    from nbclient.output_widget import OutputWidget
+
+    from mpu_lab.labkit.notebooks import watchdog
+
+    monkeypatch.setattr(OutputWidget, "sync_state", OutputWidget.sync_state)   # restored after
+    sent = []
+
+    class Shell:
+        def send(self, msg):
+            sent.append(msg)
+
+    class Client:
+        shell_channel, session = Shell(), Session()
+
+    def figure():
+        return {"header": {"msg_type": "display_data"}, "msg_type": "display_data",
+                "parent_header": {"msg_id": "cell"}, "metadata": {},
+                "content": {"data": {"text/plain": "<Figure>"}, "metadata": {}}}
+
+    widget = OutputWidget("comm-1", {"outputs": []}, Client(), executor=None)
+    widget.output([], figure(), None, 0)
+    assert [m["msg_type"] for m in sent] == ["comm_msg"]     # nbclient as it comes: the echo
+    watchdog.no_output_widget_echo()
+    widget.output([], figure(), None, 0)
+    assert len(sent) == 1 and len(widget.outputs) == 2       # captured, not echoed
