@@ -253,14 +253,18 @@ class World:
         """Make the world usable again after a timeout or a stuck rank, in one call.
 
         Soft (default): every engine destroys its process group and joins a new one on a new
-        port (about a second); Python state in the engines is kept. If an engine does not
-        answer (still stuck in a cell), or with ``hard=True``, the engines are replaced.
+        port (about a second); Python state in the engines is kept. A second new port is
+        tried if the first fails (gloo now and then loses a connection while a loaded machine
+        sets up the new group). If an engine does not answer (still stuck in a cell), or
+        with ``hard=True``, the engines are replaced.
         """
-        if self.running and not hard and all(not q for q in self._queues()):
+        for _ in range(2):
+            if not self.running or hard or any(self._queues()):
+                break
             try:
                 self._init_group(new_port=True)
                 return self
-            except Exception:      # noqa: BLE001 -- fall back to fresh engines
+            except Exception:      # noqa: BLE001 -- a new port, then fresh engines
                 pass
         self.stop()
         return self.start()
