@@ -34,12 +34,12 @@ import torch.distributed as dist
 
 from mpu_lab import comm, distributed, parallel_state
 from mpu_lab.launcher.diagnosis import repo_relative
+from mpu_lab.launcher.worker import FAULTHANDLER_FRAME, THREAD_HEADING
 from mpu_lab.optimizer import DynamicLossScaler
 
 STACK_SIGNAL = signal.SIGUSR1
 FR_BUFFER = "TORCH_FR_BUFFER_SIZE"   # the Flight Recorder's ring buffer (NCCL's older name:
                                      # TORCH_NCCL_TRACE_BUFFER_SIZE); 0 or unset: off
-_FAULTHANDLER_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _ENGINE_FILE = os.path.join("playground", "engine.py")
 _STACK_FILES: Dict[int, Any] = {}   # engine side: the open file faulthandler writes into
 
@@ -162,10 +162,10 @@ def _frames(text: str) -> List[Tuple[str, int, str]]:
     """``(file, line, function)`` of the thread of a faulthandler dump that runs the cell (the
     one that passes through the engine's runner), innermost first, down to that runner (the
     ipyparallel frames below it are the same on every rank)."""
-    blocks = re.split(r"^(?:Current thread|Thread) 0x[0-9a-f]+.*$", text, flags=re.M)
+    blocks = THREAD_HEADING.split(text)
     cell = [b for b in blocks if _ENGINE_FILE in b]
     out = []
-    for m in _FAULTHANDLER_FRAME.finditer(cell[0] if cell else text):
+    for m in FAULTHANDLER_FRAME.finditer(cell[0] if cell else text):
         if m["file"].endswith(_ENGINE_FILE):
             break
         out.append((m["file"], int(m["line"]), m["func"]))

@@ -62,13 +62,15 @@ def gather_lines(text: str):
 
 # A thread's heading in a faulthandler dump of every thread ("Current thread 0x7f... (most
 # recent call first):" for the one that took the signal, "Thread 0x7f...:" for the others).
-_THREAD_HEADING = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+.*$", re.M)
+THREAD_HEADING = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+.*$", re.M)
+# A frame of a faulthandler dump: File "x.py", line 3 in f (no comma, unlike a traceback).
+FAULTHANDLER_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 
 def main_thread_stack(text: str) -> str:
     """The main thread's part of a faulthandler dump of every thread: the last one (CPython
     lists a process's threads newest first). A dump of one thread is returned as it is."""
-    return _THREAD_HEADING.split(text)[-1]
+    return THREAD_HEADING.split(text)[-1]
 
 
 def _dump_stack_on_sigterm(directory: str, rank: int) -> None:

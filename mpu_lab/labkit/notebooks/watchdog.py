@@ -28,7 +28,6 @@ import json
 import os
 import pathlib
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -43,7 +42,8 @@ import psutil
 from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.launcher import process_tree
 from mpu_lab.launcher.pump import pump_lines
-from mpu_lab.launcher.worker import main_thread_stack
+from mpu_lab.launcher.diagnosis import INSTALLED_DIRS, repo_relative
+from mpu_lab.launcher.worker import FAULTHANDLER_FRAME, main_thread_stack
 
 DEFAULT_STALL_S = 120.0
 MARK = "@@mpu_lab_watchdog "
@@ -59,7 +59,6 @@ _REGISTER_DUMP = (
     "    _fh.register(_sg.SIGUSR2, "
     f"file=open(_os.environ[{STACK_ENV!r}], 'w'), all_threads=True)\n"
     "del _fh, _os, _sg")
-_FAULTHANDLER_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 
 class NotebookStalled(RuntimeError):
@@ -166,27 +165,26 @@ def kernel_stack(root_pid: int, dump: pathlib.Path, wait_s: float = 2.0, frames:
     text = ""
     while time.monotonic() < deadline:
         text = dump.read_text() if dump.exists() else ""
-        if _FAULTHANDLER_FRAME.search(text):
+        if FAULTHANDLER_FRAME.search(text):
             time.sleep(0.1)                      # the rest of the dump follows at once
             text = dump.read_text()
             break
         time.sleep(0.05)
     found = [f"{_frame_file(f)}:{line} in {func}"
-             for f, line, func in _FAULTHANDLER_FRAME.findall(main_thread_stack(text))]
+             for f, line, func in FAULTHANDLER_FRAME.findall(main_thread_stack(text))]
     cell = next((i for i, f in enumerate(found) if f.startswith("the cell:")), len(found))
     return "; ".join(found[:min(cell + 1, frames)])
 
 
 def _frame_file(path: str) -> str:
-    if "ipykernel_" in path and pathlib.Path(path).parent.name.startswith("ipykernel_"):
+    """A cell's file is "the cell"; an installed package's file is named from its package."""
+    p = pathlib.Path(path)
+    if p.parent.name.startswith("ipykernel_"):
         return "the cell"
-    parts = pathlib.Path(path).parts
-    for marker in ("site-packages", "dist-packages"):
-        if marker in parts:
-            return "/".join(parts[parts.index(marker) + 1:])
-    with contextlib.suppress(ValueError):
-        return str(pathlib.Path(path).resolve().relative_to(REPO_ROOT))
-    return path
+    installed = [i for i, part in enumerate(p.parts) if part in INSTALLED_DIRS]
+    if installed:
+        return "/".join(p.parts[installed[-1] + 1:])
+    return repo_relative(path) or path
 
 
 # --------------------------------------------------------------------------- the parent side
