@@ -16,8 +16,10 @@ paper's. From a notebook::
 import argparse
 import sys
 
-from mpu_lab import distributed, launcher, parallel_state
-from mpu_lab.models import TransformerConfig
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state
+from mpu_lab.core.transformer import TransformerConfig
 from mpu_lab.perf import activation_memory as memory
 
 
@@ -41,7 +43,7 @@ def main(argv=None):
     # a shape that cannot be split fails here, before any communication
     TransformerConfig(num_layers=1, hidden_size=a.hidden, num_attention_heads=a.heads,
                       sequence_parallel=True).check(a.tp, a.seq)
-    distributed.init()
+    initialize.init()
     parallel_state.initialize_model_parallel(a.tp)
     rows = [memory.measured_row(a.seq, a.batch, a.hidden, a.heads, sp, impl, a.activation)
             for impl in a.attention for sp in (False, True)]
@@ -51,7 +53,7 @@ def main(argv=None):
         print("bytes measured on each rank (in the rows' order): "
               + "; ".join(f"rank {i}: {line}" for i, line in enumerate(per_rank)))
     launcher.report({"tp": a.tp, "rows": rows})
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
 From a notebook: ``mpu_lab.launcher.run("bench_bandwidth.py", [...], nproc=4).results[0]["rows"]``
 and ``mpu_lab.perf.bandwidth.format_bandwidth(rows)``.
 
-Every call goes through :mod:`mpu_lab.comm`, the functions the model uses, so the times include
+Every call goes through :mod:`mpu_lab.core.comm`, the functions the model uses, so the times include
 what they add (a fresh output tensor per call; on gloo with CUDA tensors, the copy through host
 memory). Per op and size ``S`` (the whole array, nccl-tests' convention): ``warmup`` untimed
 calls, then ``iters`` timed ones between two synchronisations; each rank's mean time is
@@ -23,7 +23,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed, launcher
+from mpu_lab.core import comm
+from mpu_lab.training import initialize
+from mpu_lab import launcher
 from mpu_lab.perf import bandwidth
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -104,7 +106,7 @@ def bench(op, size, args, info):
 @launcher.entrypoint
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    info = distributed.init()
+    info = initialize.init()
     rows = [bench(op, size, args, info) for op in args.ops for size in args.sizes]
     if info.rank == 0:
         print(f"# {info.world_size} ranks, backend {info.backend}, device {info.device.type}, "
@@ -113,7 +115,7 @@ def main(argv=None):
         print(f"# wrong results: {sum(r['wrong'] for r in rows)}")
     launcher.report(dict(rows=rows, world_size=info.world_size, backend=info.backend,
                        device=str(info.device), dtype=args.dtype, iters=args.iters))
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ The model's pipeline term is Megatron's 1F1B, (m + p - 1) micro-batch times. An 
 mpu_lab schedule received a steady-state step's backward gradient before running its forward,
 so stage 0 began forward 1 only after stage 1 had finished backward 0 (4 instead of 3 (f + b)
 units at p = 2, m = 2, measured 1.26-1.36x the prediction); this benchmark found it, and
-mpu_lab.pipeline_parallel.order now communicates after every op of plain 1F1B, as Megatron does.
+mpu_lab.perf.pipeline_order now communicates after every op of plain 1F1B, as Megatron does.
 """
 import argparse
 import json
@@ -65,7 +65,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed, launcher
+from mpu_lab.core import comm
+from mpu_lab.training import initialize
+from mpu_lab import launcher
 from mpu_lab.perf import calibrate, op_classes, published_runs
 from mpu_lab.perf.calibrate import TrainConfig
 from mpu_lab.perf.calibrate_gpu import device_best_time
@@ -156,7 +158,7 @@ def build_configs(args):
 @launcher.entrypoint
 def worker(args):
     """One rank of the calibration job: all ranks time at the same moment, as in training."""
-    info = distributed.init(backend="gloo", device="cpu")
+    info = initialize.init(backend="gloo", device="cpu")
     sets = json.loads(args.shape_sets) if args.shape_sets else [[[1, 1024, 256, 1024]]]
     dist.barrier()
     rates = [calibrate.calibrate_matmul([tuple(x) for x in shapes]) for shapes in sets]
@@ -176,7 +178,7 @@ def worker(args):
         out["busbw"] = ring_all_reduce_factor(info.world_size) * (4 << 20) / max(
             t_big - t_small, 1e-9)
     launcher.report(out)
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 def wait_quiet(limit_s, busy_below=25.0):

@@ -5,7 +5,7 @@
     torchrun --standalone --nproc-per-node 1 launch/bench_gpt_vs_plain.py   # the same, via torchrun
 
 One process. ``GPTModel`` at TP=1 (column/row-parallel layers, vocab-parallel embedding,
-``[s, b, h]`` layout, communication tags) and :class:`mpu_lab.models.PlainGPT` (``nn.Linear``,
+``[s, b, h]`` layout, communication tags) and :class:`mpu_lab.training.plain_gpt.PlainGPT` (``nn.Linear``,
 ``nn.Embedding``, the same SDPA) of identical shape and identical weights train on the same
 batches with AdamW. They are timed in interleaved blocks (A B, B A, A B, ...) so drift of the
 machine (other jobs, clocks) hits both; the result is the ratio of median step times
@@ -73,19 +73,23 @@ def flops_per_token(model, num_layers, hidden, seq) -> float:
 
 def main(argv=None):
     a = parse(argv)
-    from mpu_lab import distributed, launcher, parallel_state, training
-    from mpu_lab.checkpointing import gather_model_state_dict
-    from mpu_lab.models import GPTModel, PlainGPT, TransformerConfig
-    from mpu_lab.tensor_parallel import model_parallel_manual_seed
+    from mpu_lab.training import initialize
+    from mpu_lab import launcher, training
+    from mpu_lab.core import parallel_state
+    from mpu_lab.training.checkpointing import gather_model_state_dict
+    from mpu_lab.core.models.gpt import GPTModel
+    from mpu_lab.training.plain_gpt import PlainGPT
+    from mpu_lab.core.transformer import TransformerConfig
+    from mpu_lab.core.tensor_parallel import model_parallel_manual_seed
 
     use_cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     if not use_cuda:
         import os
         os.environ.setdefault("MPU_LAB_DEVICE", "cpu")
-    training.init_single_process()
+    initialize.init_single_process()
     if parallel_state.get_tensor_model_parallel_world_size() != 1:
         raise SystemExit("run this benchmark with one process (TP=1)")
-    device = distributed.get_device()
+    device = initialize.get_device()
     shape = dict(PRESETS[a.preset or ("gpt2-small" if device.type == "cuda" else "cpu-small")])
     for k in shape:
         if getattr(a, k) is not None:
@@ -178,7 +182,7 @@ def main(argv=None):
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
     launcher.report(result)
-    distributed.shutdown()
+    initialize.shutdown()
     return result
 
 

@@ -20,8 +20,9 @@ def worker():
     t_torch = time.time()
     import torch.distributed as dist
 
-    from mpu_lab import distributed, launcher
-    info = distributed.init()
+    from mpu_lab.training import initialize
+    from mpu_lab import launcher
+    info = initialize.init()
     t_init = time.time()
     x = torch.ones(1, device=info.device)
     dist.all_reduce(x)
@@ -31,7 +32,7 @@ def worker():
     t0 = float(os.environ.get("MPU_LAB_T0", T_PYTHON))
     launcher.report({"python": T_PYTHON - t0, "torch": t_torch - t0, "init": t_init - t0,
                    "first_collective": t_first - t0, "backend": info.backend})
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 def driver(ranks, repeats):

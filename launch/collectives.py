@@ -30,11 +30,12 @@ import types
 import torch
 import torch.distributed as dist
 
-from mpu_lab import distributed, launcher
-from mpu_lab import parallel_state as ps
-from mpu_lab import tensor_parallel as tp
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
+from mpu_lab.core import tensor_parallel as tp
 from mpu_lab.labkit.collective_layouts import COLLECTIVE_LAYOUTS
-from mpu_lab.tensor_parallel import mappings
+from mpu_lab.core.tensor_parallel import mappings
 
 WORLD = 8  # both layouts have tp * pp = 8
 
@@ -51,7 +52,7 @@ def cpu(t):
 
 
 def ones(*shape):
-    return torch.ones(*shape, device=distributed.get_device())
+    return torch.ones(*shape, device=initialize.get_device())
 
 
 def tp_group_ranks():
@@ -106,7 +107,7 @@ def test_scatter():
     """Split the last dimension; keep this rank's column. Backward all-gathers."""
     rank, group = dist.get_rank(), tp_group_ranks()
     t, r = len(group), ps.get_tensor_model_parallel_rank()
-    x = torch.arange(8 * t, dtype=torch.float32, device=distributed.get_device()).view(8, t)  # x[i, j] = t*i + j
+    x = torch.arange(8 * t, dtype=torch.float32, device=initialize.get_device()).view(8, t)  # x[i, j] = t*i + j
     out = tp.scatter_to_tensor_model_parallel_region(x)                  # [8, 1]
     assert torch.equal(out, x[:, r:r + 1]), f"kept {fmt(cpu(out))}"
     back = mappings._ScatterToModelParallelRegion.backward(ctx(), ones(8) * rank)[0]
@@ -138,7 +139,7 @@ def test_sequence():
     """Sequence parallelism (Korthikanti et al. 2022): the same moves along dim 0."""
     rank, group = dist.get_rank(), tp_group_ranks()
     t, r = len(group), ps.get_tensor_model_parallel_rank()
-    seq = torch.arange(2 * t * 4, dtype=torch.float32, device=distributed.get_device()).view(2 * t, 4)
+    seq = torch.arange(2 * t * 4, dtype=torch.float32, device=initialize.get_device()).view(2 * t, 4)
     mine = tp.scatter_to_sequence_parallel_region(seq)                 # rows [2r, 2r + 2)
     assert torch.equal(mine, seq[2 * r:2 * r + 2])
     assert torch.equal(mappings._ScatterToSequenceParallelRegion.backward(ctx(), ones(4) * rank)[0],
@@ -191,7 +192,7 @@ def main():
     if world and world % WORLD:
         raise ValueError(f"collectives.py runs Megatron's tests with tp * pp = {WORLD}: start it "
                          f"with --nproc-per-node {WORLD} (got a world of {world})")
-    distributed.init()
+    initialize.init()
     results = {}
     for name in names:
         _, (tp_size, pp_size), fn = TESTS[name]
@@ -205,7 +206,7 @@ def main():
             print(f"{name}: passed on all {len(lines)} ranks")
         ps.destroy_model_parallel()
     launcher.report({"rank": dist.get_rank(), "tests": results})
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from mpu_lab import distributed, launcher, training
+from mpu_lab.training import initialize
+from mpu_lab import launcher, training
 from mpu_lab.perf import dp_overlap
 from mpu_lab.perf import rank_clock
 from mpu_lab.perf.comm_timing import CommCall, CommTimer
@@ -157,7 +158,7 @@ def measure(train_argv: Sequence[str], modes: Sequence[str], steps: int, warmup:
         for _ in range(warmup):
             training.train_step(state)
         probe = Probe(state.ddp_chunks)
-        timers = {m: StepTimer(distributed.get_device(), skip=0, profile_dir=profile_dir and
+        timers = {m: StepTimer(initialize.get_device(), skip=0, profile_dir=profile_dir and
                                f"{profile_dir}/{list(modes).index(m)}") for m in group}
         calls: Dict[str, List[CommCall]] = {m: [] for m in group}
         records: Dict[str, list] = {m: [] for m in group}
@@ -206,7 +207,7 @@ def pin_to_own_core() -> int:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     core = pin_to_own_core() if "--pin" in argv else -1     # before gloo starts its threads
-    info = distributed.init()
+    info = initialize.init()
     a, train_argv = dp_overlap.check_args(argv, info.world_size)
     modes = measure(train_argv, a.modes, a.steps, a.warmup, a.profile_dir)
     for mode, rec in modes.items():
@@ -216,8 +217,8 @@ def main(argv=None):
             print(f"{mode}: {len(rec['buckets'])} buckets; exposed communication per rank "
                   f"(ms, median of {a.steps}): {', '.join(lines)}")
     launcher.report({"rank": info.rank, "d": info.world_size, "core": core,
-                     "device": str(distributed.get_device()), "modes": modes})
-    distributed.shutdown()
+                     "device": str(initialize.get_device()), "modes": modes})
+    initialize.shutdown()
     return 0
 
 

@@ -7,15 +7,19 @@ Each rank reports ``{"shape_table": [...], "collectives": [...], "per_layer": {.
 notebook::
 
     job = mpu_lab.launcher.run("inspect_gpt.py", ["--tp", "2"], nproc=2, show="none")
-    print(mpu_lab.models.format_shape_table(job.results[0]["shape_table"]))
+    print(mpu_lab.perf.layer_shapes.format_shape_table(job.results[0]["shape_table"]))
 """
 import argparse
 import sys
 
 import torch
 
-from mpu_lab import distributed, launcher, parallel_state, tensor_parallel
-from mpu_lab.models import GPTModel, TransformerConfig, format_shape_table, shape_table
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state, tensor_parallel
+from mpu_lab.core.models.gpt import GPTModel
+from mpu_lab.core.transformer import TransformerConfig
+from mpu_lab.perf.layer_shapes import format_shape_table, shape_table
 from mpu_lab.perf.comm_counts import count_collectives, format_collectives, per_layer_counts
 
 
@@ -40,14 +44,14 @@ def main(argv=None):
     config = TransformerConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                                activation=a.activation, sequence_parallel=a.sequence_parallel)
     config.check(a.tp, a.seq)   # a bad shape fails here, before any communication
-    distributed.init()
+    initialize.init()
     parallel_state.initialize_model_parallel(a.tp)
     rows = shape_table(a.batch, a.seq, a.hidden, a.heads, tensor_model_parallel_size=a.tp,
                        activation=a.activation)
     tensor_parallel.model_parallel_manual_seed(1234)
     vocab = 128 * a.tp
     model = GPTModel(config, vocab, a.seq)
-    device = distributed.get_device()
+    device = initialize.get_device()
     ids = torch.randint(0, vocab, (a.batch, a.seq),   # cpu: a seeded CPU generator, the same
                         generator=torch.Generator().manual_seed(0)).to(device)  # ids anywhere
     events = count_collectives(model, ids, ids, steps=a.steps)
@@ -59,7 +63,7 @@ def main(argv=None):
         print(format_collectives(events))
     launcher.report({"shape_table": rows, "collectives": events,
                    "per_layer": per_layer_counts(events)})
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab import distributed, launcher
-from mpu_lab import parallel_state as ps
-from mpu_lab import tensor_parallel as tp
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
+from mpu_lab.core import tensor_parallel as tp
 from mpu_lab.perf.comm_counts import CollectiveLog
 
 TOL = 1e-6
@@ -56,7 +57,7 @@ def seeded(shape, seed, device):
 
 def column_case(args, name, step, gather_output=True, skip_bias_add=False, stride=1):
     t, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    dev = distributed.get_device()
+    dev = initialize.get_device()
     out_size = args.output_size * stride                 # a weight of `stride` parts stored one after another ([W_gate; W_up]: 2) is stride x wider
     torch.manual_seed(args.seed + step)                  # same master weight on every rank
     layer = tp.ColumnParallelLinear(args.input_size, out_size, gather_output=gather_output,
@@ -97,7 +98,7 @@ def column_case(args, name, step, gather_output=True, skip_bias_add=False, strid
 
 def row_case(args, name, step, input_is_parallel=False, skip_bias_add=False):
     t, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    dev = distributed.get_device()
+    dev = initialize.get_device()
     torch.manual_seed(args.seed + step)
     layer = tp.RowParallelLinear(args.input_size, args.output_size,
                                  input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add,
@@ -133,7 +134,7 @@ def row_case(args, name, step, input_is_parallel=False, skip_bias_add=False):
 def mlp_case(args, name, step):
     """Z = GeLU(X A) B with A column-parallel (no gather) and B row-parallel (input parallel)."""
     t, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    dev = distributed.get_device()
+    dev = initialize.get_device()
     h, ffn = args.output_size, args.input_size          # e.g. h=512, ffn=1024 (4h in a GPT)
     torch.manual_seed(args.seed + step)
     fc1 = tp.ColumnParallelLinear(h, ffn, gather_output=False, keep_master_weight_for_test=True)
@@ -201,7 +202,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=1, help="random batches per variant")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
-    distributed.init()   # backend: MPU_LAB_BACKEND (auto, gloo, nccl)
+    initialize.init()   # backend: MPU_LAB_BACKEND (auto, gloo, nccl)
     t = args.tp or dist.get_world_size()
     ps.initialize_model_parallel(tensor_model_parallel_size=t)
     results = []
@@ -215,7 +216,7 @@ def main(argv=None):
     bad = [r["name"] for r in results if not r["matches_dense"]]
     if bad:
         raise AssertionError(f"rank {dist.get_rank()}: {bad} differ from the dense layer")
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ with every collective finished before the next GEMM starts (:mod:`mpu_lab.perf.l
         --hidden 256 --steps 10
 
 Every rank is one tensor-parallel rank (t = the number of ranks). For each mode ("overlap":
-``mpu_lab.tensor_parallel.linear_autograd`` as it is; "serial": inside
+``mpu_lab.core.tensor_parallel.linear_autograd`` as it is; "serial": inside
 ``mpu_lab.perf.comm_timing.no_overlap()``, which waits for each async collective at once)
 it times ``--steps`` forward + backward steps and records one backward pass step by step.
 Rank 0 prints the table; every rank reports ``{"rank", "t", "device", "modes": {mode:
@@ -16,21 +16,23 @@ import sys
 
 import torch
 
-from mpu_lab import distributed, launcher, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state
 from mpu_lab.perf.comm_timing import no_overlap
 from mpu_lab.perf.linear_overlap import check_args, measure
-from mpu_lab.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mpu_lab.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 PRECHECK = "mpu_lab.perf.linear_overlap:check_args"
 
 
 @launcher.entrypoint
 def main(argv=None):
-    info = distributed.init()
+    info = initialize.init()
     t = info.world_size
     a = check_args(sys.argv[1:] if argv is None else argv, t)
     parallel_state.initialize_model_parallel(t)
-    device = distributed.get_device()
+    device = initialize.get_device()
     torch.manual_seed(0)
     col = ColumnParallelLinear(a.hidden, 4 * a.hidden, gather_output=False,
                                sequence_parallel=True, device=device)
@@ -50,7 +52,7 @@ def main(argv=None):
             print(f"  rank {rank}: overlapped {over:.2f} ms, serial {serial:.2f} ms "
                   f"({100 * (serial - over) / serial:+.0f} % saved)")
     launcher.report({"rank": info.rank, "t": t, "device": str(device), "modes": modes})
-    distributed.shutdown()
+    initialize.shutdown()
     return 0
 
 

@@ -16,8 +16,9 @@ Megatron-core is optional: where it cannot be imported every rank reports
 """
 import argparse
 
-from mpu_lab import distributed, launcher
-from mpu_lab import parallel_state as ps
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
 from mpu_lab.labkit import megatron_core as mc
 from mpu_lab.labkit import megatron_core_cpu as mcc
 from mpu_lab.labkit import megatron_core_ddp as mcd
@@ -47,7 +48,7 @@ def main():
     if lines is not None:
         print("\n".join(lines))
     ps.destroy_model_parallel()
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

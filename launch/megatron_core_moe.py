@@ -18,7 +18,8 @@ From a notebook::
 import argparse
 import os
 
-from mpu_lab import distributed, launcher
+from mpu_lab.training import initialize
+from mpu_lab import launcher
 from mpu_lab.labkit import megatron_core as mc
 from mpu_lab.labkit import megatron_core_cpu as mcc
 from mpu_lab.labkit import megatron_core_moe as mcm
@@ -40,7 +41,7 @@ def main():
         f"{r['case']} out {r['out']:.1e} dx {r['dx']:.1e}" for r in results))
     if lines is not None:
         print("\n".join(lines))
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

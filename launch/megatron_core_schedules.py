@@ -20,7 +20,8 @@ From a notebook::
 """
 import argparse
 
-from mpu_lab import distributed, launcher
+from mpu_lab.training import initialize
+from mpu_lab import launcher
 from mpu_lab.labkit import megatron_core as mc
 from mpu_lab.labkit import megatron_core_cpu as mcc
 from mpu_lab.labkit import megatron_core_schedules as mcs
@@ -43,7 +44,7 @@ def main():
         f"{c['case']} {c['megatron_vs_mpu_lab']:.1e}" for c in cases))
     if lines is not None:
         print("\n".join(lines))
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ import argparse
 import os
 import warnings
 
-from mpu_lab import distributed, launcher
-from mpu_lab import parallel_state as ps
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
 from mpu_lab.labkit import megatron_core as mc
 
 TOL = 1e-6   # fp32: the two libraries do the same matmuls and collectives
@@ -69,7 +70,7 @@ def main():
     # speed hint for GPUs) and calls torch collectives that recent torch marks deprecated.
     for message in (".*CUDA_DEVICE_MAX_CONNECTIONS.*", ".*is deprecated.*"):
         warnings.filterwarnings("ignore", message=message)
-    distributed.init()
+    initialize.init()
     ps.initialize_model_parallel(tensor_model_parallel_size=t)
     state = mc.initialize()
     results = {"rank": rank, "tp": t, "megatron_core": mc.version(),
@@ -90,7 +91,7 @@ def main():
     if lines is not None:
         print("\n".join(lines))
     mc.destroy()
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

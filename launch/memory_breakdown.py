@@ -20,7 +20,8 @@ import json
 import os
 import sys
 
-from mpu_lab import distributed, launcher
+from mpu_lab.training import initialize
+from mpu_lab import launcher
 from mpu_lab.perf import memory
 from mpu_lab.training import setup, train_step
 
@@ -30,7 +31,7 @@ PRECHECK = "mpu_lab.perf.memory:precheck"
 @launcher.entrypoint
 def main(argv=None):
     own, rest, runs = memory.precheck(argv, int(os.environ["WORLD_SIZE"]))
-    info = distributed.init()
+    info = initialize.init()
     rows = []
     for config, use, args in runs:
         phases = memory.PhasePeaks(info.device)
@@ -50,7 +51,7 @@ def main(argv=None):
         everyone = [row for text in per_rank for row in json.loads(text)]
         print(memory.format_memory_table(memory.order_rows(everyone)))
     launcher.report(rows)
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab import distributed, launcher
-from mpu_lab import parallel_state as ps
-from mpu_lab import tensor_parallel as tp
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
+from mpu_lab.core import tensor_parallel as tp
 
 TOL = 1e-6
 
@@ -46,7 +47,7 @@ def error(actual, expected):
 def run_layer(kind, args):
     """Build the ``kind`` ("column"/"row") layer and its dense twin; compare; return results."""
     t, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    device = distributed.get_device()
+    device = initialize.get_device()
     torch.manual_seed(args.seed)                      # the same master weight on every rank
     if kind == "column":
         layer = tp.ColumnParallelLinear(args.input_size, args.output_size, stride=args.stride,
@@ -143,7 +144,7 @@ def main():
         if size % (t * args.stride):
             raise ValueError(f"{name} {size} is not divisible by tp x stride = {t} x {args.stride}")
 
-    distributed.init()
+    initialize.init()
     ps.initialize_model_parallel(tensor_model_parallel_size=t)
     results = {}
     for kind in ("column", "row"):
@@ -154,7 +155,7 @@ def main():
         print(f"\nall {world} ranks: shards are slices of the master weight; forward and "
               f"gradients match the dense matmul within {TOL:g} (error = max|diff| / "
               f"max(1, max|dense|))")
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

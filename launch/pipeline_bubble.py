@@ -18,8 +18,9 @@ From a notebook::
 import argparse
 import os
 
-from mpu_lab import distributed, launcher
-from mpu_lab import parallel_state as ps
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
 from mpu_lab.perf import pipeline_bubble, rank_clock
 
 
@@ -31,12 +32,12 @@ def main():
     args = parser.parse_args()
     cores_available = len(rank_clock.usable_cores())
     core = pipeline_bubble.pin_this_rank()     # before the process group: its threads inherit it
-    distributed.init()
+    initialize.init()
     p = int(os.environ["WORLD_SIZE"])
     ps.initialize_model_parallel(pipeline_model_parallel_size=p)
     runs = [pipeline_bubble.time_iterations(m, args.iterations) for m in args.microbatches]
     launcher.report({"core": core, "cores_available": cores_available, "runs": runs,
-                     "device": str(distributed.get_device())})
+                     "device": str(initialize.get_device())})
     for m, run in zip(args.microbatches, runs):
         share = 1 - sum(run["busy_s"]) / sum(run["wall_s"])
         lines = launcher.gather_lines(f"rank {ps.get_pipeline_model_parallel_rank()}, m = {m}: "
@@ -45,7 +46,7 @@ def main():
         if lines is not None:
             print("\n".join(lines))
     ps.destroy_model_parallel()
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

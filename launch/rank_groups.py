@@ -15,12 +15,14 @@ and expert-data-parallel groups, all-reduced the same way. It reports
 """
 import torch
 
-from mpu_lab import comm, distributed, launcher
-from mpu_lab import parallel_state as ps
-from mpu_lab.parallel_state_args import rank_groups_parser
+from mpu_lab.core import comm
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
+from mpu_lab.training.rank_groups_args import rank_groups_parser
 
 # Checked by the launcher before torchrun starts (read from this source, not imported).
-PRECHECK = "mpu_lab.parallel_state_args:check_rank_groups_args"
+PRECHECK = "mpu_lab.training.rank_groups_args:check_rank_groups_args"
 
 FAMILIES = {"tp": ps.get_tensor_model_parallel_group, "dp": ps.get_data_parallel_group,
             "pp": ps.get_pipeline_model_parallel_group}
@@ -35,7 +37,7 @@ def parse_args(argv=None):
 @launcher.entrypoint
 def main(argv=None):
     args = parse_args(argv)
-    distributed.init()   # backend: MPU_LAB_BACKEND (auto, gloo, nccl)
+    initialize.init()   # backend: MPU_LAB_BACKEND (auto, gloo, nccl)
     ps.initialize_model_parallel(args.tp, args.pp, args.cp, order=args.order,
                                  expert_model_parallel_size=args.ep,
                                  expert_tensor_parallel_size=args.etp)
@@ -44,7 +46,7 @@ def main(argv=None):
     families = dict(FAMILIES, **(EXPERT_FAMILIES if experts else {}))
     sums = {}
     for name, get_group in families.items():
-        mine = torch.tensor([float(info["rank"])], device=distributed.get_device())
+        mine = torch.tensor([float(info["rank"])], device=initialize.get_device())
         sums[name] = int(comm.all_reduce(mine, group=get_group()).item())
     groups = info["groups"]
     print(f"rank {info['rank']}: tp_rank {info['tp_rank']}, dp_rank {info['dp_rank']}, "
@@ -53,7 +55,7 @@ def main(argv=None):
           + (f" | ep_rank {info['ep_rank']}: ep {groups['ep']} expert-dp {groups['expert-dp']}"
              f", sums {sums['ep']}, {sums['expert-dp']}" if experts else ""))
     launcher.report(dict(info, sums=sums))
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

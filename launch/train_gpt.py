@@ -84,7 +84,8 @@ import os
 import pathlib
 import sys
 
-from mpu_lab import distributed, launcher, training
+from mpu_lab.training import initialize
+from mpu_lab import launcher, training
 from mpu_lab.labkit import faults
 from mpu_lab.perf import pipeline_timeline, step_timer
 
@@ -109,7 +110,7 @@ def main(argv=None):
     # Check the flags first (pure): a bad configuration fails here, naming the numbers.
     training.validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     fault = faults.fault_of(args)
-    distributed.init()
+    initialize.init()
     state = training.setup(args)
     faults.inject(fault)              # --inject-fault: wraps the loop's calls on its rank
     faults.kill_in_save_from_env()    # MPU_LAB_FAULT_IN_SAVE
@@ -128,7 +129,7 @@ def main(argv=None):
     if timer is not None:
         result["breakdown"] = timer.report()
     launcher.report(result)
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

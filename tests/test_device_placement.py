@@ -28,7 +28,7 @@ Such a call keeps the tensor where it is, so it is not reported. Every other ``.
 The allow-list, for tensors that are on the CPU on purpose, has two forms:
 
 * a ``# cpu: <reason>`` comment on any line of the call (the reason is required): for a
-  single deliberate CPU tensor, e.g. a host staging buffer in :mod:`mpu_lab.comm`;
+  single deliberate CPU tensor, e.g. a host staging buffer in :mod:`mpu_lab.core.comm`;
 * :data:`ALLOWED`: ``(file, function)`` -> reason, for a whole function (the innermost
   enclosing ``def``/``class`` qualified name, ``"*"`` for the whole file): the CPU master
   weights of the layers, CPU-only reference code of the lab kit, pure maths.
@@ -62,22 +62,22 @@ _CHECKPOINT = ("checkpoint tensors go through host memory: DCP runs over a CPU d
                "(checkpointing/state_dict.py), the read buffers are copied to each parameter's "
                "device, and AdamW keeps its 'step' on the CPU (not fused/capturable)")
 ALLOWED: Dict[Tuple[str, str], str] = {
-    ("mpu_lab/checkpointing/save_load.py", "save_checkpoint"): _CHECKPOINT,
-    ("mpu_lab/checkpointing/save_load.py", "load_checkpoint"): _CHECKPOINT,
-    ("mpu_lab/checkpointing/save_load.py", "_Reads"): _CHECKPOINT,
-    ("mpu_lab/checkpointing/save_load.py", "_want_optimizer"): _CHECKPOINT,
-    ("mpu_lab/checkpointing/save_load.py", "_want_rng"): _CHECKPOINT,
-    ("mpu_lab/checkpointing/consolidate.py", "consolidate"):
+    ("mpu_lab/training/checkpointing/save_load.py", "save_checkpoint"): _CHECKPOINT,
+    ("mpu_lab/training/checkpointing/save_load.py", "load_checkpoint"): _CHECKPOINT,
+    ("mpu_lab/training/checkpointing/save_load.py", "_Reads"): _CHECKPOINT,
+    ("mpu_lab/training/checkpointing/save_load.py", "_want_optimizer"): _CHECKPOINT,
+    ("mpu_lab/training/checkpointing/save_load.py", "_want_rng"): _CHECKPOINT,
+    ("mpu_lab/training/checkpointing/consolidate.py", "consolidate"):
         "an offline, single-process tool (no torch.distributed): an ordinary CPU state_dict",
-    ("mpu_lab/datasets.py", "_sample"):
+    ("mpu_lab/training/datasets.py", "_sample"):
         "dataset samples live in host memory, like a DataLoader's; get_batch / broadcast_data "
         "move each micro-batch to the rank's device",
-    ("mpu_lab/pipeline_parallel/toy.py", "ToyModel.__init__"):
+    ("mpu_lab/perf/pipeline_toy.py", "ToyModel.__init__"):
         "the single-process twin is drawn on the CPU from a seeded generator (the same numbers "
         "on any device); callers move it with .to(device)",
-    ("mpu_lab/pipeline_parallel/toy.py", "ToyModelChunk.__init__"):
+    ("mpu_lab/perf/pipeline_toy.py", "ToyModelChunk.__init__"):
         "a chunk is filled from the CPU ToyModel; build_toy_model_chunks moves it to `device`",
-    ("mpu_lab/pipeline_parallel/toy.py", "toy_batches"):
+    ("mpu_lab/perf/pipeline_toy.py", "toy_batches"):
         "tokens drawn from a seeded CPU generator (the same on any device), moved to `device` "
         "at once",
     ("mpu_lab/perf/calibrate.py", "calibrate_matmul"):
@@ -90,7 +90,7 @@ ALLOWED: Dict[Tuple[str, str], str] = {
 
 
 class Finding(NamedTuple):
-    where: str      # "mpu_lab/comm.py:12" or "labs/04_column_parallel.ipynb cell 7 line 3"
+    where: str      # "mpu_lab/core/comm.py:12" or "labs/04_column_parallel.ipynb cell 7 line 3"
     scope: str      # qualified function name ("" at module level)
     call: str       # the call's source text
 

@@ -1,9 +1,9 @@
-"""Pure rank-group math of mpu_lab.parallel_state (no processes started)."""
+"""Pure rank-group math of mpu_lab.core.parallel_state (no processes started)."""
 import itertools
 
 import pytest
 
-from mpu_lab.parallel_state import EXPERT_FAMILIES, generate_rank_groups, rank_coordinates
+from mpu_lab.core.parallel_state import EXPERT_FAMILIES, generate_rank_groups, rank_coordinates
 
 FAMILIES = ["tp", "cp", "dp", "pp", "dp-cp", "tp-pp", "tp-dp", "tp-cp", "tp-dp-cp",
             "embedding", "position-embedding"]

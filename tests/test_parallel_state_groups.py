@@ -1,10 +1,10 @@
-"""The expert rank groups of mpu_lab.parallel_state_groups: worked by hand, and equal
+"""The expert rank groups of mpu_lab.core.parallel_state_groups: worked by hand, and equal
 to Megatron-core's own expert RankGenerator over a sweep of every valid configuration."""
 import pytest
 
-from mpu_lab.parallel_state import (DEFAULT_ORDER, EXPERT_FAMILIES, check_expert_sizes,
-                                    generate_rank_groups)
-from mpu_lab.parallel_state_args import check_rank_groups_args
+from mpu_lab.core.parallel_state import (
+    DEFAULT_ORDER, EXPERT_FAMILIES, check_expert_sizes, generate_rank_groups)
+from mpu_lab.training.rank_groups_args import check_rank_groups_args
 
 DENSE = ["tp", "cp", "dp", "pp", "dp-cp", "tp-pp", "tp-dp", "tp-cp", "tp-dp-cp", "embedding",
          "position-embedding"]

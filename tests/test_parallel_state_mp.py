@@ -1,7 +1,7 @@
 """initialize_model_parallel creates real torch.distributed groups equal to the pure math."""
 import pytest
 
-from mpu_lab.parallel_state import GROUP_FAMILIES, generate_rank_groups
+from mpu_lab.core.parallel_state import GROUP_FAMILIES, generate_rank_groups
 
 pytestmark = pytest.mark.slow
 

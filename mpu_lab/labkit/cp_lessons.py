@@ -1,6 +1,6 @@
 """Lab 08's lessons: context parallelism (CP) measured on a live world, and the worked examples.
 
-The mirror (:mod:`mpu_lab.context_parallel`) holds Megatron's algorithm and nothing else; what
+The mirror (:mod:`mpu_lab.core.context_parallel`) holds Megatron's algorithm and nothing else; what
 the lab shows about it is measured here, from outside:
 
 * :func:`activation_memory_rows` (runs on every rank): the activations one transformer layer
@@ -9,7 +9,7 @@ the lab shows about it is measured here, from outside:
   CP and with it, next to the formula (:func:`mpu_lab.perf.activation_memory.mpu_lab_terms`
   at ``s/cp``);
 * :func:`ring_schedule`, :func:`running_lse`: the ring step by step, block pair by block pair
-  (the mirror's :func:`~mpu_lab.context_parallel.ring_attention.block_pair`), and the running
+  (the mirror's :func:`~mpu_lab.core.context_parallel.ring_attention.block_pair`), and the running
   log-sum-exp of a rank's queries, folded with the mirror's merge in one process;
 * :func:`causal_work`, :func:`attention_flops` (runs on every rank): the causal work of a
   contiguous split and of Megatron's zig-zag layout, counted by hand and measured with torch's
@@ -19,7 +19,7 @@ the lab shows about it is measured here, from outside:
   (:class:`mpu_lab.perf.comm_counts.CollectiveLog`), against the cost model's formulas
   (:func:`mpu_lab.perf.cost_model.cp_comm_bytes_per_layer`).
 
-Functions that run on the ranks take the CP group from :mod:`mpu_lab.parallel_state`
+Functions that run on the ranks take the CP group from :mod:`mpu_lab.core.parallel_state`
 (:func:`use_context_parallel` sets it up on a playground world).
 """
 from __future__ import annotations
@@ -30,11 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from mpu_lab import context_parallel, distributed, parallel_state
-from mpu_lab.context_parallel.block_attention import block_forward, merge
-from mpu_lab.context_parallel.ring_attention import block_pair
-from mpu_lab.models import TransformerConfig
-from mpu_lab.models.transformer import TransformerLayer
+from mpu_lab.core import context_parallel, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab.core.context_parallel.block_attention import block_forward, merge
+from mpu_lab.core.context_parallel.ring_attention import block_pair
+from mpu_lab.core.transformer import TransformerConfig
+from mpu_lab.core.transformer.transformer_layer import TransformerLayer
 from mpu_lab.perf.activation_memory import SavedTensors, mpu_lab_terms
 from mpu_lab.perf.comm_counts import CollectiveLog
 from mpu_lab.perf.cost_model import cp_comm_bytes_per_layer
@@ -72,8 +73,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, seed: int = 0) -> int
     config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=a,
                                context_parallel_size=cp, attention_impl="sdpa")
     torch.manual_seed(seed)
-    layer = TransformerLayer(config).to(distributed.get_device())
-    x = torch.randn(s // cp, b, h, device=distributed.get_device(), requires_grad=True)
+    layer = TransformerLayer(config).to(initialize.get_device())
+    x = torch.randn(s // cp, b, h, device=initialize.get_device(), requires_grad=True)
     with SavedTensors(exclude=layer.parameters()) as saved:
         layer(x)
     return saved.bytes
@@ -114,7 +115,7 @@ def format_memory_rows(rows: List[dict], cp: int) -> str:
 
 # --------------------------------------------------------------------------- §2 the ring
 def pair_kind(rows: slice, cols: slice, diagonal: bool, chunk: int) -> str:
-    """A block pair of :func:`~mpu_lab.context_parallel.ring_attention.block_pair` in words."""
+    """A block pair of :func:`~mpu_lab.core.context_parallel.ring_attention.block_pair` in words."""
     if diagonal:
         return "own block, causal mask"
     if rows.start == 0 and rows.stop == 2 * chunk and cols.stop == chunk:
@@ -248,7 +249,7 @@ def attention_flops(seq_length: int, b: int, n: int, d: int, seed: int = 0) -> d
     zig-zag layout; and whether each output equals the dense attention at its positions."""
     group = parallel_state.get_context_parallel_group()
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    q, k, v = attention_inputs(seq_length, b, n, d, seed, device=distributed.get_device())
+    q, k, v = attention_inputs(seq_length, b, n, d, seed, device=initialize.get_device())
     scale = d ** -0.5
     dense = torch.nn.functional.scaled_dot_product_attention(
         *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True).permute(2, 0, 1, 3)
@@ -302,7 +303,7 @@ def attention_messages(seq_length: int, b: int, n: int, d: int, comm_type: str,
     rank = parallel_state.get_context_parallel_rank()
     mine = context_parallel.positions_on_rank(seq_length, rank, cp)
     q, k, v = (t[mine].requires_grad_() for t in
-               attention_inputs(seq_length, b, n, d, seed, device=distributed.get_device()))
+               attention_inputs(seq_length, b, n, d, seed, device=initialize.get_device()))
     with CollectiveLog() as log:
         out = context_parallel.attention(q, k, v, comm_type=comm_type)
         out.sum().backward()

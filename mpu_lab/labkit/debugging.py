@@ -32,10 +32,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed, parallel_state
+from mpu_lab.core import comm, parallel_state
+from mpu_lab.training import initialize
 from mpu_lab.launcher.diagnosis import repo_relative
 from mpu_lab.launcher.worker import FAULTHANDLER_FRAME, THREAD_HEADING
-from mpu_lab.optimizer import DynamicLossScaler
+from mpu_lab.core.optimizer import DynamicLossScaler
 
 STACK_SIGNAL = signal.SIGUSR1
 FR_BUFFER = "TORCH_FR_BUFFER_SIZE"   # the Flight Recorder's ring buffer (NCCL's older name:
@@ -138,11 +139,11 @@ def _detail_mismatch(odd_rank: int) -> str:
 
 def _overflow_step(bad_rank: int, factor: float) -> Dict[str, Any]:
     """Runs inside a rank: one fp16 backward of a tiny layer with the loss scale of
-    :class:`~mpu_lab.optimizer.DynamicLossScaler`, ``factor`` times larger on ``bad_rank``;
+    :class:`~mpu_lab.core.optimizer.DynamicLossScaler`, ``factor`` times larger on ``bad_rank``;
     the gradient averaged over the data-parallel group (what DDP does), then the scaler's
     overflow check agreed over the model-parallel group and its update, as ``train_gpt.py``
     does after every backward."""
-    device = distributed.get_device()
+    device = initialize.get_device()
     scaler = DynamicLossScaler()
     before = scaler.scale
     weight = torch.ones(4, 4, dtype=torch.float16, device=device, requires_grad=True)

@@ -1,13 +1,13 @@
 """Lab 03's drivers and printed lessons: data parallelism as Megatron does it.
 
 * :func:`print_dp_groups`, :func:`live_dp_groups` — the data-parallel groups, from the pure
-  rank-group arithmetic of :mod:`mpu_lab.parallel_state` and from a live playground world;
+  rank-group arithmetic of :mod:`mpu_lab.core.parallel_state` and from a live playground world;
 * :func:`same_batch_flags`, :func:`train_together`, :func:`print_same_batch` — ``train_gpt.py``
   at DP = 1 and DP = d (and with the distributed optimizer) on one global batch, the jobs side
   by side: the same losses, step by step; :func:`print_critical_batch` — the
   steps and samples a larger batch costs (McCandlish et al. 2018);
 * :func:`print_toy_layout` — the mirror's
-  :class:`~mpu_lab.distributed.param_and_grad_buffer.ParamAndGradBuffer` for a toy model: reverse order, buckets, padding to a multiple of d, each rank's shard;
+  :class:`~mpu_lab.core.distributed.param_and_grad_buffer.ParamAndGradBuffer` for a toy model: reverse order, buckets, padding to a multiple of d, each rank's shard;
   :func:`print_started_in_backward` — from :mod:`mpu_lab.perf.dp_overlap`'s run, which bucket
   reductions started during backward (``--overlap-grad-reduce``);
 * :func:`print_bytes_per_parameter` — from :mod:`mpu_lab.perf.memory`'s rows, the measured
@@ -30,8 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from mpu_lab import parallel_state
-from mpu_lab.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from mpu_lab.core import parallel_state
+from mpu_lab.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from mpu_lab.labkit import gpt_runs
 from mpu_lab.labkit.viz.rank_groups import format_groups
 from mpu_lab.perf import explore

@@ -36,9 +36,10 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from mpu_lab import distributed, parallel_state
-from mpu_lab.checkpointing import iteration_dir
-from mpu_lab.optimizer import DynamicLossScaler
+from mpu_lab.training import initialize
+from mpu_lab.core import parallel_state
+from mpu_lab.training.checkpointing import iteration_dir
+from mpu_lab.core.optimizer import DynamicLossScaler
 from mpu_lab.training import arguments
 from mpu_lab.training import training as loop
 
@@ -263,7 +264,7 @@ def send_first_to_neighbour(state, fault: Fault) -> None:
     other = peer if me == fault.rank else fault.rank
     shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
     on_device = dist.get_backend(group) == "nccl"   # gloo sends from host memory
-    activation = torch.zeros(shape, device=distributed.get_device() if on_device else "cpu")
+    activation = torch.zeros(shape, device=initialize.get_device() if on_device else "cpu")
     dist.send(activation, dst=other, group=group)
     dist.recv(activation, src=other, group=group)
 
@@ -301,10 +302,10 @@ class Injection:
         finally:
             self.armed = False
 
-    def finalize_grads(self, *args, **kwargs):
+    def finalize_model_grads(self, *args, **kwargs):
         """After the backward, before the optimizer step: crash raises; fp16-overflow gives
         the scaler back its true scale, which it unscales the gradients with."""
-        out = self.originals["finalize_grads"](*args, **kwargs)
+        out = self.originals["finalize_model_grads"](*args, **kwargs)
         if self.inflated_scaler is not None:
             self.inflated_scaler.scale /= OVERFLOW_FACTOR
             self.inflated_scaler = None
@@ -330,7 +331,7 @@ class Injection:
 
 
 # the call of mpu_lab.training.training each kind replaces, besides train_step
-PATCHED_CALL = {"crash": "finalize_grads", "fp16-overflow": "finalize_grads",
+PATCHED_CALL = {"crash": "finalize_model_grads", "fp16-overflow": "finalize_model_grads",
                 "skip-collective": "average_losses_across_data_parallel_group",
                 "mismatched-shape": "average_losses_across_data_parallel_group",
                 "wrong-group": "clip_grad_norm"}

@@ -10,9 +10,9 @@
   :func:`mpu_lab.perf.memory.mpu_lab_bytes_per_parameter`;
 * :func:`print_padding_table`, :func:`padding_demo_tp`, :func:`repad_effect`,
   :func:`print_repad_effect`, :func:`print_resume_check` — what a checkpoint loaded with
-  another vocabulary padding gets (:mod:`mpu_lab.checkpointing.vocab_padding`): the rows kept,
+  another vocabulary padding gets (:mod:`mpu_lab.training.checkpointing.vocab_padding`): the rows kept,
   trimmed or zero-filled, and the logits and loss before and after, from the dense twin
-  (:class:`~mpu_lab.models.PlainGPT`) holding the consolidated weights.
+  (:class:`~mpu_lab.training.plain_gpt.PlainGPT`) holding the consolidated weights.
 """
 from __future__ import annotations
 
@@ -23,16 +23,15 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from mpu_lab import checkpointing, datasets, training
-from mpu_lab.checkpointing import vocab_padding
+from mpu_lab.training import checkpointing, datasets
+from mpu_lab import training
+from mpu_lab.training.checkpointing import vocab_padding
 from mpu_lab.labkit.gpt_runs import TrainRun, print_agreement
-from mpu_lab.models import PlainGPT, pad_vocab_size
-from mpu_lab.optimizer import build_optimizer
+from mpu_lab.training.plain_gpt import PlainGPT
+from mpu_lab.core.models.gpt import pad_vocab_size
+from mpu_lab.core.optimizer import build_optimizer
 from mpu_lab.perf.cost_model import (
-    bytes_per_parameter,
-    bytes_per_parameter_terms,
-    format_bytes_per_parameter,
-)
+    bytes_per_parameter, bytes_per_parameter_terms, format_bytes_per_parameter)
 from mpu_lab.perf.memory import mpu_lab_bytes_per_parameter
 
 
@@ -72,7 +71,7 @@ def precision_bytes() -> Dict[str, Dict[str, int]]:
     parameters and gradients (:func:`~mpu_lab.perf.cost_model.bytes_per_parameter_terms`: the
     fp16 weight and gradient, the optimizer's fp32 main copies of both, Adam's two moments).
     ``mpu_lab``: measured on a parameter after one AdamW step
-    (:func:`mpu_lab.optimizer.build_optimizer`) whose forward ran under
+    (:func:`mpu_lab.core.optimizer.build_optimizer`) whose forward ran under
     ``torch.autocast(float16)``, as ``--fp16`` does; its total is
     :func:`~mpu_lab.perf.memory.mpu_lab_bytes_per_parameter` (checked here)."""
     terms = bytes_per_parameter_terms("fp16", "fp16")

@@ -30,7 +30,8 @@ import statistics
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mpu_lab import checkpointing, launcher, training
+from mpu_lab.training import checkpointing
+from mpu_lab import launcher, training
 from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.perf import hardware
 from mpu_lab.perf.cost_model import ModelShape, flops_per_token, model_flops_per_iteration
@@ -325,7 +326,7 @@ def model_shape(flags: Sequence, nproc: int) -> ModelShape:
 
 
 def gpus_used(nproc: int) -> Tuple[int, Optional[str]]:
-    """(GPUs the ranks of an ``nproc`` job run on, their name) as :mod:`mpu_lab.distributed`
+    """(GPUs the ranks of an ``nproc`` job run on, their name) as :mod:`mpu_lab.training.initialize`
     places them: rank r on GPU r mod the GPUs seen, so ranks share a GPU when there are fewer;
     ``(0, None)`` on the CPU (or with ``MPU_LAB_DEVICE=cpu``)."""
     import torch  # the notebook's kernel has it already; asked only here

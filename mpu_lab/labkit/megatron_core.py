@@ -4,10 +4,10 @@ Megatron-core is optional (Linux x86_64 wheels; 0.17 on need Python >= 3.12, so 
 get 0.16.x); checked with 0.16.1 and 0.19.2. Where it cannot be imported :func:`available` is
 False and :func:`missing` says how to get it; nothing else in mpu_lab needs it.
 
-Two halves, like :mod:`mpu_lab.parallel_state`:
+Two halves, like :mod:`mpu_lab.core.parallel_state`:
 
 * :func:`rank_groups_side_by_side` — pure Python, no processes: mpu_lab's
-  :func:`~mpu_lab.parallel_state.generate_rank_groups` next to Megatron-core's
+  :func:`~mpu_lab.core.parallel_state.generate_rank_groups` next to Megatron-core's
   ``parallel_state.RankGenerator`` for every family both have (lab 01; works on any CPU).
 * Rank side (inside a torchrun worker or a playground engine, with mpu_lab's groups already
   made): :func:`initialize` builds Megatron-core's parallel state on the same world,
@@ -31,9 +31,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from mpu_lab import distributed
-from mpu_lab import parallel_state as ps
-from mpu_lab import tensor_parallel as tp
+from mpu_lab.core.utils import get_device
+from mpu_lab.core import parallel_state as ps
+from mpu_lab.core import tensor_parallel as tp
 
 INSTALL_HINT = ("megatron-core is not installed, so the side-by-side check with Megatron-core "
                 "is skipped. It is optional: `pip install megatron-core` (Linux x86_64 wheels, "
@@ -194,7 +194,7 @@ def _patch_cuda_current_device_to_cpu() -> bool:
     ``torch.cuda.current_device()``, which raises without a GPU; its maths and its gloo
     collectives need nothing else. Applied in the rank process only, where it computes on the
     CPU; :func:`destroy` undoes it. Returns whether the patch is in place."""
-    if distributed.get_device().type == "cuda":
+    if get_device().type == "cuda":
         return False
     if "current_device" not in _PATCH:
         _PATCH["current_device"] = torch.cuda.current_device
@@ -215,7 +215,7 @@ def _megatron_group_ranks(mps) -> Dict[str, List[int]]:
 def initialize(order: str = ps.DEFAULT_ORDER) -> Dict[str, object]:
     """Build Megatron-core's parallel state on the running world with mpu_lab's sizes.
 
-    Call it on every rank after ``mpu_lab.parallel_state.initialize_model_parallel`` (pass the
+    Call it on every rank after ``mpu_lab.core.parallel_state.initialize_model_parallel`` (pass the
     same ``order``; a different one shows up as ``groups_equal: False``). Called again, it
     first tears down Megatron-core's previous state. The world already exists, so Megatron-core
     is asked not to make its extra gloo groups (``create_gloo_process_groups=False``). On a
@@ -251,7 +251,7 @@ def destroy(mpu_lab_too: bool = True) -> None:
     (checked with 0.16.1), so ``is_rank_in_embedding_group`` would still answer from the old
     world; it (and ``_POSITION_EMBEDDING_GLOBAL_RANKS``) is cleared here too. The CPU patch of
     ``torch.cuda.current_device`` is undone. The default process group stays (that is
-    ``mpu_lab.distributed.shutdown``'s job)."""
+    ``mpu_lab.training.initialize.shutdown``'s job)."""
     mps = sys.modules.get("megatron.core.parallel_state")   # None: never imported, nothing to do
     if mps is not None:
         mps.destroy_model_parallel()
@@ -293,7 +293,7 @@ def compare_linear(kind: str, input_size: int = 64, output_size: int = 32, seq: 
     if kind not in ("column", "row"):
         raise ValueError(f"kind must be 'column' or 'row', got {kind!r}")
     _, mtp, ModelParallelConfig = _megatron()
-    device = distributed.get_device()
+    device = initialize.get_device()
     init = torch.nn.init.xavier_normal_
     t = ps.get_tensor_model_parallel_world_size()
     config = ModelParallelConfig(tensor_model_parallel_size=t, sequence_parallel=sequence_parallel,
@@ -349,7 +349,7 @@ def compare_mappings(seq: int = 8, batch: int = 2, hidden: int = 16,
     Returns ``{name: {"forward": max|diff|, "backward": max|diff|}}``.
     """
     _, mtp, _ = _megatron()
-    device = distributed.get_device()
+    device = initialize.get_device()
     out = {}
     for i, (name, fn_name) in enumerate(MAPPINGS.items()):
         torch.manual_seed(seed + 1000 * i + dist.get_rank())

@@ -19,7 +19,8 @@ from typing import Callable, Dict, Iterator, Optional, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mpu_lab import distributed, launcher
+from mpu_lab.training import initialize
+from mpu_lab import launcher
 
 # Expected noise in a side-by-side job, hidden: Megatron-core warns that
 # CUDA_DEVICE_MAX_CONNECTIONS is unset (a speed hint for GPUs) and calls torch collectives that
@@ -40,7 +41,7 @@ def start_job(missing: Optional[str], more_warnings: Sequence[str] = ()) -> Opti
         return None
     for message in EXPECTED_WARNINGS + tuple(more_warnings):
         warnings.filterwarnings("ignore", message=message)
-    distributed.init()
+    initialize.init()
     return rank
 
 

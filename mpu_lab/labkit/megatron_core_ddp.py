@@ -8,8 +8,8 @@ one small MLP, all from the same seed, for a few Adam steps:
 
 * **Megatron-core**: its ``DistributedDataParallel`` (grad buffers, buckets) and its optimizer
   (``get_megatron_optimizer``: ``DistributedOptimizer`` when ``use_distributed_optimizer``);
-* **mpu_lab**: :class:`mpu_lab.distributed.DistributedDataParallel` with
-  :func:`mpu_lab.optimizer.build_optimizer` or :class:`mpu_lab.optimizer.DistributedOptimizer`;
+* **mpu_lab**: :class:`mpu_lab.core.distributed.DistributedDataParallel` with
+  :func:`mpu_lab.core.optimizer.build_optimizer` or :class:`mpu_lab.core.optimizer.DistributedOptimizer`;
 * **the reference**: one plain ``torch.nn`` copy on the whole global batch (every rank's data,
   made here from the ranks' seeds) and ``torch.optim.AdamW``: no collective at all.
 
@@ -27,9 +27,10 @@ from typing import Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
-from mpu_lab import distributed, optimizer
-from mpu_lab import parallel_state as ps
-from mpu_lab.distributed.distributed_data_parallel import DistributedDataParallel
+from mpu_lab.training import initialize
+from mpu_lab.core import optimizer
+from mpu_lab.core import parallel_state as ps
+from mpu_lab.core.distributed.distributed_data_parallel import DistributedDataParallel
 from mpu_lab.labkit import megatron_core
 from mpu_lab.labkit.megatron_core_cpu import cpu_patches
 
@@ -109,7 +110,7 @@ def compare_ddp(mode: str, steps: int = 3, batch: int = 4, seed: int = 1234) -> 
     overlap, dist_opt = MODES[mode]
     group = ps.get_data_parallel_group()
     d, me = dist.get_world_size(group), dist.get_rank(group)
-    on_cpu = distributed.get_device().type == "cpu"
+    on_cpu = initialize.get_device().type == "cpu"
     reference = build_mlp(seed)
     ref_opt = torch.optim.AdamW(reference.parameters(), weight_decay=0.0, **ADAM)
     out = {"mode": mode, "grad": {}, "params": {"megatron-core": [], "mpu_lab": []}}

@@ -4,7 +4,7 @@
     print(format_results(results))
 
 Each case (``[tpT-]epE[-etpX]/DISPATCHER/topK``, :func:`parse_case`) builds mpu_lab's
-:class:`~mpu_lab.models.moe.MoELayer` on every rank, then Megatron-core's
+:class:`~mpu_lab.core.transformer.moe.MoELayer` on every rank, then Megatron-core's
 (``megatron.core.transformer.moe.moe_layer.MoELayer`` with its ``TopKRouter`` and a
 ``SequentialMLP`` of ``ColumnParallelLinear`` / ``RowParallelLinear`` experts), which loads
 mpu_lab's state dict: the parameter names are the same (``router.weight``,
@@ -34,12 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab import distributed, launcher
-from mpu_lab import parallel_state as ps
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
 from mpu_lab.labkit import megatron_core as mc
 from mpu_lab.labkit import megatron_core_cpu
-from mpu_lab.models import TransformerConfig, finalize_model_grads
-from mpu_lab.models.moe import MoELayer
+from mpu_lab.core.distributed import allreduce_sequence_parallel_grads
+from mpu_lab.core.transformer import TransformerConfig
+from mpu_lab.core.transformer.moe import MoELayer
 
 SEQ, BATCH, HIDDEN, FFN, EXPERTS_PER_RANK, AUX_LOSS, SEED = 8, 2, 8, 16, 2, 0.05, 99
 TOL = 1e-5      # fp32; the two layers add the same products in different orders
@@ -186,7 +188,7 @@ def _run(layer, x: torch.Tensor, dout: torch.Tensor):
     x = x.clone().requires_grad_(True)
     out, _ = layer(x)
     (out * dout).sum().backward()
-    finalize_model_grads(layer)       # the router's sequence-parallel sum, in both
+    allreduce_sequence_parallel_grads(layer)  # the router's sequence-parallel sum, in both
     return out.detach(), x.grad
 
 
@@ -195,14 +197,14 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare_case(case: Case) -> Dict[str, object]:
-    """Runs inside every rank (the default group made by ``distributed.init``): mpu_lab's
+    """Runs inside every rank (the default group made by ``initialize.init``): mpu_lab's
     layer and Megatron-core's on this rank's ``[s/tp, b, h]`` input. Returns ``{case,
     ep_rank, missing, unexpected, out, dx, router, experts, own_init_out}``."""
     num_experts = EXPERTS_PER_RANK * case.ep
     ps.initialize_model_parallel(tensor_model_parallel_size=case.tp,
                                  expert_model_parallel_size=case.ep,
                                  expert_tensor_parallel_size=case.etp)
-    on_cpu = distributed.get_device().type == "cpu"
+    on_cpu = initialize.get_device().type == "cpu"
     try:
         mine = _mpu_lab_layer(case, num_experts)
         with megatron_core_cpu.cpu_patches(on_cpu), megatron_core_cpu.moe_patches(on_cpu):

@@ -3,11 +3,11 @@
     results = run_side_by_side()          # a torchrun job of 2 CPU ranks (launch/megatron_core_schedules.py)
     print(format_results(results))
 
-Each case runs one iteration of :mod:`mpu_lab.pipeline_parallel.toy`'s tied-embedding model
+Each case runs one iteration of :mod:`mpu_lab.perf.pipeline_toy`'s tied-embedding model
 cut into ``p`` stages (``v`` chunks each when interleaved) three times from the same weights
 and micro-batches: through Megatron-core's schedule (``get_forward_backward_func`` of
 ``megatron.core.pipeline_parallel``), through mpu_lab's schedule of the same name, and as
-the single-process twin (:class:`~mpu_lab.pipeline_parallel.toy.ToyModel`). Each rank
+the single-process twin (:class:`~mpu_lab.perf.pipeline_toy.ToyModel`). Each rank
 reports the largest difference of its stage gradients (the tied embedding's after its
 all-reduce over the embedding group) between Megatron-core and mpu_lab, and between each and
 the twin. The cases (:data:`CASES`):
@@ -31,19 +31,15 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mpu_lab import distributed, launcher
-from mpu_lab import parallel_state as ps
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
 from mpu_lab.labkit import megatron_core as mc
 from mpu_lab.labkit import megatron_core_cpu
-from mpu_lab.pipeline_parallel import schedules
-from mpu_lab.pipeline_parallel.tied_embeddings import allreduce_embedding_grads
-from mpu_lab.pipeline_parallel.toy import (
-    ToyConfig,
-    ToyModel,
-    build_toy_model_chunks,
-    toy_batches,
-    toy_forward_step,
-)
+from mpu_lab.core.pipeline_parallel import schedules
+from mpu_lab.core.pipeline_parallel.tied_embeddings import allreduce_embedding_grads
+from mpu_lab.perf.pipeline_toy import (
+    ToyConfig, ToyModel, build_toy_model_chunks, toy_batches, toy_forward_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +151,7 @@ def _run_mpu_lab(chunks, batches, case: Case, num_microbatches: int) -> None:
 
 def compare_case(case: Case, num_microbatches: int = 4, seed: int = 1234) -> Dict[str, object]:
     """Runs inside every rank of a world of ``p`` ranks with the default group made (mpu_lab's
-    ``distributed.init``): one iteration of ``case`` through both libraries and the twin.
+    ``initialize.init``): one iteration of ``case`` through both libraries and the twin.
     Returns this rank's ``{case, stage, megatron_vs_mpu_lab, megatron_vs_twin,
     mpu_lab_vs_twin}`` (largest absolute gradient differences)."""
     p = torch.distributed.get_world_size()
@@ -170,7 +166,7 @@ def compare_case(case: Case, num_microbatches: int = 4, seed: int = 1234) -> Dic
         for library in ("megatron_core", "mpu_lab"):
             chunks = _stage_chunks(dense, p, v)
             if library == "megatron_core":
-                with megatron_core_cpu.cpu_patches(on_cpu=distributed.get_device().type == "cpu"):
+                with megatron_core_cpu.cpu_patches(on_cpu=initialize.get_device().type == "cpu"):
                     _run_megatron(chunks, batches, case, p, num_microbatches)
             else:
                 _run_mpu_lab(chunks, batches, case, num_microbatches)

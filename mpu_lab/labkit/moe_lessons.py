@@ -29,15 +29,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mpu_lab import comm, distributed, parallel_state
+from mpu_lab.core import comm, parallel_state
+from mpu_lab.training import initialize
 from mpu_lab.labkit.exercises.mixture_of_experts import case_inputs
-from mpu_lab.models import TransformerConfig
-from mpu_lab.models.moe import (MoEAlltoAllTokenDispatcher, MoELayer, apply_router_token_dropping,
-                                finish_grad_sync, get_capacity, topk_routing_with_score_function)
+from mpu_lab.core.transformer import TransformerConfig
+from mpu_lab.core.transformer.moe import (
+    MoEAlltoAllTokenDispatcher, MoELayer, apply_router_token_dropping, finish_grad_sync,
+    get_capacity, topk_routing_with_score_function)
 from mpu_lab.perf.comm_counts import CollectiveLog
 from mpu_lab.perf.cost_model.moe import (MIXTRAL_8X7B, MoEModelShape, moe_flops_per_token,
                                          moe_parameter_count)
-from mpu_lab.parallel_state import generate_rank_groups
+from mpu_lab.core.parallel_state import generate_rank_groups
 
 
 # --------------------------------------------------------------------------- why MoE
@@ -119,7 +121,7 @@ def named_tokens(num_tokens: int, num_experts: int, topk: int, seed: int = 0):
     (:func:`mpu_lab.labkit.exercises.mixture_of_experts.case_inputs`)."""
     rank = torch.distributed.get_rank()
     return case_inputs(rank, num_tokens, num_experts, topk, seed,
-                       device=distributed.get_device())
+                       device=initialize.get_device())
 
 
 def names(rows: torch.Tensor, sizes: Optional[Sequence[int]] = None) -> str:
@@ -176,7 +178,7 @@ def train_load(aux_loss: float, steps: int = 40, tokens: int = 64, hidden: int =
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        device = distributed.get_device()
+        device = initialize.get_device()
         torch.manual_seed(seed)
         layer = MoELayer(_moe_config(hidden, num_experts, topk, aux_loss))
         teacher = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.Tanh(),
@@ -216,7 +218,7 @@ def count_dispatch_bytes(tokens: int = 16, hidden: int = 8, num_experts: int = 8
     sizes (``formula``: forward, the counts ``E`` int64s, then ``T k`` rows of ``h`` floats and
     ``T k`` probabilities out, ``T k`` rows back in the combine; backward, the reverse of the
     three row exchanges), with ``rows_to_others``: the rows this rank sends off-rank."""
-    device = distributed.get_device()
+    device = initialize.get_device()
     torch.manual_seed(seed)
     layer = MoELayer(_moe_config(hidden, num_experts, topk, dispatcher=dispatcher))
     gen = torch.Generator().manual_seed(seed + 1 + torch.distributed.get_rank())

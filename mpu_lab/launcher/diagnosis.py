@@ -81,7 +81,7 @@ _SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 def _own_frames(text: str) -> List[Tuple[str, int, str]]:
     """``(file, line, function)`` of the frames of ``text`` (a traceback, outermost first,
     or a faulthandler dump, innermost first) that are neither torch's, this launcher's nor
-    :mod:`mpu_lab.comm`'s (so a place is the line that called the collective)."""
+    :mod:`mpu_lab.core.comm`'s (so a place is the line that called the collective)."""
     out = []
     for path, line, func in _FRAME.findall(text):
         p = pathlib.Path(path)
@@ -116,7 +116,7 @@ def short_path(path: str) -> str:
 def _collective_in(traceback_text: str) -> Optional[str]:
     """The ``torch.distributed`` call a traceback ended in (``all_reduce``, ``barrier``...), or,
     for a collective started asynchronously and failed in its ``wait()``, the
-    :mod:`mpu_lab.comm` function that started it (``all_reduce_async`` -> ``all_reduce``)."""
+    :mod:`mpu_lab.core.comm` function that started it (``all_reduce_async`` -> ``all_reduce``)."""
     frames = _FRAME.findall(traceback_text)
     ops = [func for path, _, func in frames
            if pathlib.Path(path).name in _C10D_FILES and func != "wrapper"]

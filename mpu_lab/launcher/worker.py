@@ -48,8 +48,9 @@ def gather_lines(text: str):
     import torch
     import torch.distributed as dist
 
-    from mpu_lab import comm, distributed  # keeps the launcher free of torch at import time
-    device = distributed.get_device()
+    from mpu_lab.core import comm  # keeps the launcher free of torch at import time
+    from mpu_lab.core.utils import get_device  # likewise
+    device = get_device()
     data = torch.tensor(list(text.encode()) or [0], dtype=torch.uint8, device=device)
     longest = comm.all_reduce(torch.tensor([data.numel()], device=device), op=dist.ReduceOp.MAX)
     padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=device)

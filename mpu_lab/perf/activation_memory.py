@@ -19,7 +19,7 @@ matches this package's layer byte for byte:
 * with sequence parallelism, ``ColumnParallelLinear`` keeps only this rank's ``[s/t, b, h]``
   block of its input and all-gathers it again in backward, as Megatron's
   ``LinearWithGradAccumulationAndAsyncCommunication`` does
-  (:mod:`mpu_lab.tensor_parallel.linear_autograd`): the paper's ``/t`` (§4.2.2).
+  (:mod:`mpu_lab.core.tensor_parallel.linear_autograd`): the paper's ``/t`` (§4.2.2).
 
 :func:`compare`, :func:`format_comparison` and :func:`format_terms` make lab 07's tables
 (``launch/activation_memory.py`` runs the measurement at TP > 1).
@@ -30,8 +30,9 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from mpu_lab import distributed, parallel_state
-from mpu_lab.models.transformer import TransformerLayer, TransformerConfig
+from mpu_lab.training import initialize
+from mpu_lab.core import parallel_state
+from mpu_lab.core.transformer.transformer_layer import TransformerLayer, TransformerConfig
 from mpu_lab.perf.cost_model.activations import (  # noqa: F401  (the terms, one home)
     BOOKKEEPING, CATEGORIES, MASKS, REPLICATED, SCORES, SPLIT, Term,
     activation_memory_per_layer, layer_activation_terms, paper_terms, total)
@@ -95,15 +96,15 @@ def measure_layer_activation_bytes(s: int, b: int, h: int, a: int,
     """Run one ``TransformerLayer`` forward on this rank (input ``[s, b, h]``, or the
     rank's ``[s/t, b, h]`` with sequence parallelism, requiring grad) and return what autograd
     saved for its backward. The tensor-parallel size is the current group's (at TP=1 this
-    runs in the calling process: :func:`mpu_lab.distributed.init_single_process`)."""
+    runs in the calling process: :func:`mpu_lab.training.initialize.init_single_process`)."""
     if not parallel_state.model_parallel_is_initialized():
-        distributed.init_single_process()
+        initialize.init_single_process()
     t = parallel_state.get_tensor_model_parallel_world_size()
     config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=a,
                                activation=activation, sequence_parallel=sequence_parallel,
                                attention_impl=attention_impl)
     config.check(t, s)
-    device = distributed.get_device()
+    device = initialize.get_device()
     torch.manual_seed(seed)
     layer = TransformerLayer(config)
     rows = s // t if sequence_parallel else s

@@ -31,7 +31,7 @@ from mpu_lab.perf.pipeline_bubble import GPT3_1_3B, predicted_timeline
 from mpu_lab.perf.rank_clock import cores_note, usable_cores
 from mpu_lab.perf.runs import ProfiledRun, profile_training, training_flags
 from mpu_lab.perf.step_time import TrainConfig
-from mpu_lab.pipeline_parallel.timeline import LogicalTimeline
+from mpu_lab.perf.pipeline_simulation import LogicalTimeline
 
 __all__ = ["ROLES", "timing_ranks", "bad_vs_good_configs", "run_bad_vs_good", "role_of",
            "fastest_step_s", "mean_step_s", "speedups", "speedup_line", "format_steps", "format_busy_idle",

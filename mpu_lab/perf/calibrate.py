@@ -182,7 +182,7 @@ def calibrate_gpu_ranks(nproc: int = 2,
     """The GPU counterpart of :func:`calibrate_ranks`, with the same keys (and the device's):
     each set of GEMMs timed in its dtype (default bf16) on this process's GPU, the copy
     bandwidth, and :func:`calibrate_allreduce` among ``nproc`` ranks (NCCL with a GPU per rank,
-    gloo on CUDA tensors where ranks share one: :func:`mpu_lab.distributed.choose_backend`)."""
+    gloo on CUDA tensors where ranks share one: :func:`mpu_lab.training.initialize.choose_backend`)."""
     shape_sets = list(shape_sets or [[(1, 4096, 4096, 4096)]])
     dtypes = list(dtypes or ["bfloat16"] * len(shape_sets))
     cal = device_calibration(shape_sets[0], dtype=dtypes[0])

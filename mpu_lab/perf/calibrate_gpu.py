@@ -18,7 +18,7 @@ the device, and how:
   :func:`gpu_cluster_from` turns it and an all-reduce fit into a
   :class:`~mpu_lab.perf.cost_model.Cluster` (``calibrate.gpu_cluster`` runs the whole thing).
 
-Ranks that share a GPU (``nproc`` ranks on fewer GPUs: :func:`mpu_lab.distributed.choose_device`
+Ranks that share a GPU (``nproc`` ranks on fewer GPUs: :func:`mpu_lab.training.initialize.choose_device`
 assigns them round-robin) share its FLOP/s and bandwidth: :func:`gpu_cluster_from` gives each
 rank ``gpus / nproc`` of them (:func:`device_share`).
 """

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from mpu_lab.models import finalize_model_grads
+from mpu_lab.core.distributed import allreduce_sequence_parallel_grads
 
 # c10d op -> (the name the labs use, index of this rank's input among the op's arguments)
 _KINDS = {
@@ -131,7 +131,7 @@ def _region(model: torch.nn.Module, module_path: str) -> str:
 def count_collectives(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
                       steps: int = 1) -> List[dict]:
     """Run ``steps`` forward+backward passes of a ``GPTModel`` (no optimizer step), then
-    :func:`~mpu_lab.models.transformer.finalize_model_grads`, and return every collective:
+    :func:`~mpu_lab.core.distributed.allreduce_sequence_parallel_grads`, and return every collective:
     dicts with ``step``, ``tag`` (``layer0.forward``, ``output.backward``, ...,
     ``grads.sequence_parallel``), ``kind``, ``group`` (global ranks) and ``bytes``."""
     events = []
@@ -140,7 +140,7 @@ def count_collectives(model: torch.nn.Module, input_ids: torch.Tensor, labels: t
             loss = model(input_ids, labels=labels).mean()
             loss.backward()
         with CollectiveLog() as grads:
-            finalize_model_grads(model)
+            allreduce_sequence_parallel_grads(model)
         model.zero_grad(set_to_none=True)
         for e in log.events:
             tag = f"{_region(model, e['module'])}.{'backward' if e['backward'] else 'forward'}"

@@ -1,7 +1,7 @@
-"""Time the collectives of :mod:`mpu_lab.comm` and the pipeline's p2p messages, from outside.
+"""Time the collectives of :mod:`mpu_lab.core.comm` and the pipeline's p2p messages, from outside.
 
 The mirror carries no timer: while a :class:`CommTimer` is active (``with CommTimer() as
-timer:``), the functions of :mod:`mpu_lab.comm` (``all_reduce``, ``all_gather``,
+timer:``), the functions of :mod:`mpu_lab.core.comm` (``all_reduce``, ``all_gather``,
 ``reduce_scatter``, ``broadcast``, ``all_to_all``, ``send_recv`` and the ``*_async`` ones) and
 ``pipeline_parallel.p2p_communication.communicate`` are replaced by timing wrappers, and put
 back when the last timer closes. Every caller in the package calls them as ``comm.all_reduce``
@@ -33,11 +33,12 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed, parallel_state
-from mpu_lab.comm import exchange
-from mpu_lab.pipeline_parallel import p2p_communication
+from mpu_lab.core import comm, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab.core.comm import exchange
+from mpu_lab.core.pipeline_parallel import p2p_communication
 
-# The functions of mpu_lab.comm and mpu_lab.comm.exchange that are wrapped, and their module.
+# The functions of mpu_lab.core.comm and mpu_lab.core.comm.exchange that are wrapped, and their module.
 BLOCKING = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 ASYNC = ("all_reduce_async", "all_gather_async", "reduce_scatter_async", "send_recv_async")
 HOME = {name: exchange if hasattr(exchange, name) else comm for name in BLOCKING + ASYNC}
@@ -161,7 +162,7 @@ def _blocking(kind: str, fn: Callable) -> Callable:
         if not _TIMERS or _nested():
             return fn(*args, **kwargs)
         call, group, tensor = _call_of(kind, fn, args, kwargs, is_async=False)
-        distributed.synchronize(tensor.device)
+        initialize.synchronize(tensor.device)
         if any(t.barrier for t in _TIMERS):
             start = time.perf_counter()
             dist.barrier(group=group)
@@ -169,7 +170,7 @@ def _blocking(kind: str, fn: Callable) -> Callable:
         start = time.perf_counter()
         with _inside():
             out = fn(*args, **kwargs)
-        distributed.synchronize(tensor.device)
+        initialize.synchronize(tensor.device)
         call.done_s = time.perf_counter()
         call.seconds = call.done_s - start
         _book(call)
@@ -178,7 +179,7 @@ def _blocking(kind: str, fn: Callable) -> Callable:
 
 
 class TimedPending:
-    """What a wrapped ``*_async`` call returns: the mirror's :class:`mpu_lab.comm.Pending`, its
+    """What a wrapped ``*_async`` call returns: the mirror's :class:`mpu_lab.core.comm.Pending`, its
     ``wait()`` timed into ``call``."""
 
     def __init__(self, pending: comm.Pending, call: Optional[CommCall]):

@@ -13,7 +13,7 @@ What lab 03 calls (one torchrun job of ``launch/dp_overlap.py``)::
     viz.plot_kernel_timeline(kernel_timelines(result))
 
 The job trains the small GPT of ``train_gpt.py`` at DP = ``nproc`` with the mirror's
-:class:`~mpu_lab.distributed.DistributedDataParallel` (buckets of ``bucket_size`` elements) in
+:class:`~mpu_lab.core.distributed.DistributedDataParallel` (buckets of ``bucket_size`` elements) in
 each of :data:`MODES`: the all-reduce, the distributed optimizer's reduce-scatter, each with and
 without overlap (overlap off and on alternate step by step on one set-up model, so a change of
 load on the machine hits both alike). Per rank and timed step it records when backward started and ended (hooks on

@@ -2,7 +2,7 @@
 when it ends, and what the step pays after backward (pure arithmetic, no process).
 
 Backward produces the gradients last layer first at an even rate in bytes, so bucket ``i``
-(the buffer is filled in reverse order, :mod:`mpu_lab.distributed.param_and_grad_buffer`) is
+(the buffer is filled in reverse order, :mod:`mpu_lab.core.distributed.param_and_grad_buffer`) is
 ready once backward has produced the bytes of buckets ``0..i``. The reductions run one after
 another on one communication channel (NCCL's stream; gloo's thread), each taking the
 alpha-beta time of a ring all-reduce of its bytes

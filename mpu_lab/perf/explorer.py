@@ -38,7 +38,7 @@ from mpu_lab.perf.cost_model import (Cluster, IterationPrediction, ModelShape, P
 from mpu_lab.perf.cost_model import (DGX_H100, GPT3_175B, MIXTRAL_8X7B,
                                      rank_context_parallel, rank_expert_parallel)
 from mpu_lab.perf.cost_model import predict as predict_module
-from mpu_lab.utils import divisors
+from mpu_lab.core.utils import divisors
 
 __all__ = ["Candidate", "Exploration", "enumerate_configs", "explore", "diagnose",
            "DEFAULT_THRESHOLDS", "not_modelled", "long_sequence_example", "moe_example"]

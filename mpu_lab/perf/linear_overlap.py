@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpu_lab import distributed
+from mpu_lab.training import initialize
 from mpu_lab.perf.comm_timing import CommTimer
 from mpu_lab.perf.cost_model import DGX_H100, Cluster
 
@@ -111,17 +111,17 @@ def measure(col, row, x, dy, steps: int) -> dict:
         _step(col, row, x, dy)
     times = []
     for _ in range(steps):
-        distributed.synchronize(x.device)
+        initialize.synchronize(x.device)
         start = time.perf_counter()
         _step(col, row, x, dy)
-        distributed.synchronize(x.device)
+        initialize.synchronize(x.device)
         times.append(time.perf_counter() - start)
     y, _ = row(F.gelu(col(x)[0]))
     with record_backward() as events:
-        distributed.synchronize(x.device)
+        initialize.synchronize(x.device)
         start = time.perf_counter()
         y.backward(dy)
-        distributed.synchronize(x.device)
+        initialize.synchronize(x.device)
         backward_s = time.perf_counter() - start
     return {"step_ms": round(1e3 * statistics.median(times), 3),
             "backward_ms": round(1e3 * backward_s, 3),

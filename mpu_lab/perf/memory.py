@@ -15,7 +15,7 @@ The names lab 03 calls (stable):
 
 **Measured** (every storage counted once, ``untyped_storage().nbytes()``):
 
-* *parameters*: on the mirror's :class:`~mpu_lab.distributed.DistributedDataParallel` path
+* *parameters*: on the mirror's :class:`~mpu_lab.core.distributed.DistributedDataParallel` path
   every ``.data`` is a view into one flat buffer per model chunk: the buffer's **padded** size
   (each bucket padded to a multiple of d); torch DDP and no DDP: one storage per parameter;
 * *gradients*: the storages of ``.grad`` and ``.main_grad`` (the mirror's flat buffer, padded).
@@ -53,7 +53,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from mpu_lab import distributed, launcher, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state
 from mpu_lab.perf.activation_memory import SavedTensors
 from mpu_lab.perf.cost_model.counts import memory_per_gpu, parameters_per_gpu
 from mpu_lab.perf.cost_model.inputs import ModelShape, ParallelConfig
@@ -121,7 +123,7 @@ def measure_activation_bytes(state) -> SavedTensors:
             out = chunk(batch["tokens"], batch["position_ids"], labels=labels)
         else:
             x = torch.zeros(rows, args.micro_batch_size, args.hidden_size,
-                            device=distributed.get_device(), requires_grad=True)
+                            device=initialize.get_device(), requires_grad=True)
             out = chunk(decoder_input=x, labels=labels)
         if chunk.post_process:
             out = masked_mean_loss(out, batch["loss_mask"])

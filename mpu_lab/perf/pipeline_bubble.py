@@ -9,18 +9,18 @@ ranks than cores a waiting rank hands its core to another rank, so the bubble co
 wall time and cannot be seen. :func:`measure_bubble` therefore sizes the run to the machine:
 ``p`` ranks, each pinned to a core of its own with one thread (:func:`pin_this_rank`, with
 :mod:`mpu_lab.perf.rank_clock`'s pinning), running
-the toy model (:mod:`mpu_lab.pipeline_parallel.toy`, made wide enough that a forward takes
+the toy model (:mod:`mpu_lab.perf.pipeline_toy`, made wide enough that a forward takes
 milliseconds) through mpu_lab's 1F1B. Each rank reads its own clocks around every iteration:
 the wall time between two barriers, and its busy time, twice: the forwards and backwards
 recorded by :class:`~mpu_lab.perf.pipeline_timeline.ScheduleRecorder`'s hooks, and the CPU
 time of its main thread (a rank waiting for a message sleeps and uses none). The idle share
 ``1 - Σ busy / Σ wall`` then sits next to the formula ``(p-1)/(m+p-1)``
-(:func:`~mpu_lab.pipeline_parallel.timeline.analytic_bubble`).
+(:func:`~mpu_lab.perf.pipeline_simulation.analytic_bubble`).
 
 Where the machine has fewer cores than ranks, :attr:`BubbleMeasurement.oversubscribed` says
 so, and :func:`predicted_timeline` gives the same schedule on a DGX H100 instead: the cost
 model's compute time of one micro-batch on one stage (:func:`~mpu_lab.perf.cost_model.
-predict_iteration`) fed to the logical simulator (:func:`~mpu_lab.pipeline_parallel.timeline.
+predict_iteration`) fed to the logical simulator (:func:`~mpu_lab.perf.pipeline_simulation.
 simulate`) — a prediction, not a measurement.
 """
 from __future__ import annotations
@@ -33,20 +33,17 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mpu_lab import distributed, launcher
-from mpu_lab import parallel_state as ps
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
 from mpu_lab.perf import rank_clock
 from mpu_lab.perf.cost_model import DGX_H100, Cluster, ModelShape, ParallelConfig, predict_iteration
 from mpu_lab.perf.pipeline_timeline import ScheduleRecorder
-from mpu_lab.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
-from mpu_lab.pipeline_parallel.timeline import LogicalTimeline, analytic_bubble, simulate
-from mpu_lab.pipeline_parallel.toy import (
-    ToyConfig,
-    ToyModel,
-    build_toy_model_chunks,
-    toy_batches,
-    toy_forward_step,
-)
+from mpu_lab.core.pipeline_parallel.schedules import (
+    forward_backward_pipelining_without_interleaving)
+from mpu_lab.perf.pipeline_simulation import LogicalTimeline, analytic_bubble, simulate
+from mpu_lab.perf.pipeline_toy import (
+    ToyConfig, ToyModel, build_toy_model_chunks, toy_batches, toy_forward_step)
 
 # Wide enough that one forward of a stage takes tens of milliseconds on one core, so the
 # messages between the stages (1 MiB on the loopback) are small beside it.
@@ -65,7 +62,7 @@ def pin_this_rank() -> Optional[int]:
     may use) with one thread, so it never waits for a core; returns the core (``None`` on a
     GPU rank, or where the OS cannot pin). Call it before the process group is made, so the
     communication threads inherit the pinning."""
-    if distributed.get_device().type == "cuda":
+    if initialize.get_device().type == "cuda":
         return None
     core = rank_clock.core_for(int(os.environ.get("LOCAL_RANK", "0")))
     if not rank_clock.pin_process(os.getpid(), core):
@@ -82,7 +79,7 @@ def time_iterations(num_microbatches: int, iterations: int = 3, warmup: int = 1,
     CPU time; ``None`` on a GPU, where waiting for a kernel may spin) and the last iteration's
     ``records`` (for a Gantt chart)."""
     p, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    device = distributed.get_device()
+    device = initialize.get_device()
     dense = ToyModel(TIMING_TOY, seed=seed)
     (chunk,) = build_toy_model_chunks(dense, rank, p, device=device)
     batches = toy_batches(TIMING_TOY, num_microbatches, SEQ_LENGTH, MICRO_BATCH, seed=seed,
@@ -118,7 +115,7 @@ def _count(n: int, word: str) -> str:
 def machine_note(ranks: int, env: Optional[Dict[str, str]] = None) -> str:
     """One sentence: whether this machine gives each of ``ranks`` ranks a processor of its own
     (a GPU, or else a CPU core), so that a measured timeline's gaps are a bubble. The ranks'
-    devices follow :func:`mpu_lab.distributed.choose_device` (``MPU_LAB_DEVICE=cpu``, in ``env``
+    devices follow :func:`mpu_lab.training.initialize.choose_device` (``MPU_LAB_DEVICE=cpu``, in ``env``
     or this process's environment, keeps them on the CPU): more ranks than GPUs share them."""
     on_cpu = {**os.environ, **(env or {})}.get("MPU_LAB_DEVICE") == "cpu"
     gpus = 0 if on_cpu else torch.cuda.device_count()
@@ -259,7 +256,7 @@ def predicted_timeline(model: ModelShape = GPT3_1_3B, pipeline_parallel_size: in
     """The schedule's timeline predicted for ``cluster`` (one GPU per stage, no tensor or data
     parallelism): the cost model's compute time of one micro-batch through one stage, split
     one third forward, two thirds backward (the backward computes two gradients per matmul),
-    fed to :func:`~mpu_lab.pipeline_parallel.timeline.simulate` (``schedule``, with
+    fed to :func:`~mpu_lab.perf.pipeline_simulation.simulate` (``schedule``, with
     ``num_model_chunks`` per stage when interleaved). Times are in seconds; the point-to-point
     messages are left out (on NVLink they take microseconds)."""
     p, m, v = pipeline_parallel_size, num_microbatches, num_model_chunks

@@ -8,7 +8,7 @@
     recorder.remove()
 
 ``train_gpt.py --record-timeline`` installs one on every rank and reports its last iteration.
-:mod:`mpu_lab.pipeline_parallel.schedules` knows nothing of it. The recorder watches the model
+:mod:`mpu_lab.core.pipeline_parallel.schedules` knows nothing of it. The recorder watches the model
 chunks with torch's own hooks:
 
 * a forward pre-hook and a forward hook on each chunk time its forward. A chunk runs its
@@ -34,10 +34,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mpu_lab import distributed
-from mpu_lab import parallel_state as ps
-from mpu_lab.pipeline_parallel.timeline import Record, analytic_bubble, bubble_share
-from mpu_lab.pipeline_parallel.utils import model_chunks_of, unwrap_model
+from mpu_lab.training import initialize
+from mpu_lab.core import parallel_state as ps
+from mpu_lab.perf.pipeline_simulation import Record, analytic_bubble, bubble_share
+from mpu_lab.core.pipeline_parallel.utils import model_chunks_of, unwrap_model
 
 
 class ScheduleRecorder:
@@ -52,7 +52,7 @@ class ScheduleRecorder:
         self.num_microbatches = num_microbatches
         self.schedule = schedule
         self.peak_in_flight = 0
-        self._on_gpu = distributed.get_device().type == "cuda"
+        self._on_gpu = initialize.get_device().type == "cuda"
         self._records: List[Record] = []
         self._forwards = [0] * len(self.chunks)    # forwards run per chunk, all iterations
         self._forward: Optional[list] = None       # [kind, microbatch, chunk, start] running

@@ -16,7 +16,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from mpu_lab import launcher, training
-from mpu_lab.models.gpt import pad_vocab_size
+from mpu_lab.core.models.gpt.gpt_model import pad_vocab_size
 from mpu_lab.perf.cost_model import ModelShape, ParallelConfig
 
 __all__ = ["TrainConfig", "cpu_pressure_us", "measure_step_time"]

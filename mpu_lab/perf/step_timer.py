@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from mpu_lab import distributed
-from mpu_lab import parallel_state as ps
+from mpu_lab.training import initialize
+from mpu_lab.core import parallel_state as ps
 from mpu_lab.perf.comm_timing import CommTimer
 from mpu_lab.training import training
 
@@ -84,7 +84,7 @@ class StepTimer:
 
     def _sync(self):
         if self.device is not None:
-            distributed.synchronize(self.device)
+            initialize.synchronize(self.device)
 
     def time_step(self, fn: Callable, *args, **kwargs):
         self._seen += 1
@@ -172,7 +172,7 @@ def step_timer_for(args) -> Optional[StepTimer]:
         getattr(args, "breakdown_profile", None)
     if not (getattr(args, "breakdown", False) or barrier or profile_dir):
         return None
-    return StepTimer(distributed.get_device(), barrier=barrier, profile_dir=profile_dir)
+    return StepTimer(initialize.get_device(), barrier=barrier, profile_dir=profile_dir)
 
 
 @contextlib.contextmanager

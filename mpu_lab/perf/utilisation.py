@@ -8,7 +8,7 @@
   one. :func:`mpu_lab.labkit.viz.plot_utilisation` draws the result as one row per rank.
 * :func:`schedule_utilisation` — what a perfect machine would show for a pipeline schedule
   (the 1F1B and GPipe schedules of Narayanan et al. 2021 §2.2, simulated by
-  :mod:`mpu_lab.pipeline_parallel.timeline`).
+  :mod:`mpu_lab.perf.pipeline_simulation`).
 
 What NVML's GPU utilisation is, and why it cannot show a pipeline bubble: it is "the percent
 of time over the past sample period during which one or more kernels was executing on the
@@ -33,7 +33,7 @@ from mpu_lab import launcher
 from mpu_lab.launcher import descendants
 from mpu_lab.perf.rank_clock import (RankBusy, busy_between, core_for, main_thread_cpu_s,
                                      pin_process, usable_cores)
-from mpu_lab.pipeline_parallel.timeline import simulate
+from mpu_lab.perf.pipeline_simulation import simulate
 
 __all__ = ["Utilisation", "schedule_utilisation", "UtilisationSampler", "run_with_utilisation"]
 
@@ -108,7 +108,7 @@ def schedule_utilisation(schedule: str, p: int, m: int, v: int = 1, iterations: 
     """The utilisation picture a perfect machine would show: each pipeline rank 100 % busy
     inside its forward and backward passes and 0 % between them, for ``iterations``
     back-to-back runs of the logical schedule of lab 09
-    (:func:`mpu_lab.pipeline_parallel.timeline.simulate`; a forward takes one time slot).
+    (:func:`mpu_lab.perf.pipeline_simulation.simulate`; a forward takes one time slot).
     ``times`` are in slots, sampled ``samples_per_slot`` times per slot (mid-points)."""
     timeline = simulate(schedule, p, m, v)
     length = max(float(r[4]) for rank in timeline.records for r in rank)
@@ -146,7 +146,7 @@ class UtilisationSampler:
     and psutil reads, per ``cpu_metric``, their CPU use since the last sample (``"cpu"``) or
     whether their main thread is running or runnable now (``"runnable"``). GPU (``gpu=True``, or
     ``"auto"``: where NVML finds one): NVML's utilisation of each rank's GPU, ``LOCAL_RANK``
-    modulo the GPU count as :func:`mpu_lab.distributed.choose_device` assigns them (NVML
+    modulo the GPU count as :func:`mpu_lab.training.initialize.choose_device` assigns them (NVML
     numbers GPUs by PCI bus; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA agrees).
 
     ``cpu_metric="clock"`` reads each worker's main-thread CPU clock instead

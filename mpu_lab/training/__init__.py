@@ -1,18 +1,21 @@
 """Train the small GPT with tensor, sequence, pipeline and data parallelism
 (``launch/train_gpt.py``), split along Megatron's own files: :mod:`~mpu_lab.training.arguments`
 (``megatron/training/arguments.py``: flags, pure checks, the script's pre-check),
+:mod:`~mpu_lab.training.initialize` (``megatron/training/initialize.py``: the process group,
+backend and device: ``init``, ``shutdown``, ``get_device``),
 :mod:`~mpu_lab.training.optimizer_param_scheduler` (the learning-rate schedule),
-:mod:`~mpu_lab.training.finalize_model_grads` (``core/distributed/finalize_model_grads.py``:
-data-parallel, sequence-parallel and tied-embedding gradient reductions),
-:mod:`~mpu_lab.training.initialize` (``get_model``, ``setup``, ``get_batch``),
+:mod:`~mpu_lab.training.setup` (``get_model``, ``setup``, ``get_batch``),
 :mod:`~mpu_lab.training.training` (``megatron/training/training.py``: ``train_step``,
-``train``, ``pretrain``) and :mod:`~mpu_lab.training.dense_twin` (the single-process twin);
-AdamW, clipping and the fp16 loss scale are in :mod:`mpu_lab.optimizer`. Lab 14's injected
+``train``, ``pretrain``), :mod:`~mpu_lab.training.checkpointing` (DCP save, load and
+resharding), :mod:`~mpu_lab.training.datasets` and the single-process twin
+(:mod:`~mpu_lab.training.plain_gpt`, :mod:`~mpu_lab.training.dense_twin`). The gradient
+reductions are the mirror's (``core/distributed/finalize_model_grads.py``); AdamW, clipping
+and the fp16 loss scale are in ``mpu_lab/core/optimizer/``. Lab 14's injected
 faults (``--inject-fault``) live in the lab kit (:mod:`mpu_lab.labkit.faults`), which wraps
 this package's calls from outside: the loop has no fault branch.
 
 Data parallelism at PP=1 is torch's ``DistributedDataParallel`` on the data-parallel group,
-with a communication hook that routes its bucket all-reduces through :mod:`mpu_lab.comm`, the
+with a communication hook that routes its bucket all-reduces through ``mpu_lab.core.comm``, the
 one place collectives are called. At PP > 1 DDP is not used: it all-reduces
 during the backward of the micro-batch it runs last, and a pipeline schedule runs many
 backwards (of several chunks) between p2p messages, so the gradients are averaged over the
@@ -24,45 +27,22 @@ agreed on by the whole model-parallel group, as in Megatron.
 This package re-exports the public names of its modules that the launch scripts, labs and
 tests use.
 """
-# Re-exported because the former module imported them (``training.X`` kept working).
-from mpu_lab.datasets import BYTE_VOCAB_SIZE
-from mpu_lab.distributed import init_single_process
-from mpu_lab.models.gpt import pad_vocab_size
-from mpu_lab.models.transformer import TransformerConfig
-from mpu_lab.optimizer import DynamicLossScaler, build_optimizer, clip_grad_norm
-from mpu_lab.pipeline_parallel import model_chunks_of
 from mpu_lab.training.arguments import (
-    build_parser,
-    check_launch_args,
-    model_config,
-    parse_args,
-    validate_args,
-    vocab_padding_message,
-)
+    build_parser, check_launch_args, model_config, parse_args, validate_args,
+    vocab_padding_message)
 from mpu_lab.training.dense_twin import train_dense_twin
-from mpu_lab.training.finalize_model_grads import allreduce_data_parallel_grads, finalize_grads
-from mpu_lab.training.initialize import TrainState, get_batch, get_model, setup
 from mpu_lab.training.optimizer_param_scheduler import OptimizerParamScheduler, build_scheduler
+from mpu_lab.training.setup import TrainState, get_batch, get_model, setup
 from mpu_lab.training.training import (
-    average_losses_across_data_parallel_group,
-    dense_twin_losses,
-    dense_twin_weights,
-    forward_step,
-    loss_across_context_parallel_ranks,
-    masked_mean_loss,
-    pretrain,
-    train,
-    train_step,
-    train_step_pipelined,
-)
-from mpu_lab.utils import divisors
+    average_losses_across_data_parallel_group, dense_twin_losses, dense_twin_weights, forward_step,
+    loss_across_context_parallel_ranks, masked_mean_loss, pretrain, train, train_step,
+    train_step_pipelined)
 
 __all__ = [
     "build_parser", "parse_args", "validate_args", "check_launch_args", "model_config",
-    "vocab_padding_message", "OptimizerParamScheduler", "build_scheduler", "build_optimizer",
-    "clip_grad_norm", "DynamicLossScaler", "allreduce_data_parallel_grads", "finalize_grads",
-    "TrainState", "model_chunks_of", "get_model", "setup", "get_batch", "train_step",
-    "train_step_pipelined", "forward_step", "masked_mean_loss", "loss_across_context_parallel_ranks",
-    "train", "pretrain", "train_dense_twin", "init_single_process",
-    "dense_twin_weights", "dense_twin_losses", "average_losses_across_data_parallel_group",
+    "vocab_padding_message", "OptimizerParamScheduler", "build_scheduler", "TrainState",
+    "get_model", "setup", "get_batch", "train_step", "train_step_pipelined", "forward_step",
+    "masked_mean_loss", "loss_across_context_parallel_ranks", "train", "pretrain",
+    "train_dense_twin", "dense_twin_weights", "dense_twin_losses",
+    "average_losses_across_data_parallel_group",
 ]

@@ -5,7 +5,7 @@ micro-batches, padded vocabulary, pipeline schedule) and is pure — no ``torch.
 so a notebook or the launcher can reject a bad configuration *before* any process starts, with
 a ``ValueError`` naming the numbers; :func:`check_launch_args`, what the launcher checks
 before ``torchrun`` starts (:func:`mpu_lab.launcher.precheck`); and :func:`model_config`, the
-:class:`~mpu_lab.models.transformer.TransformerConfig` of the flags. Both the parser and the
+:class:`~mpu_lab.core.transformer.transformer_layer.TransformerConfig` of the flags. Both the parser and the
 checks are built from named steps, one per argument group and one per check family, as
 Megatron's ``_add_*_args`` functions; the parallelism flags and their checks (tensor, pipeline,
 sequence and context parallelism) are in :mod:`~mpu_lab.training.parallel_args`, the
@@ -17,11 +17,11 @@ import argparse
 import os
 from typing import Any, Callable, Optional, Sequence
 
-from mpu_lab import checkpointing
-from mpu_lab.datasets import BYTE_VOCAB_SIZE, check_text_file
-from mpu_lab.models.gpt import pad_vocab_size
-from mpu_lab.models.transformer import TransformerConfig
-from mpu_lab.pipeline_parallel import validate_pipeline_args
+from mpu_lab.training import checkpointing
+from mpu_lab.training.datasets import BYTE_VOCAB_SIZE, check_text_file
+from mpu_lab.core.models.gpt.gpt_model import pad_vocab_size
+from mpu_lab.core.transformer.transformer_layer import TransformerConfig
+from mpu_lab.core.pipeline_parallel import validate_pipeline_args
 from mpu_lab.training.parallel_args import (add_context_parallel_args, add_parallelism_args,
                                             check_context_parallel, check_parallel_sizes)
 from mpu_lab.training.moe_args import add_moe_args, check_moe_args, moe_config_fields
@@ -172,7 +172,7 @@ def check_launch_args(argv: Sequence[str], world_size: int, cwd=None,
                       ) -> argparse.Namespace:
     """What ``launcher.run("train_gpt.py", argv, nproc=world_size)`` checks before torchrun
     starts: parse, :func:`validate_args`, and a ``--load`` checkpoint's files against the sums
-    recorded at save (:func:`mpu_lab.checkpointing.verify_checkpoint`). Relative paths are
+    recorded at save (:func:`mpu_lab.training.checkpointing.verify_checkpoint`). Relative paths are
     taken from ``cwd``, the job's working folder, when given. The script's ``PRECHECK``
     (:func:`mpu_lab.labkit.faults.check_launch_args`) runs it with the fault flag added."""
     args = parse_args(argv, extra_args_provider)
@@ -335,7 +335,7 @@ def _check_load(args, check_load: bool) -> None:
 
 
 def _validate_pipeline(args) -> None:
-    """The pipeline checks (:func:`mpu_lab.pipeline_parallel.validate_pipeline_args`) in terms
+    """The pipeline checks (:func:`mpu_lab.core.pipeline_parallel.validate_pipeline_args`) in terms
     of this script's flags; fills in ``pipeline_schedule`` and
     ``virtual_pipeline_model_parallel_size``."""
     pp, nlv = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage

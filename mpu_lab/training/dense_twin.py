@@ -1,4 +1,4 @@
-"""The dense twin's training: a single-process model (e.g. :class:`~mpu_lab.models.PlainGPT`
+"""The dense twin's training: a single-process model (e.g. :class:`~mpu_lab.training.plain_gpt.PlainGPT`
 holding the gathered TP=1 weights) trained with the same data, batches, optimizer, schedule and
 clipping as :func:`mpu_lab.training.train` at DP=1, to compare the parallel run with. The lab's
 own check; Megatron has no counterpart."""
@@ -9,14 +9,14 @@ from typing import List, Optional
 
 import torch
 
-from mpu_lab import datasets
-from mpu_lab.optimizer import build_optimizer
+from mpu_lab.training import datasets
+from mpu_lab.core.optimizer import build_optimizer
 from mpu_lab.training.optimizer_param_scheduler import build_scheduler
 
 
 def train_dense_twin(args: argparse.Namespace, model: torch.nn.Module, iterations: int,
                      start_iteration: int = 0, grad_norms: Optional[List[float]] = None) -> List[float]:
-    """Train a single-process model (e.g. :class:`~mpu_lab.models.PlainGPT` holding the
+    """Train a single-process model (e.g. :class:`~mpu_lab.training.plain_gpt.PlainGPT` holding the
     gathered TP=1 weights) with the same data, batches, optimizer, schedule and clipping as
     :func:`train` at DP=1 (``num_micro_batches x DP`` micro-batches per step). Returns the
     per-iteration losses; appends each step's gradient norm (before clipping) to

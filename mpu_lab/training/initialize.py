@@ -1,207 +1,156 @@
-"""Setting a run up (Megatron's ``megatron/training/training.py`` ``get_model`` and
-``setup_model_and_optimizer``, and ``get_batch`` of ``pretrain_gpt.py``): :class:`TrainState`,
-what a run carries from step to step; :func:`get_model`, this rank's part of the GPT;
-:func:`setup`, which initialises the groups and seeds, wraps the model in DDP over the
-data x context parallel group at PP=1 (its bucket all-reduces routed through
-:func:`~mpu_lab.training.finalize_model_grads.ddp_allreduce_hook`), builds AdamW, the
-learning-rate schedule and the data and loads a checkpoint; :func:`get_batch`, a
-micro-batch read by tensor-parallel rank 0 and broadcast to its group, then cut to this
-context-parallel rank's chunks."""
+"""Start ``torch.distributed`` the way every ``launch/`` script and test does (backend, device,
+timeout): Megatron-LM's ``megatron/training/initialize.py``, ``_initialize_distributed``.
+
+The rule, so the same script runs on a laptop CPU, one shared GPU or one GPU per rank:
+
+* every local rank has a GPU of its own  -> NCCL, ``cuda:LOCAL_RANK``;
+* more local ranks than GPUs (one GPU shared by several ranks) -> gloo, ``cuda:LOCAL_RANK % n``;
+  NCCL would refuse with "Duplicate GPU detected";
+* no GPU -> gloo on the CPU.
+
+The collective timeout is short (60 s by default, ``MPU_LAB_TIMEOUT_S`` overrides) so a lab
+whose ranks disagree fails in a minute instead of NCCL's 10 or gloo's 30.
+"""
 from __future__ import annotations
 
-import argparse
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional
+import datetime
+import os
+import socket
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mpu_lab import checkpointing, datasets, distributed, parallel_state
-from mpu_lab.context_parallel import get_batch_on_this_cp_rank
-from mpu_lab.distributed.distributed_data_parallel import DistributedDataParallel
-from mpu_lab.models.gpt import build_model_chunks
-from mpu_lab.models.moe import is_expert_parameter
-from mpu_lab.models.transformer import sequence_parallel_params
-from mpu_lab.optimizer import DistributedOptimizer, DynamicLossScaler, build_optimizer
-from mpu_lab.pipeline_parallel import (
-    model_chunks_of,
-    shared_embedding_or_output_weight,
-    sync_embedding_weights,
-)
-from mpu_lab.tensor_parallel import broadcast_data, model_parallel_manual_seed
-from mpu_lab.training.arguments import model_config, vocab_padding_message
-from mpu_lab.training.finalize_model_grads import ddp_allreduce_hook
-from mpu_lab.training.optimizer_param_scheduler import OptimizerParamScheduler, build_scheduler
+from mpu_lab.core import parallel_state
+from mpu_lab.core.utils import get_device, set_device
+
+DEFAULT_TIMEOUT_S = 60.0
 
 
-@dataclasses.dataclass
-class TrainState:
-    args: argparse.Namespace
-    model: torch.nn.Module            # the GPTModel (PP > 1: this rank's stage; a ModuleList of
-                                      # its chunks with virtual stages)
-    ddp_model: torch.nn.Module        # what forward goes through (DDP, or the model at DP=1)
-    optimizer: torch.optim.Optimizer
-    scheduler: OptimizerParamScheduler
-    dataset: Any
-    iteration: int = 0               # optimizer steps done
-    scaler: Optional[DynamicLossScaler] = None
-    skipped_iterations: int = 0
-    model_chunks: List[torch.nn.Module] = dataclasses.field(default_factory=list)
-    # Megatron's data parallelism (mpu_lab.distributed.DistributedDataParallel), one per chunk,
-    # with --use-distributed-optimizer or --overlap-grad-reduce; empty on the torch-DDP path
-    ddp_chunks: List[DistributedDataParallel] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self):
-        if not self.model_chunks:
-            self.model_chunks = model_chunks_of(self.model)
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
 
 
-def get_model(args: argparse.Namespace) -> torch.nn.Module:
-    """This rank's part of the GPT (Megatron's ``get_model``): the whole
-    :class:`~mpu_lab.models.GPTModel` at PP=1; at PP > 1 its pipeline stage, or a
-    ``ModuleList`` of its ``v`` chunks with virtual stages, holding the same weights as the
-    PP=1 model (:func:`~mpu_lab.models.build_model_chunks`), the tied embedding copies made
-    equal over the embedding group. Groups and seeds must be set."""
-    chunks = build_model_chunks(model_config(args), args.padded_vocab_size,
-                                args.max_position_embeddings)
-    if args.pipeline_model_parallel_size > 1:
-        sync_embedding_weights(chunks)
-    return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+def choose_backend(local_world_size: int, gpu_count: Optional[int] = None) -> str:
+    """``"nccl"`` when each of ``local_world_size`` ranks gets its own GPU, else ``"gloo"``."""
+    if gpu_count is None:
+        gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpu_count >= 1 and local_world_size <= gpu_count and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
 
 
-def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> TrainState:
-    """Groups, seeds, model, DDP, optimizer, schedule, data; loads ``args.load`` if given.
-    ``args`` must have been through :func:`validate_args`. ``torch.distributed`` must be up."""
-    parallel_state.initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        context_parallel_size=getattr(args, "context_parallel_size", 1),
-        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
-        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
-    model_parallel_manual_seed(args.seed)
-    device = distributed.get_device()
-    model = get_model(args)
-    ddp_model = model
-    # The gradients of the weights are averaged over data x context parallel (Megatron's dp-cp
-    # group): CP ranks hold the same weights and different tokens of the same samples.
-    dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    # Data parallelism: torch DDP at PP=1. At PP > 1 the schedule interleaves the backwards of
-    # many micro-batches (and chunks) with p2p messages; DDP would all-reduce during the last
-    # micro-batch's backward, which under 1F1B is not the last backward to run. So there the
-    # gradients are all-reduced explicitly over the data-parallel group once per step, after
-    # the schedule (allreduce_data_parallel_grads), as Megatron's own DDP does in
-    # finish_grad_sync.
-    ddp_chunks: List[DistributedDataParallel] = []
-    if getattr(args, "use_distributed_optimizer", False) or getattr(args, "overlap_grad_reduce", False):
-        ddp_chunks = wrap_megatron_ddp(model_chunks_of(model), args)
-    elif dp_cp > 1 and args.pipeline_model_parallel_size == 1 and not has_experts(args):
-        # (with experts no torch DDP: it would average the expert gradients over the dense
-        # data-parallel group; train_step reduces them after backward, finalize_grads)
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
-                        process_group=group)   # GPTModel has no buffers to sync
-        ddp_model.register_comm_hook((group, dp_cp), ddp_allreduce_hook)
-    if ddp_chunks and args.use_distributed_optimizer:
-        optimizer = DistributedOptimizer(ddp_chunks, args)
-    else:
-        optimizer = build_optimizer(model, args)
-    scheduler = build_scheduler(optimizer, args)
-    num_samples = args.global_batch_size * max(args.train_iters, 1)
-    dataset = datasets.build_dataset(args.data_path, num_samples, args.seq_length,
-                                     args.vocab_size, args.seed)
-    state = TrainState(args, model, ddp_model, optimizer, scheduler, dataset,
-                       scaler=DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None,
-                       ddp_chunks=ddp_chunks)
-    if dist.get_rank() == 0 and args.padded_vocab_size != args.vocab_size:
-        log(vocab_padding_message(args))
-    if args.load:
-        info = checkpointing.load_checkpoint(
-            args.load, model, optimizer=None if args.no_load_optim else optimizer,
-            scheduler=None if args.no_load_optim else scheduler, load_rng=not args.no_load_rng,
-            args=args)
-        state.iteration = info["iteration"]
-        if dist.get_rank() == 0:
-            log(f"> loaded {info['path']} (iteration {info['iteration']}, saved at TP="
-                f"{info['tensor_model_parallel_size']} PP={info.get('pipeline_model_parallel_size', 1)}"
-                f", now TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size})")
-    return state
+def choose_device(local_rank: int, gpu_count: Optional[int] = None) -> torch.device:
+    """The device of a local rank: its own GPU, a shared GPU (round-robin), or the CPU."""
+    if gpu_count is None:
+        gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpu_count == 0:
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % gpu_count)
 
 
-def has_experts(args: argparse.Namespace) -> bool:
-    """Whether the model's MLPs are mixture-of-experts layers (``--num-experts``)."""
-    return getattr(args, "num_experts", None) is not None
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now, for a rendezvous (``MASTER_PORT``). The operating
+    system picks it; another process may still take it before the rendezvous binds it."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
-def late_params(chunk: torch.nn.Module) -> List[torch.nn.Parameter]:
-    """The parameters of ``chunk`` whose gradients get a model-parallel sum before the
-    data-parallel one (Megatron's ``finalize_model_grads`` order): the sequence-parallel
-    LayerNorms and biases (summed over the tensor-parallel group) and, with pipeline stages,
-    the tied embedding's copy on the first or last stage (summed over the embedding group)."""
-    late = list(sequence_parallel_params(chunk)) \
-        if parallel_state.get_tensor_model_parallel_world_size() > 1 else []
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1 and \
-            (getattr(chunk, "pre_process", False) or getattr(chunk, "post_process", False)):
-        weight = shared_embedding_or_output_weight(chunk)
-        if weight is not None and all(weight is not p for p in late):
-            late.append(weight)
-    return late
+def synchronize(device) -> None:
+    """Wait until the kernels queued on ``device`` have run (nothing to wait for on the CPU):
+    a wall-clock time read after a CUDA launch would otherwise measure the launch only."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def wrap_megatron_ddp(chunks: List[torch.nn.Module], args: argparse.Namespace
-                      ) -> List[DistributedDataParallel]:
-    """One :class:`~mpu_lab.distributed.distributed_data_parallel.DistributedDataParallel`
-    per model chunk over the data x context parallel group (Megatron's dp-cp group: the
-    distributed optimizer shards over it too), with buckets of ``--ddp-bucket-size`` elements,
-    Megatron's default ``max(40M, 1M x DP x CP)``. The chunks keep running their own forward:
-    the wrapper's hooks sit on the parameters.
-
-    With experts (Megatron's separate expert buffer), each chunk gets a second wrapper for its
-    expert parameters, over the expert-data-parallel group — the ranks holding the same
-    experts; the distributed optimizer shards those over it — their sums scaled by ``1 / d``
-    as the dense average (see :func:`mpu_lab.models.moe.finish_grad_sync` for why ``d``)."""
-    dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    size = args.ddp_bucket_size or max(40_000_000, 1_000_000 * dp_cp)
-    options = dict(overlap_grad_reduce=args.overlap_grad_reduce,
-                   use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=size,
-                   num_micro_batches=args.num_micro_batches)
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if not has_experts(args):
-        return [DistributedDataParallel(chunk, group, late_params=late_params(chunk), **options)
-                for chunk in chunks]
-    wrapped = []
-    for chunk in chunks:
-        dense = [p for p in chunk.parameters() if not is_expert_parameter(p)]
-        experts = [p for p in chunk.parameters() if is_expert_parameter(p)]
-        wrapped.append(DistributedDataParallel(chunk, group, late_params=late_params(chunk),
-                                               params=dense, **options))
-        wrapped.append(DistributedDataParallel(
-            chunk, parallel_state.get_expert_data_parallel_group(), params=experts,
-            gradient_scaling_factor=1.0 / dp_cp, **options))
-    return wrapped
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
 
 
-def get_batch(state: TrainState, iteration: int, micro_batch: int) -> Dict[str, torch.Tensor]:
-    """This rank's micro-batch: read by tensor-parallel rank 0, broadcast to its group
-    (Megatron's ``broadcast_data``: the group works on the same tokens); with context
-    parallelism, this CP rank's chunks of it (Megatron's ``get_batch_on_this_cp_rank``: tokens,
-    labels, loss mask and position ids, ``[b, s/cp]``). The CP ranks of a replica read the same
-    samples: the data-parallel rank leaves CP out."""
-    args = state.args
-    keys = ["tokens", "labels", "position_ids", "loss_mask"]
-    data = None
-    if parallel_state.get_tensor_model_parallel_rank() == 0:
-        ids = datasets.batch_indices(iteration, micro_batch, args.micro_batch_size,
-                                     parallel_state.get_data_parallel_rank(),
-                                     parallel_state.get_data_parallel_world_size(),
-                                     args.num_micro_batches)
-        batch = datasets.collate([state.dataset[i] for i in ids])
-        batch["loss_mask"] = batch["loss_mask"].long()
-        data = batch
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        out = broadcast_data(keys, data, torch.int64)
-    else:
-        device = distributed.get_device()
-        out = {k: data[k].to(device) for k in keys}
-    out["loss_mask"] = out["loss_mask"].float()
-    return get_batch_on_this_cp_rank(out)
+def init(backend: str = "auto", timeout_s: Optional[float] = None, device: Optional[str] = None) -> DistInfo:
+    """Initialise the default process group from torchrun's environment variables.
+
+    ``backend``: ``"auto"`` (the rule above), ``"gloo"`` or ``"nccl"``; the environment variable
+    ``MPU_LAB_BACKEND`` overrides ``"auto"``. ``device``: ``"cpu"`` forces CPU tensors even when
+    a GPU is present (``MPU_LAB_DEVICE`` likewise). Calling it twice returns the same info.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError(
+            "RANK / WORLD_SIZE are not set: start this script with torchrun, e.g. "
+            "`torchrun --standalone --nproc-per-node 4 script.py`, or from a notebook with "
+            "mpu_lab.launcher.run(...)"
+        )
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("MPU_LAB_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+    device = device or os.environ.get("MPU_LAB_DEVICE")
+    gpu_count = 0 if device == "cpu" else (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if backend == "auto":
+        backend = os.environ.get("MPU_LAB_BACKEND", "auto")
+    if backend == "auto":
+        backend = choose_backend(local_world_size, gpu_count)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and local_world_size > gpu_count:
+        raise ValueError(
+            f"backend 'nccl' needs one GPU per local rank: {local_world_size} local ranks but "
+            f"{gpu_count} GPU(s) visible; use backend='gloo' (or 'auto') to share GPUs"
+        )
+    dev = choose_device(local_rank, gpu_count)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            kwargs["device_id"] = dev
+        dist.init_process_group(**kwargs)
+    # Megatron's groups get the same short timeout, not torch's 30-minute default for new groups
+    parallel_state.set_default_timeout(datetime.timedelta(seconds=timeout_s))
+    info = DistInfo(rank, world_size, local_rank, local_world_size, dist.get_backend(), dev)
+    global _INFO
+    _INFO = info
+    set_device(dev)
+    return info
+
+
+_INFO: Optional[DistInfo] = None
+
+
+def shutdown():
+    """Tear down the default group (idempotent). Call it on success only: a failing rank
+    should exit at once, because ``destroy_process_group`` can block on dead peers."""
+    global _INFO
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _INFO = None
+    set_device(None)
+
+
+def init_single_process(backend: str = "auto"):
+    """A one-rank ``torch.distributed`` world and TP=1 groups in this very process (a notebook,
+    a benchmark, a unit test). Does nothing when a world already exists."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        init(backend=backend)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "DistInfo", "choose_backend", "choose_device", "free_port",
+           "synchronize", "init", "get_device", "shutdown", "init_single_process"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict
 
-from mpu_lab.utils import divisors
+from mpu_lab.core.utils import divisors
 
 DISPATCHERS = ("alltoall", "allgather")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -41,7 +41,7 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
 
 
 def moe_config_fields(args) -> Dict[str, Any]:
-    """The :class:`~mpu_lab.models.transformer_config.TransformerConfig` fields of the flags."""
+    """The :class:`~mpu_lab.core.transformer.transformer_config.TransformerConfig` fields of the flags."""
     return dict(num_moe_experts=getattr(args, "num_experts", None),
                 moe_router_topk=getattr(args, "moe_router_topk", 2),
                 moe_router_score_function=getattr(args, "moe_router_score_function", "softmax"),

@@ -9,8 +9,9 @@ from typing import Optional
 
 import torch
 
-from mpu_lab import comm, distributed, parallel_state
-from mpu_lab.models.moe import TopKRouter
+from mpu_lab.core import comm, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab.core.transformer.moe import TopKRouter
 
 
 def load_balancing_loss(model_chunks) -> Optional[float]:
@@ -24,7 +25,7 @@ def load_balancing_loss(model_chunks) -> Optional[float]:
     pipeline only."""
     routers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
     losses = [r.load_balancing_loss for r in routers if r.load_balancing_loss is not None]
-    device = distributed.get_device()
+    device = initialize.get_device()
     total = torch.stack(losses).sum().float() if losses else torch.zeros((), device=device)
     layers = torch.tensor(float(len(losses)) if
                           parallel_state.get_tensor_model_parallel_rank() == 0 else 0.0,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from mpu_lab.context_parallel import COMM_TYPES
-from mpu_lab.utils import divisors, nearest_multiples
+from mpu_lab.core.context_parallel import COMM_TYPES
+from mpu_lab.core.utils import divisors, nearest_multiples
 
 
 def add_parallelism_args(p: argparse.ArgumentParser) -> None:

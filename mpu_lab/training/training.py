@@ -3,7 +3,7 @@ micro-batches' forward and backward passes (gradient accumulation; DDP all-reduc
 last one), the gradient reductions, fp16 loss-scale check, TP-aware clipping and the optimizer
 step — or, with ``--pipeline-model-parallel-size`` > 1, :func:`train_step_pipelined`, where the
 micro-batches go through the stages under
-:func:`~mpu_lab.pipeline_parallel.get_forward_backward_func` (GPipe, 1F1B or interleaved) with
+:func:`~mpu_lab.core.pipeline_parallel.get_forward_backward_func` (GPipe, 1F1B or interleaved) with
 :func:`forward_step`; both reduce the loss with :func:`loss_across_context_parallel_ranks`
 (:func:`masked_mean_loss`, over the context-parallel ranks' shares of the tokens) and
 :func:`average_losses_across_data_parallel_group` and return :func:`_step_output`'s dict.
@@ -23,20 +23,18 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mpu_lab import checkpointing, comm, distributed, parallel_state
-from mpu_lab.optimizer import DistributedOptimizer, clip_grad_norm
-from mpu_lab.pipeline_parallel import (
-    average_losses_across_microbatches,
-    get_forward_backward_func,
-    unwrap_model,
-)
-from mpu_lab.checkpointing import gather_model_state_dict
-from mpu_lab.models import PlainGPT
-from mpu_lab.models.moe import MoEAuxLossAutoScaler
+from mpu_lab.training import checkpointing, initialize
+from mpu_lab.core import comm, parallel_state
+from mpu_lab.core.optimizer import DistributedOptimizer, clip_grad_norm
+from mpu_lab.core.pipeline_parallel import (
+    average_losses_across_microbatches, get_forward_backward_func, unwrap_model)
+from mpu_lab.training.checkpointing import gather_model_state_dict
+from mpu_lab.training.plain_gpt import PlainGPT
+from mpu_lab.core.transformer.moe import MoEAuxLossAutoScaler
 from mpu_lab.training.arguments import model_config, parse_args, validate_args
 from mpu_lab.training.dense_twin import train_dense_twin
-from mpu_lab.training.finalize_model_grads import finalize_grads
-from mpu_lab.training.initialize import TrainState, get_batch, has_experts, setup
+from mpu_lab.core.distributed.finalize_model_grads import finalize_model_grads
+from mpu_lab.training.setup import TrainState, get_batch, has_experts, setup
 from mpu_lab.training.moe_metrics import load_balancing_loss
 
 
@@ -152,7 +150,7 @@ def train_step(state: TrainState) -> Dict[str, float]:
     if state.args.pipeline_model_parallel_size > 1:
         return train_step_pipelined(state)
     args, model, ddp_model = state.args, state.model, state.ddp_model
-    device = distributed.get_device()
+    device = initialize.get_device()
     model.train()
     _zero_grads(state)
     _set_aux_loss_scale(state, device)
@@ -175,7 +173,7 @@ def train_step(state: TrainState) -> Dict[str, float]:
     # with experts and no Megatron-DDP (no torch DDP either): dense and expert gradients are
     # averaged here, each over its group
     plain_experts = has_experts(args) and not state.ddp_chunks
-    finalize_grads(model, data_parallel_params=params if plain_experts else None,
+    finalize_model_grads(model, data_parallel_params=params if plain_experts else None,
                    ddp_chunks=state.ddp_chunks)
     lr, grad_norm, skipped = _optimizer_step(args, state, params)
     # Loss of the global batch: mean over micro-batches, then over the data-parallel group.
@@ -200,7 +198,7 @@ def forward_step(state: TrainState, data_iterator, model):
     batch = next(data_iterator)
     chunk = unwrap_model(model)
     labels = batch["labels"] if chunk.post_process else None
-    with _autocast(state.args, distributed.get_device()):
+    with _autocast(state.args, initialize.get_device()):
         if chunk.pre_process:
             output = model(batch["tokens"], batch["position_ids"], labels=labels)
         else:
@@ -222,7 +220,7 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
     — clipped over the model-parallel group and applied. The loss lives on the last stage; it
     is broadcast over the pipeline so every rank returns it."""
     args, chunks = state.args, state.model_chunks
-    device = distributed.get_device()
+    device = initialize.get_device()
     for chunk in chunks:
         chunk.train()
     _zero_grads(state)
@@ -240,7 +238,7 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
         micro_batch_size=args.micro_batch_size, forward_only=False,
         grad_scale_func=(lambda loss: loss * scale) if state.scaler else None)
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
-    finalize_grads(chunks, data_parallel_params=None if state.ddp_chunks else params,
+    finalize_model_grads(chunks, data_parallel_params=None if state.ddp_chunks else params,
                    ddp_chunks=state.ddp_chunks)
     lr, grad_norm, skipped = _optimizer_step(args, state, params)
     # The loss of the global batch: on the last stage the mean over micro-batches, averaged
@@ -260,21 +258,21 @@ def train(state: TrainState, train_iters: Optional[int] = None,
     metrics of each logged iteration (the same dicts as the ``--metrics-file`` lines)."""
     args = state.args
     end = args.train_iters if train_iters is None else train_iters
-    device = distributed.get_device()
+    device = initialize.get_device()
     rank0 = dist.get_rank() == 0
     metrics_out = open(args.metrics_file, "a") if (args.metrics_file and rank0) else None
     tokens_per_iteration = args.global_batch_size * args.seq_length
     logged: List[Dict[str, Any]] = []
     window_losses, window_start = [], None
     try:
-        distributed.synchronize(device)
+        initialize.synchronize(device)
         window_start = time.perf_counter()
         while state.iteration < end:
             step = train_step(state)
             window_losses.append(step["lm_loss"])
             it = state.iteration
             if it % args.log_interval == 0 or it == end:
-                distributed.synchronize(device)
+                initialize.synchronize(device)
                 now = time.perf_counter()
                 dt = (now - window_start) / len(window_losses)
                 record = dict(iteration=it, lm_loss=sum(window_losses) / len(window_losses),
@@ -322,7 +320,7 @@ def dense_twin_weights(state: TrainState) -> Optional[Dict[str, torch.Tensor]]:
 def dense_twin_losses(args: argparse.Namespace, weights: Dict[str, torch.Tensor],
                       iterations: Optional[int] = None) -> List[float]:
     """The per-iteration losses of the run's dense twin: a
-    :class:`~mpu_lab.models.PlainGPT` holding ``weights`` (:func:`dense_twin_weights`),
+    :class:`~mpu_lab.training.plain_gpt.PlainGPT` holding ``weights`` (:func:`dense_twin_weights`),
     trained in this process like the run (:func:`~mpu_lab.training.dense_twin.train_dense_twin`);
     what a run's logged losses are compared with (``--dense-twin``)."""
     twin = PlainGPT.from_config(model_config(args), args.padded_vocab_size,

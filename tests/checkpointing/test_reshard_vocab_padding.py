@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpu_lab import checkpointing, training
-from mpu_lab.checkpointing import vocab_padding
-from mpu_lab.models import pad_vocab_size
+from mpu_lab.training import checkpointing
+from mpu_lab import training
+from mpu_lab.training.checkpointing import vocab_padding
+from mpu_lab.core.models.gpt import pad_vocab_size
 
 VOCAB = 130
 BASE = ["--num-layers", 1, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,

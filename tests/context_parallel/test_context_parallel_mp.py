@@ -1,4 +1,4 @@
-"""mpu_lab.context_parallel on real ranks (gloo): ``attention`` against full causal attention
+"""mpu_lab.core.context_parallel on real ranks (gloo): ``attention`` against full causal attention
 over the whole sequence in one process (fp64 SDPA and its autograd gradients, re-split in
 Megatron's layout), forward and q/k/v gradients, at cp = 2 and cp = 4 and with the CP group
 inside a tp = 2 x cp = 2 world; ``get_batch_on_this_cp_rank`` on the real CP group; bad inputs
@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from mpu_lab import context_parallel
+from mpu_lab.core import context_parallel
 from mpu_lab.launcher import run
 
 pytestmark = pytest.mark.slow

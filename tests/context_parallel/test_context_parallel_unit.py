@@ -1,4 +1,4 @@
-"""mpu_lab.context_parallel in one process: Megatron's layout against positions worked by hand,
+"""mpu_lab.core.context_parallel in one process: Megatron's layout against positions worked by hand,
 the causal block pattern of the ring against a brute-force mask, the log-sum-exp merge and the
 block backward against torch's SDPA and autograd, and the errors bad inputs raise.
 The multi-rank attention itself: tests/context_parallel/test_context_parallel_mp.py."""
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpu_lab import context_parallel as cp
-from mpu_lab import parallel_state as ps
-from mpu_lab.context_parallel import block_attention, layout, ring_attention
+from mpu_lab.core import context_parallel as cp
+from mpu_lab.core import parallel_state as ps
+from mpu_lab.core.context_parallel import block_attention, layout, ring_attention
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import torch
 from mpu_lab import launcher
 from mpu_lab.launcher import LaunchError, diagnosis, runner
 from mpu_lab.labkit import faults, twin_check
-from mpu_lab.optimizer import DynamicLossScaler
+from mpu_lab.core.optimizer import DynamicLossScaler
 from mpu_lab.training import training as loop
 from process_watch import ProcessWatch
 
@@ -118,7 +118,7 @@ def test_skipped_collective_pairs_unrelated_calls(fault_jobs):
     assert fault_jobs["skip-collective"]["seconds"] <= PEER_LOST_BOUND_S
     assert re.search(r"rank 0 aborted \(SIGABRT.*\) at mpu_lab/training/training\.py:\d+ in "
                      r"average_losses_across_data_parallel_group", message)
-    assert re.search(r"all_reduce at mpu_lab/training/finalize_model_grads\.py:\d+ in "
+    assert re.search(r"all_reduce at mpu_lab/core/distributed/finalize_model_grads\.py:\d+ in "
                      r"ddp_allreduce_hook, reached by rank\(s\) \[1\]", message)
     assert "likely cause: rank 0 aborted in a collective at" in message
     assert "another order" in message
@@ -139,9 +139,9 @@ def test_wrong_group_leaves_ranks_in_different_collectives(fault_jobs):
     in the tensor-parallel group {0, 1}; the others end up in other collectives."""
     message = _error(fault_jobs, "wrong-group")
     assert fault_jobs["wrong-group"]["seconds"] <= TIMEOUT_BOUND_S
-    assert re.search(r"rank 0 (at|raised at) mpu_lab/optimizer/clip_grads\.py:\d+ in "
+    assert re.search(r"rank 0 (at|raised at) mpu_lab/core/optimizer/clip_grads\.py:\d+ in "
                      r"clip_grad_norm", message) or \
-        re.search(r"all_reduce at mpu_lab/optimizer/clip_grads\.py:\d+ in clip_grad_norm, "
+        re.search(r"all_reduce at mpu_lab/core/optimizer/clip_grads\.py:\d+ in clip_grad_norm, "
                   r"reached by rank\(s\) \[0\]", message)
     assert "likely cause: the ranks wait in different collectives" in message
     assert "another process group" in message
@@ -287,7 +287,7 @@ def test_likely_cause_from_records_alone(tmp_path):
 # --------------------------------------------------------------------------- the injection itself
 def test_training_loop_and_checkpoint_save_carry_no_fault_code():
     """The code a learner reads has no fault branch: the lab kit wraps it from outside."""
-    for path in ("mpu_lab/training/training.py", "mpu_lab/checkpointing/save_load.py"):
+    for path in ("mpu_lab/training/training.py", "mpu_lab/training/checkpointing/save_load.py"):
         source = (launcher.REPO_ROOT / path).read_text()
         assert not re.search(r"\bfaults?\b|inject|os\._exit|MPU_LAB_FAULT|import.*labkit",
                              source), path
@@ -295,12 +295,12 @@ def test_training_loop_and_checkpoint_save_carry_no_fault_code():
 
 @pytest.mark.parametrize("kind,call", [
     ("hang", None), ("divergence", None), ("pp-deadlock", None),
-    ("crash", "finalize_grads"), ("fp16-overflow", "finalize_grads"),
+    ("crash", "finalize_model_grads"), ("fp16-overflow", "finalize_model_grads"),
     ("skip-collective", "average_losses_across_data_parallel_group"),
     ("mismatched-shape", "average_losses_across_data_parallel_group"),
     ("wrong-group", "clip_grad_norm")])
 def test_inject_replaces_the_step_and_the_one_call_of_its_kind_then_puts_them_back(world, kind, call):
-    names = ["train_step", "finalize_grads", "average_losses_across_data_parallel_group",
+    names = ["train_step", "finalize_model_grads", "average_losses_across_data_parallel_group",
              "clip_grad_norm"]
     before = {name: getattr(loop, name) for name in names}
     remove = faults.inject(faults.Fault(kind, 0, 2))
@@ -314,18 +314,18 @@ def test_inject_replaces_the_step_and_the_one_call_of_its_kind_then_puts_them_ba
 
 def _one_step(monkeypatch, fault, iteration, scale=2.0 ** 16):
     """Run the injected train_step once on a stand-in step that calls the (wrapped)
-    finalize_grads and the loss average as the real steps do; returns what it saw."""
+    finalize_model_grads and the loss average as the real steps do; returns what it saw."""
     seen = {}
 
     def step(state):
         seen["scale_in_backward"] = state.scaler.scale
-        loop.finalize_grads()
+        loop.finalize_model_grads()
         seen["scale_at_optimizer_step"] = state.scaler.scale
         seen["loss"] = loop.average_losses_across_data_parallel_group(torch.tensor(3.0))
         return {}
 
     monkeypatch.setattr(loop, "train_step", step)
-    monkeypatch.setattr(loop, "finalize_grads", lambda *a, **k: None)
+    monkeypatch.setattr(loop, "finalize_model_grads", lambda *a, **k: None)
     state = SimpleNamespace(iteration=iteration, scaler=DynamicLossScaler(scale))
     remove = faults.inject(fault)
     try:

@@ -12,7 +12,7 @@ from mpu_lab.perf import activation_memory as memory
 
 # --------------------------------------------------------------------------- lab 07
 def test_lecture_shapes_are_what_the_live_layer_records_at_d_tp_1(world):
-    from mpu_lab.models import shape_table
+    from mpu_lab.perf.layer_shapes import shape_table
     rows = shape_table(2, 8, 16, 4, tensor_model_parallel_size=1)
     expected = exercises.lecture_shapes(2, 8, 16, 4, 1)
     assert {r["name"]: (r["shape"], r["per_rank"]) for r in rows} == expected

@@ -147,7 +147,7 @@ def test_params_8gpu_is_the_8gpu_profile():
 def test_gpu_profiles_keep_lab_07_comparable():
     """Every TP size must divide the heads and build the same padded vocabulary, or the loss
     curves of lab 11 could not coincide."""
-    from mpu_lab.models.gpt import pad_vocab_size
+    from mpu_lab.core.models.gpt.gpt_model import pad_vocab_size
     for name in ("1gpu", "8gpu"):
         v = profiles.values_for(profiles.load(name), "11_train_gpt")
         sizes = v["tp_sizes"] + [v["resume_tp"], 2]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from mpu_lab import parallel_state
+from mpu_lab.core import parallel_state
 from mpu_lab.labkit import exercises, viz
 from mpu_lab.labkit.exercises import Verdict
 

@@ -1,7 +1,7 @@
 """Lab 09's pictures (mpu_lab.labkit.viz.pipeline): the pair of Gantt charts, measured above
 predicted, each with its own title and the idle share of its own records."""
 from mpu_lab.labkit.viz import plot_gantt_pair
-from mpu_lab.pipeline_parallel import simulate
+from mpu_lab.perf.pipeline_simulation import simulate
 
 
 def test_gantt_pair_draws_two_charts_with_their_own_idle_shares():

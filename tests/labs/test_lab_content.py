@@ -23,7 +23,7 @@ def test_lab06_embedding_groups_at_dp_2_are_megatrons():
     """8 ranks, 4 stages: the pipelines are [0, 2, 4, 6] and [1, 3, 5, 7] (dp varies fastest
     after tp), so the embedding groups (first and last stage) are [0, 6] and [1, 7] — not the
     [0, 3] and [4, 7] of a "ranks d·pp .. d·pp + pp - 1" reading."""
-    from mpu_lab.parallel_state import generate_rank_groups
+    from mpu_lab.core.parallel_state import generate_rank_groups
     text = run_cell("09_pipeline_parallel.ipynb", 'groups["embedding"]',
                     dict(world_size=8, pp=4, generate_rank_groups=generate_rank_groups))
     assert text.splitlines() == ["pipeline [0, 2, 4, 6]: embedding group [0, 6]",

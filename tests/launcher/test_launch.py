@@ -134,6 +134,6 @@ def test_an_environment_inside_the_repository_is_not_the_repositorys_code():
             f'  File "{engine}", line 100 in run_on_engine\n')
     assert debugging.format_stack(dump) == [
         "all_reduce           (torch/distributed/distributed_c10d.py)",
-        "all_reduce           (mpu_lab/comm.py:80)"]
+        "all_reduce           (mpu_lab/core/comm.py:80)"]
     assert diagnosis.short_path(torch_file) == "distributed_c10d.py"
-    assert diagnosis.short_path(own) == "mpu_lab/comm.py"
+    assert diagnosis.short_path(own) == "mpu_lab/core/comm.py"

@@ -23,9 +23,10 @@ import time
 
 import pytest
 
-from mpu_lab import checkpointing, launcher
+from mpu_lab.training import checkpointing
+from mpu_lab import launcher
 from mpu_lab import training  # noqa: F401  (imported here: no timed call pays for it)
-from mpu_lab.checkpointing import CheckpointError
+from mpu_lab.training.checkpointing import CheckpointError
 from mpu_lab.launcher import LaunchError, run
 from mpu_lab.launcher import diagnosis, runner
 from process_watch import ProcessWatch
@@ -503,7 +504,7 @@ def test_a_rank_that_exits_while_the_others_are_outside_any_collective(tmp_path)
     (tmp_path / "stack_rank0.txt").write_text(
         'Stack (most recent call first):\n'
         '  File "/site-packages/torch/distributed/checkpoint/filesystem.py", line 40 in _write\n'
-        f'  File "{launcher.REPO_ROOT}/mpu_lab/checkpointing/save_load.py", line 77 in '
+        f'  File "{launcher.REPO_ROOT}/mpu_lab/training/checkpointing/save_load.py", line 77 in '
         'save_checkpoint\n'
         f'  File "{launcher.REPO_ROOT}/launch/train_gpt.py", line 90 in main\n')
     codes = {1: 3, 0: -15}
@@ -511,7 +512,7 @@ def test_a_rank_that_exits_while_the_others_are_outside_any_collective(tmp_path)
     assert text.splitlines() == [
         "No rank raised: rank 1 exited with code 3 without a Python exception (os._exit, or "
         "killed).",
-        "The others: rank 0 was stopped at mpu_lab/checkpointing/save_load.py:77 in "
+        "The others: rank 0 was stopped at mpu_lab/training/checkpointing/save_load.py:77 in "
         "save_checkpoint.",
         "likely cause: rank 1 exited with code 3 without a Python exception (an os._exit or "
         "sys.exit in a library, or the operating system killed it: out of memory? see dmesg), "

@@ -7,9 +7,10 @@ import shutil
 import pytest
 import torch
 
-from mpu_lab import checkpointing
+from mpu_lab.training import checkpointing
 from mpu_lab.launcher import run
-from mpu_lab.models import PlainGPT, TransformerConfig
+from mpu_lab.training.plain_gpt import PlainGPT
+from mpu_lab.core.transformer import TransformerConfig
 from mp_reports import rel_diff
 
 pytestmark = pytest.mark.slow
@@ -135,7 +136,7 @@ def test_consolidated_checkpoint_is_one_ordinary_state_dict(reports, tmp_path):
     import hashlib
     path = reports[0]["saved_path"]
     out = tmp_path / "model.pt"
-    from mpu_lab.checkpointing import main
+    from mpu_lab.training.checkpointing import main
     assert main(["consolidate", path, str(out)]) == 0
     sd = torch.load(out)
     digest = {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in sd.items()}
@@ -205,7 +206,7 @@ def test_train_gpt_script_writes_metrics_saves_and_resumes_at_another_tp_and_pp(
     assert [m["lm_loss"] for r in resumed.results for m in r["metrics"]] == \
         [resumed.results[1]["metrics"][0]["lm_loss"]] * 2    # stage 0 got the last stage's loss
     from mpu_lab.perf.pipeline_timeline import pipeline_records
-    from mpu_lab.pipeline_parallel import schedule_order
+    from mpu_lab.perf.pipeline_order import schedule_order
     timeline = pipeline_records(resumed.results)
     assert (timeline["schedule"], timeline["num_microbatches"], timeline["ranks"]) == ("1f1b", 2, [0, 1])
     assert [[list(r[:3]) for r in recs] for recs in timeline["records"]] == \

@@ -6,11 +6,13 @@ import json
 import pytest
 import torch
 
-from mpu_lab import checkpointing
+from mpu_lab.training import checkpointing
 from mpu_lab.labkit.viz import plot_gantt
-from mpu_lab.models import PlainGPT, TransformerConfig
+from mpu_lab.training.plain_gpt import PlainGPT
+from mpu_lab.core.transformer import TransformerConfig
 from mpu_lab.perf.pipeline_timeline import measured_bubble, pipeline_records
-from mpu_lab.pipeline_parallel import partition_table, schedule_order
+from mpu_lab.core.pipeline_parallel import partition_table
+from mpu_lab.perf.pipeline_order import schedule_order
 from mp_reports import rel_diff
 
 pytestmark = pytest.mark.slow

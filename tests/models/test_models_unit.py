@@ -1,14 +1,17 @@
-"""Single-process tests of mpu_lab.models, datasets, training helpers (TP=1 in this process)."""
+"""Single-process tests of mpu_lab.core.transformer, datasets, training helpers (TP=1 in this process)."""
 import math
 
 import pytest
 import torch
 
-from mpu_lab import datasets, training
-from mpu_lab.checkpointing import CheckpointError, find_checkpoint, gather_model_state_dict
-from mpu_lab.models import (GPTModel, SelfAttention, TransformerLayer, PlainGPT,
-                            TransformerConfig, format_shape_table, pad_vocab_size, shape_table)
-from mpu_lab.models.attention import explicit_causal_attention
+from mpu_lab.training import datasets
+from mpu_lab import training
+from mpu_lab.training.checkpointing import CheckpointError, find_checkpoint, gather_model_state_dict
+from mpu_lab.core.models.gpt import GPTModel, pad_vocab_size
+from mpu_lab.core.transformer import SelfAttention, TransformerLayer, TransformerConfig
+from mpu_lab.training.plain_gpt import PlainGPT
+from mpu_lab.perf.layer_shapes import format_shape_table, shape_table
+from mpu_lab.core.transformer.attention import explicit_causal_attention
 from mpu_lab.perf.comm_counts import count_collectives, expected_layer_counts
 
 

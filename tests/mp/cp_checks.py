@@ -1,4 +1,4 @@
-"""torchrun worker: mpu_lab.context_parallel on 2 or 4 ranks, against a dense single-process
+"""torchrun worker: mpu_lab.core.context_parallel on 2 or 4 ranks, against a dense single-process
 reference.
 
     torchrun --standalone --nproc-per-node 4 tests/mp/cp_checks.py
@@ -15,7 +15,7 @@ Then, at 4 ranks, the world is re-initialised with tp = 2, cp = 2 (CP groups [0,
 [1, 3]: group ranks are not global ranks) and the checks run again, with the group passed
 explicitly. Also reported: the positions ``get_batch_on_this_cp_rank`` keeps, and the errors
 that bad inputs raise (before any collective: the job would hang otherwise).
-The messages each comm type sends (calls and elements per function of mpu_lab.comm, forward
+The messages each comm type sends (calls and elements per function of mpu_lab.core.comm, forward
 and backward) are counted by wrapping those functions from outside.
 Every rank reports ``{"rank", "world", "attention", "batch", "bad_inputs", "messages"}``.
 """
@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab import comm, context_parallel, distributed, launcher
-from mpu_lab.comm import exchange
-from mpu_lab import parallel_state as ps
+from mpu_lab.core import comm, context_parallel
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core.comm import exchange
+from mpu_lab.core import parallel_state as ps
 
 BATCH, HEADS, HEAD_DIM = 2, 4, 8     # test_context_parallel_mp.py counts with these
 CHUNK = 4                      # tokens per chunk: s = 2 * cp * CHUNK
@@ -83,7 +85,7 @@ def attention_checks(results, prefix, group):
 
 def message_counts(cp_size):
     """``{comm_type: {"forward"|"backward": {function: [calls, elements sent]}}}`` of one
-    causal attention call at s = 2*cp*CHUNK, counted by wrapping the functions of mpu_lab.comm
+    causal attention call at s = 2*cp*CHUNK, counted by wrapping the functions of mpu_lab.core.comm
     and comm.exchange from outside (a call made inside another counted one is not counted twice)."""
     names = ("send_recv_async", "send_recv", "all_to_all", "all_gather", "reduce_scatter")
     home = {name: exchange if hasattr(exchange, name) else comm for name in names}
@@ -160,7 +162,7 @@ def bad_input_checks():
 
 @launcher.entrypoint
 def main():
-    distributed.init()
+    initialize.init()
     world = dist.get_world_size()
     ps.initialize_model_parallel(context_parallel_size=world)
     results = {}
@@ -173,7 +175,7 @@ def main():
         report["tp2_cp_group"] = ps.get_group_ranks("cp")
         attention_checks(results, "tp2-cp2", ps.get_context_parallel_group())
     launcher.report(report)
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

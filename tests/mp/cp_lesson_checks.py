@@ -10,13 +10,15 @@ worked by hand.
 """
 import torch.distributed as dist
 
-from mpu_lab import context_parallel, distributed, launcher
+from mpu_lab.core import context_parallel
+from mpu_lab.training import initialize
+from mpu_lab import launcher
 from mpu_lab.labkit import cp_lessons
 
 
 @launcher.entrypoint
 def main():
-    distributed.init()
+    initialize.init()
     world = dist.get_world_size()
     cp_lessons.use_context_parallel(world)
     report = {"rank": dist.get_rank(),
@@ -25,7 +27,7 @@ def main():
               "messages": {ct: cp_lessons.attention_messages(32, 2, 4, 4, ct)
                            for ct in context_parallel.COMM_TYPES}}
     launcher.report(report)
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""torchrun worker: Megatron's data parallelism (mpu_lab.distributed.DistributedDataParallel)
+"""torchrun worker: Megatron's data parallelism (mpu_lab.core.distributed.DistributedDataParallel)
 and distributed optimizer against the plain path (torch DDP / the explicit all-reduce, and
 AdamW), at DP = 4 and at DP = 2 with TP = 2 (and sequence parallelism) or PP = 2; the
 optimizer-state bytes per rank; a checkpoint saved with the distributed optimizer at DP = 4,
@@ -14,7 +14,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mpu_lab import distributed, launcher, parallel_state, training
+from mpu_lab.training import initialize
+from mpu_lab import launcher, training
+from mpu_lab.core import parallel_state
 
 BASE = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
         "--micro-batch-size", 2, "--global-batch-size", 8, "--vocab-size", 128,
@@ -96,9 +98,9 @@ def checks(root):
 
 @launcher.entrypoint
 def main():
-    distributed.init()
+    initialize.init()
     launcher.report(checks(sys.argv[1]))
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

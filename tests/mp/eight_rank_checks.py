@@ -25,19 +25,20 @@ import torch.distributed as dist
 import gpt_pipeline_checks   # this script's folder is first on sys.path
 import state_checks
 import tp_checks
-from mpu_lab import distributed, launcher
-from mpu_lab import parallel_state as ps
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
 
 
 @launcher.entrypoint
 def main():
     t0 = time.perf_counter()
-    distributed.init()
+    initialize.init()
     out = {"rank": dist.get_rank(), "seconds": {"init": round(time.perf_counter() - t0, 2)}}
     # First, as in its own job: the tensor-parallel checks build their tensors with plain
     # factories, on this rank's device.
     t0 = time.perf_counter()
-    torch.set_default_device(distributed.get_device())
+    torch.set_default_device(initialize.get_device())
     out["tp"] = tp_checks.run_checks()
     torch.set_default_device(None)
     out["seconds"]["tp"] = round(time.perf_counter() - t0, 2)
@@ -48,7 +49,7 @@ def main():
         ps.destroy_model_parallel()
     out["gpt_pipeline"] = gpt_pipeline_checks.checks(sys.argv[1], sys.argv[2])
     launcher.report(out)
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

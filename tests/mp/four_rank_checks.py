@@ -29,13 +29,14 @@ import dp_checks    # this script's folder is first on sys.path
 import gpt_checks
 import perf_checks
 import pipeline_checks
-from mpu_lab import distributed, launcher
+from mpu_lab.training import initialize
+from mpu_lab import launcher
 
 
 @launcher.entrypoint
 def main():
     t0 = time.perf_counter()
-    info = distributed.init()
+    info = initialize.init()
     out = {"rank": dist.get_rank(), "seconds": {"init": round(time.perf_counter() - t0, 2)}}
     for name, part in [("gpt", lambda: gpt_checks.checks(sys.argv[1])),
                        ("pipeline", pipeline_checks.checks),
@@ -46,7 +47,7 @@ def main():
         out[name] = part()
         out["seconds"][name] = round(time.perf_counter() - t0, 2)
     launcher.report(out)
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

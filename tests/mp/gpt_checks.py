@@ -13,8 +13,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from mpu_lab import checkpointing, distributed, launcher, parallel_state, training
-from mpu_lab.models import PlainGPT, shape_table
+from mpu_lab.training import checkpointing, initialize
+from mpu_lab import launcher, training
+from mpu_lab.core import parallel_state
+from mpu_lab.training.plain_gpt import PlainGPT
+from mpu_lab.perf.layer_shapes import shape_table
 from mpu_lab.perf.comm_counts import count_collectives, per_layer_counts
 
 BASE = ["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 32,
@@ -119,11 +122,11 @@ def checks(ckpt_dir, out=None):
 @launcher.entrypoint
 def main():
     t_start = time.perf_counter()
-    distributed.init()
+    initialize.init()
     out = {"rank": dist.get_rank(), "seconds": {"init": round(time.perf_counter() - t_start, 2)}}
     launcher.report(checks(sys.argv[1], out))
     t0 = time.perf_counter()
-    distributed.shutdown()
+    initialize.shutdown()
     out["seconds"]["shutdown"] = round(time.perf_counter() - t0, 2)
     launcher.report(out)
 

@@ -15,8 +15,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from mpu_lab import checkpointing, distributed, launcher, parallel_state, training
-from mpu_lab.models import PlainGPT
+from mpu_lab.training import checkpointing, initialize
+from mpu_lab import launcher, training
+from mpu_lab.core import parallel_state
+from mpu_lab.training.plain_gpt import PlainGPT
 
 ITERS = 8
 BASE = ["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 32,
@@ -114,7 +116,7 @@ def resume_at_cp1(out, ckpt_dir):
 @launcher.entrypoint
 def main():
     t_start = time.perf_counter()
-    distributed.init()
+    initialize.init()
     out = {"rank": dist.get_rank(), "runs": {},
            "seconds": {"init": round(time.perf_counter() - t_start, 2)}}
     try:
@@ -124,7 +126,7 @@ def main():
         out["seconds"]["resume"] = round(time.perf_counter() - t0, 2)
     finally:
         launcher.report(out)
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ import traceback
 
 import torch.distributed as dist
 
-from mpu_lab import checkpointing, distributed, launcher, parallel_state, training
+from mpu_lab.training import checkpointing, initialize
+from mpu_lab import launcher, training
+from mpu_lab.core import parallel_state
 
 ITERS = 6
 BASE = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
@@ -113,7 +115,7 @@ def resume_at_other_ep(out, ckpt_dir):
 @launcher.entrypoint
 def main():
     t_start = time.perf_counter()
-    distributed.init()
+    initialize.init()
     out = {"rank": dist.get_rank(), "runs": {},
            "references": {name: ref for name, (ref, _) in CONFIGS.items()},
            "flags": {name: [str(f) for f in BASE + flags] for name, (_, flags) in CONFIGS.items()},
@@ -125,7 +127,7 @@ def main():
         out["seconds"]["resume"] = round(time.perf_counter() - t0, 2)
     finally:
         launcher.report(out)
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

@@ -17,10 +17,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from mpu_lab import checkpointing, distributed, launcher, parallel_state, training
-from mpu_lab.models import PlainGPT, build_model_chunks
+from mpu_lab.training import checkpointing, initialize
+from mpu_lab import launcher, training
+from mpu_lab.core import parallel_state
+from mpu_lab.training.plain_gpt import PlainGPT
+from mpu_lab.core.models.gpt import build_model_chunks
 from mpu_lab.perf.pipeline_timeline import ScheduleRecorder
-from mpu_lab.tensor_parallel import model_parallel_manual_seed
+from mpu_lab.core.tensor_parallel import model_parallel_manual_seed
 
 ITERS = 10
 BASE = ["--num-layers", 8, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
@@ -107,7 +110,7 @@ def training_equality(out, metrics_file):
 
 def _embedding_copies_equal(state):
     """The last stage's copy of the tied embedding equals the first stage's."""
-    from mpu_lab.pipeline_parallel import shared_embedding_or_output_weight
+    from mpu_lab.core.pipeline_parallel import shared_embedding_or_output_weight
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return True
     if not parallel_state.is_rank_in_embedding_group():
@@ -160,10 +163,10 @@ def checks(ckpt_dir, metrics_file, out=None):
 @launcher.entrypoint
 def main():
     t_start = time.perf_counter()
-    distributed.init()
+    initialize.init()
     out = {"rank": dist.get_rank(), "seconds": {"init": round(time.perf_counter() - t_start, 2)}}
     launcher.report(checks(sys.argv[1], sys.argv[2], out))
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

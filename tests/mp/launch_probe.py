@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 
 
-from mpu_lab import distributed, launcher
+from mpu_lab.training import initialize
+from mpu_lab import launcher
 
 
 @launcher.entrypoint
 def main():
-    info = distributed.init()
+    info = initialize.init()
     t = torch.ones(1) * info.rank
     dist.all_reduce(t)
     print(f"rank {info.rank} of {info.world_size}: all-reduce of ranks = {t.item():.0f}")
@@ -34,7 +35,7 @@ def main():
         dist.all_reduce(t)
     launcher.report({"rank": info.rank, "world_size": info.world_size, "sum": t.item(),
                    "backend": info.backend, "device": str(info.device), "pid": os.getpid()})
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""torchrun worker: mpu_lab.models.moe.MoELayer on 4 or 8 ranks against the plain single-process
+"""torchrun worker: mpu_lab.core.transformer.moe.MoELayer on 4 or 8 ranks against the plain single-process
 MoE of tests/mp/moe_reference.py (fp64, from the same seed).
 
     torchrun --standalone --nproc-per-node 4 tests/mp/moe_checks.py
@@ -8,7 +8,7 @@ pre-softmax, top-2 softmax, top-2 sigmoid) and capacity (none, or a factor that 
 every rank builds every rank's input and output gradient from one generator, runs its own
 block through the layer (train mode, load-balancing loss on), backward with its block of
 ``sum(out * dout)``, then the gradient reductions: the sequence-parallel sums over tp
-(mpu_lab.models.finalize_model_grads) and ``finish_grad_sync`` (dense parameters over the
+(mpu_lab.core.distributed.allreduce_sequence_parallel_grads) and ``finish_grad_sync`` (dense parameters over the
 data-parallel group, experts over the expert-data-parallel group, both / d). The reference
 does the same maths in one process: outputs per rank, and gradients of
 ``sum_r sum(out_r * dout_r) + aux`` (divided by d for the parameters).
@@ -22,10 +22,12 @@ import torch
 import torch.distributed as dist
 
 import moe_reference    # this script's folder is first on sys.path
-from mpu_lab import distributed, launcher
-from mpu_lab import parallel_state as ps
-from mpu_lab.models import TransformerConfig, finalize_model_grads
-from mpu_lab.models.moe import MoELayer, finish_grad_sync
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
+from mpu_lab.core.distributed import allreduce_sequence_parallel_grads
+from mpu_lab.core.transformer import TransformerConfig
+from mpu_lab.core.transformer.moe import MoELayer, finish_grad_sync
 
 SEQ, BATCH, HIDDEN, FFN, EXPERTS = 8, 2, 8, 16, 8
 SEED = 1234
@@ -89,7 +91,7 @@ def run_case(config, world, tp):
     out, bias = layer(x)
     assert bias is None
     (out * ref["douts"][rank]).sum().backward()
-    finalize_model_grads(layer)
+    allreduce_sequence_parallel_grads(layer)
     finish_grad_sync(layer.parameters())
     d = ps.get_data_parallel_world_size()
     etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
@@ -114,7 +116,7 @@ def run_case(config, world, tp):
 
 @launcher.entrypoint
 def main():
-    distributed.init()
+    initialize.init()
     world = dist.get_world_size()
     report = {"rank": dist.get_rank(), "world": world, "groups": {}, "cases": {}}
     for tp, ep, etp in LAYOUTS[world]:
@@ -133,7 +135,7 @@ def main():
                     except Exception as exc:    # a rank stops at once, naming the case
                         raise RuntimeError(f"case {key} failed on rank {dist.get_rank()}") from exc
     launcher.report(report)
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

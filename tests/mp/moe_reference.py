@@ -1,4 +1,4 @@
-"""A plain single-process mixture-of-experts layer, written independently of mpu_lab.models.moe:
+"""A plain single-process mixture-of-experts layer, written independently of mpu_lab.core.transformer.moe:
 loops over tokens and experts, no permutation, no communication, fp64.
 
 Its weights are drawn from the seed in the order the contract states (the router's ``[E, h]``,

@@ -18,7 +18,8 @@ import sys
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpu_lab import distributed, launcher, training
+from mpu_lab.training import initialize
+from mpu_lab import launcher, training
 from mpu_lab.perf import step_timer
 from mpu_lab.training import training as loop    # the module whose train() calls train_step
 
@@ -32,7 +33,7 @@ CONFIGS = {
     "tp4_sp": ["--tensor-model-parallel-size", 4, "--sequence-parallel", "--micro-batch-size", 4,
                "--global-batch-size", 4, "--breakdown"],
 }
-# the c10d ops of mpu_lab.comm's collectives, as the dispatcher names them
+# the c10d ops of mpu_lab.core.comm's collectives, as the dispatcher names them
 C10D_COLLECTIVES = ("c10d.allreduce_", "c10d.allgather_", "c10d.reduce_scatter_",
                     "c10d._reduce_scatter_base_", "c10d.broadcast_")
 
@@ -72,7 +73,7 @@ def breakdown_run(flags):
     finally:
         loop.train_step = train_step
     # the last step: torch DDP rebuilds its buckets over the first two (broadcasts of its own,
-    # outside mpu_lab.comm); from then on every step issues the same collectives
+    # outside mpu_lab.core.comm); from then on every step issues the same collectives
     return dict(breakdown=timer.report(), metrics=metrics, counted_per_step=per_step,
                 counted_collectives_per_step=per_step[-1])
 
@@ -89,7 +90,7 @@ def bandwidth(info):
 
 def checks(trace_dir, info):
     """Every measurement above, in a world of 4 ranks already initialised (``info``: what
-    distributed.init returned); returns this rank's dict (also run by
+    initialize.init returned); returns this rank's dict (also run by
     tests/mp/four_rank_checks.py, next to the other 4-rank checks)."""
     configs = dict(CONFIGS, tp2_pp2=CONFIGS["tp2_pp2"] + [trace_dir])   # the trace folder
     out = {name: breakdown_run(flags) for name, flags in configs.items()}
@@ -99,9 +100,9 @@ def checks(trace_dir, info):
 
 @launcher.entrypoint
 def main():
-    info = distributed.init()
+    info = initialize.init()
     launcher.report(checks(sys.argv[1], info))
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

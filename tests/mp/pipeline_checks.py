@@ -15,17 +15,16 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed, launcher
-from mpu_lab import parallel_state as ps
+from mpu_lab.core import comm
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
 from mpu_lab.perf.pipeline_timeline import ScheduleRecorder
-from mpu_lab.pipeline_parallel import (
-    allreduce_embedding_grads,
-    average_losses_across_microbatches,
-    get_forward_backward_func,
-    p2p_communication as p2p,
-    sync_embedding_weights,
-)
-from mpu_lab.pipeline_parallel.toy import ToyConfig, ToyModel, build_toy_model_chunks, toy_batches, toy_forward_step
+from mpu_lab.core.pipeline_parallel import (
+    allreduce_embedding_grads, average_losses_across_microbatches, get_forward_backward_func,
+    p2p_communication as p2p, sync_embedding_weights)
+from mpu_lab.perf.pipeline_toy import (
+    ToyConfig, ToyModel, build_toy_model_chunks, toy_batches, toy_forward_step)
 
 CONFIG = ToyConfig(num_layers=8, hidden_size=16, vocab_size=32)
 SEQ, MBS, GLOBAL_MICROBATCHES, ITERS, LR = 4, 2, 8, 3, 0.5
@@ -37,12 +36,12 @@ RUNS = [(4, None, "gpipe", None), (4, None, "1f1b", None), (4, 2, "interleaved",
 
 def data(iteration):
     return toy_batches(CONFIG, GLOBAL_MICROBATCHES, SEQ, MBS, seed=100 + iteration,
-                       device=distributed.get_device())
+                       device=initialize.get_device())
 
 
 def dense_reference():
     """Losses and gradients of the one-process model, step by step (SGD)."""
-    model = ToyModel(CONFIG).to(distributed.get_device())
+    model = ToyModel(CONFIG).to(initialize.get_device())
     losses, grads = [], []
     for it in range(ITERS):
         model.zero_grad(set_to_none=True)
@@ -87,7 +86,7 @@ def chunk_grads(chunks):
 def run_pipeline(pp, vpp, schedule, microbatches, reference):
     """ITERS SGD steps with the pipeline; returns what the test asserts on."""
     dense_losses, dense_grads, dense_eval = reference
-    device = distributed.get_device()
+    device = initialize.get_device()
     r, dp, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_world_size(), \
         ps.get_data_parallel_rank()
     share = GLOBAL_MICROBATCHES // dp                       # this replica's micro-batches of MBS
@@ -150,7 +149,7 @@ def run_pipeline(pp, vpp, schedule, microbatches, reference):
 def p2p_checks(pp):
     """The Megatron-named wrappers in a hand-written one-micro-batch pipeline, and all four
     messages at once (next == prev when pp == 2)."""
-    device = distributed.get_device()
+    device = initialize.get_device()
     r, shape = ps.get_pipeline_model_parallel_rank(), (2, 3, 4)
     weight = torch.full(shape, float(r + 2), device=device, requires_grad=True)
     out = {}
@@ -187,9 +186,9 @@ def p2p_checks(pp):
 
 @launcher.entrypoint
 def main():
-    distributed.init()
+    initialize.init()
     launcher.report(checks())
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 def checks():

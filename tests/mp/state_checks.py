@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 
-from mpu_lab import distributed, launcher
-from mpu_lab import parallel_state as ps
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
 
 CONFIGS = [dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=2),
            dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=4),
@@ -62,9 +63,9 @@ def probe(cfg):
 
 @launcher.entrypoint
 def main():
-    distributed.init()
+    initialize.init()
     launcher.report([probe(cfg) for cfg in CONFIGS])
-    distributed.shutdown()
+    initialize.shutdown()
 
 
 if __name__ == "__main__":

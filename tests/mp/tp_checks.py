@@ -1,4 +1,4 @@
-"""torchrun worker: mpu_lab.tensor_parallel on 8 ranks, in the two layouts of Megatron's tests.
+"""torchrun worker: mpu_lab.core.tensor_parallel on 8 ranks, in the two layouts of Megatron's tests.
 
     torchrun --standalone --nproc-per-node 8 tests/mp/tp_checks.py
 
@@ -23,11 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab import comm, distributed, launcher
-from mpu_lab import parallel_state as ps
-from mpu_lab import tensor_parallel as tp
+from mpu_lab.core import comm
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state as ps
+from mpu_lab.core import tensor_parallel as tp
 from mpu_lab.perf.comm_counts import CollectiveLog
-from mpu_lab.tensor_parallel import mappings
+from mpu_lab.core.tensor_parallel import mappings
 
 LAYOUTS = ((4, 2), (2, 4))  # (tensor, pipeline) model-parallel sizes on 8 ranks
 TOL = 1e-6
@@ -473,10 +475,10 @@ def main():
     parser.add_argument("--keep-going", action="store_true",
                         help="exit 0 even if a check failed (the test reads each check's result)")
     args = parser.parse_args()
-    distributed.init()
+    initialize.init()
     # The checks build their tensors with plain factories: put them on this rank's device
     # (the CPU in CI; a GPU shared through gloo, or one per rank with NCCL, elsewhere).
-    torch.set_default_device(distributed.get_device())
+    torch.set_default_device(initialize.get_device())
     results = run_checks()
     launcher.report({"rank": dist.get_rank(), "checks": results})
     failed = torch.tensor([sum(not v["ok"] for v in results.values())])
@@ -485,7 +487,7 @@ def main():
         for name, value in results.items():
             print(f"{'ok  ' if value['ok'] else 'FAIL'} {name}")
         print(f"failed checks per rank: {failed_per_rank.tolist()}")
-    distributed.shutdown()
+    initialize.shutdown()
     if failed_per_rank.sum().item() and not args.keep_going:
         sys.exit(1)
 

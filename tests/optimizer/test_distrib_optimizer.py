@@ -1,5 +1,5 @@
-"""Megatron's data parallelism (mpu_lab.distributed) and distributed optimizer
-(mpu_lab.optimizer.DistributedOptimizer): the bucket layout worked by hand; in the shared
+"""Megatron's data parallelism (mpu_lab.training.initialize) and distributed optimizer
+(mpu_lab.core.optimizer.DistributedOptimizer): the bucket layout worked by hand; in the shared
 4-rank job (tests/mp/dp_checks.py), losses and gradient norms equal to the plain path's
 (torch DDP or the explicit all-reduce, and AdamW: itself checked against the dense twin in
 tests/models/test_gpt_mp.py) at DP = 4 and at DP = 2 with TP + SP or PP; optimizer states 1/d per
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mpu_lab import training
-from mpu_lab.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from mpu_lab.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from mp_reports import rel_diff
 
 RTOL = 1e-5

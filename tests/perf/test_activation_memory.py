@@ -5,7 +5,7 @@ import torch
 
 from mpu_lab.launcher import run
 from mpu_lab.perf import activation_memory as memory
-from mpu_lab.perf import activation_memory_per_layer
+from mpu_lab.perf.cost_model import activation_memory_per_layer
 
 # GPT-3 175B as in the paper's Table 3: a = 96 heads, h = 12288, s = 2048, t = 8.
 GPT3 = dict(s=2048, b=1, h=12288, a=96)

@@ -4,7 +4,7 @@ one still goes through c10d, so CommDebugMode sees it)."""
 import pytest
 import torch
 
-from mpu_lab import comm
+from mpu_lab.core import comm
 from mpu_lab.perf.comm_counts import CollectiveLog, expected_layer_counts, format_collectives
 
 pytestmark = pytest.mark.usefixtures("world")   # a one-rank world (tests/conftest.py)

@@ -9,12 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpu_lab import comm, parallel_state
+from mpu_lab.core import comm, parallel_state
 from mpu_lab.perf import comm_timing, linear_overlap, step_timer
-from mpu_lab.pipeline_parallel import p2p_communication
-from mpu_lab.tensor_parallel.linear_autograd import (
-    linear_with_grad_accumulation_and_async_allreduce,
-)
+from mpu_lab.core.pipeline_parallel import p2p_communication
+from mpu_lab.core.tensor_parallel.linear_autograd import (
+    linear_with_grad_accumulation_and_async_allreduce)
 from mpu_lab.training import training
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from mpu_lab.perf import pipeline_bubble as pb
 from mpu_lab.perf.cost_model import DGX_H100, ParallelConfig, predict_iteration
-from mpu_lab.pipeline_parallel import schedule_order
+from mpu_lab.perf.pipeline_order import schedule_order
 
 
 def test_idle_share_is_one_minus_total_busy_over_total_wall():

@@ -9,7 +9,7 @@ import pytest
 
 from mpu_lab.labkit.viz import plot_gantt
 from mpu_lab.perf.pipeline_timeline import measured_bubble
-from mpu_lab.pipeline_parallel import schedule_order
+from mpu_lab.perf.pipeline_order import schedule_order
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5

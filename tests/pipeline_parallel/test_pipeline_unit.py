@@ -9,23 +9,13 @@ import torch
 
 from mpu_lab.labkit.viz import plot_gantt
 from mpu_lab.perf.pipeline_timeline import ScheduleRecorder, measured_bubble, pipeline_records
-from mpu_lab.pipeline_parallel import (
-    analytic_bubble,
-    bubble_share,
-    canonical_schedule,
-    check_layers,
-    check_schedule,
-    get_num_microbatches,
-    layer_offset,
-    partition_table,
-    schedule_order,
-    simulate,
-    stage_layers,
-    validate_pipeline_args,
-    verify_communication,
-    virtual_size_from_layers_per_virtual_stage,
-)
-from mpu_lab.pipeline_parallel.order import num_warmup_ops, schedule_steps
+from mpu_lab.perf.pipeline_simulation import analytic_bubble, bubble_share, simulate
+from mpu_lab.core.pipeline_parallel import (
+    canonical_schedule, check_layers, check_schedule, get_num_microbatches, layer_offset,
+    partition_table, stage_layers, validate_pipeline_args,
+    virtual_size_from_layers_per_virtual_stage)
+from mpu_lab.perf.pipeline_order import schedule_order, verify_communication
+from mpu_lab.perf.pipeline_order import num_warmup_ops, schedule_steps
 
 
 def ops(order):

@@ -1,4 +1,4 @@
-"""mpu_lab.tensor_parallel on 8 real ranks (gloo), against Megatron's unit-test values and
+"""mpu_lab.core.tensor_parallel on 8 real ranks (gloo), against Megatron's unit-test values and
 dense single-process twins. tests/mp/tp_checks.py's checks run for tp=4/pp=2 and for tp=2/pp=4
 in the shared 8-rank job (tests/mp/eight_rank_checks.py); each test below reads the per-rank
 reports, in rank order.

@@ -1,4 +1,4 @@
-"""mpu_lab.tensor_parallel in one process: pure helpers, error messages, and a world of one
+"""mpu_lab.core.tensor_parallel in one process: pure helpers, error messages, and a world of one
 rank (gloo over an in-memory store) where every layer must equal its plain torch twin."""
 import types
 
@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab import parallel_state as ps
-from mpu_lab import tensor_parallel as tp
+from mpu_lab.core import parallel_state as ps
+from mpu_lab.core import tensor_parallel as tp
 from mpu_lab.perf.comm_counts import CollectiveLog
-from mpu_lab.tensor_parallel import mappings
+from mpu_lab.core.tensor_parallel import mappings
 
 
 # --- pure helpers -------------------------------------------------------------------------

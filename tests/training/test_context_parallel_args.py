@@ -6,8 +6,8 @@ import pytest
 from mpu_lab import training
 from mpu_lab.launcher import LAUNCH_DIR, run
 from mpu_lab.launcher.prechecks import precheck
-from mpu_lab.models import TransformerConfig
-from mpu_lab.models.attention import SelfAttention
+from mpu_lab.core.transformer import TransformerConfig
+from mpu_lab.core.transformer.attention import SelfAttention
 
 TRAIN_GPT = LAUNCH_DIR / "train_gpt.py"
 

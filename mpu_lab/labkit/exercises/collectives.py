@@ -2,7 +2,7 @@
 the lab's prediction), and the write-the-code exercise :data:`RING_ALL_REDUCE`: an all-reduce
 built from point-to-point messages around a ring (a reduce-scatter of n - 1 steps, then an
 all-gather of n - 1 steps; Patarasuk & Yuan 2009), run on a live world and held on every rank
-to :func:`mpu_lab.comm.all_reduce`, to the collectives it called (none) and to the bytes it sent
+to :func:`mpu_lab.core.comm.all_reduce`, to the collectives it called (none) and to the bytes it sent
 (2 (n - 1) chunks of 1/n of the array, no more)."""
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import Any, Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed, parallel_state
-from mpu_lab.comm import exchange
+from mpu_lab.core import comm, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab.core.comm import exchange
 from mpu_lab.labkit.exercises.common import Verdict, unanswered, verdict
 from mpu_lab.labkit.exercises.data_parallel import watch_collectives
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
@@ -62,7 +63,7 @@ def check_ring_send_bytes(answer: Any, n: int, size_mib: float, rtol: float = 0.
 # --------------------------------------------------------------------------- write the code
 # The learner writes ``my_ring_all_reduce(x, group)``: this rank's tensor and a process group;
 # it returns the sum of x over the group, built from comm.exchange.send_recv between ring
-# neighbours only. Graded on every rank against mpu_lab.comm.all_reduce, by the collectives it
+# neighbours only. Graded on every rank against mpu_lab.core.comm.all_reduce, by the collectives it
 # called (none may be) and by the bytes it sent.
 _P2P_NOTE = "comm.exchange.send_recv"
 
@@ -70,7 +71,7 @@ _P2P_NOTE = "comm.exchange.send_recv"
 @contextlib.contextmanager
 def count_sent_bytes(sent: List[int]):
     """Add to ``sent[0]`` the bytes of every tensor sent while active: through
-    :func:`mpu_lab.comm.exchange.send_recv` (and ``send_recv_async``), ``dist.send`` and, on
+    :func:`mpu_lab.core.comm.exchange.send_recv` (and ``send_recv_async``), ``dist.send`` and, on
     gloo, ``dist.isend`` (each message counted once: what ``send_recv`` does inside is not
     counted again). On NCCL ``dist.isend`` is left alone: its batched form checks the
     function's identity."""
@@ -116,11 +117,11 @@ def _case_group(which: str):
 
 def run_ring_case(learner: Callable, case: Case) -> Outcome:
     """Runs on every rank: the learner's ring on this rank's input, against
-    :func:`mpu_lab.comm.all_reduce`, then the collectives it called and the bytes it sent."""
+    :func:`mpu_lab.core.comm.all_reduce`, then the collectives it called and the bytes it sent."""
     group = _case_group(case.params["group"])
     n, me = dist.get_world_size(group=group), dist.get_rank(group=group)
     shape = tuple(case.params["shape"]) if "shape" in case.params else (case.params["per_rank"] * n,)
-    x = ring_inputs(shape, case.params["seed"], dist.get_rank(), distributed.get_device())
+    x = ring_inputs(shape, case.params["seed"], dist.get_rank(), initialize.get_device())
     expected = comm.all_reduce(x.clone(), group)
     seen: List[str] = []
     sent = [0]

@@ -15,7 +15,8 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from mpu_lab import distributed, parallel_state, tensor_parallel
+from mpu_lab.training import initialize
+from mpu_lab.core import parallel_state, tensor_parallel
 from mpu_lab.labkit.exercises.common import Verdict, as_int_list, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, show
 from mpu_lab.labkit.viz.splits import shard_shapes, strided_owners
@@ -76,7 +77,7 @@ def shard_init_matches_single_gpu(seed: int = 1234, rows_per_rank: int = 2,
     (``model_parallel_manual_seed(seed)``)."""
     t = parallel_state.get_tensor_model_parallel_world_size()
     r = parallel_state.get_tensor_model_parallel_rank()
-    device = distributed.get_device()
+    device = initialize.get_device()
     rows = slice(r * rows_per_rank, (r + 1) * rows_per_rank)
     tensor_parallel.model_parallel_manual_seed(seed)
     mine = tensor_parallel.ColumnParallelLinear(cols, rows_per_rank * t, bias=False,
@@ -195,7 +196,7 @@ def run_column_forward_case(learner: Callable, case: Case) -> Outcome:
     after ``Y.backward(dL/dY)`` (f's all-reduce over the tensor-parallel group)."""
     t = parallel_state.get_tensor_model_parallel_world_size()
     r = parallel_state.get_tensor_model_parallel_rank()
-    device = distributed.get_device()
+    device = initialize.get_device()
     gather = bool(case.params["gather_output"])
     master, bias, x, dy = _column_inputs(case.params, t)
     layer = tensor_parallel.ColumnParallelLinear(
@@ -229,7 +230,7 @@ def run_column_forward_case(learner: Callable, case: Case) -> Outcome:
 
 def _on_every_rank(flag: bool) -> bool:
     """True when ``flag`` is true on every rank of the world (a MIN all-reduce)."""
-    value = torch.tensor([1 if flag else 0], device=distributed.get_device())
+    value = torch.tensor([1 if flag else 0], device=initialize.get_device())
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
     return bool(value.item())
 
@@ -249,7 +250,7 @@ COLUMN_FORWARD = Exercise(
           "tensor-parallel group. Then this rank's Y_i = X A_i + b_i with the shard as stored, "
           "weight_shard = A_i^T of shape [out/t, in] (as torch.nn.Linear stores it). Then, "
           "only when gather_output is True, the all-gather of the blocks of columns along the "
-          "LAST dimension. The *_region functions of mpu_lab.tensor_parallel.mappings are "
+          "LAST dimension. The *_region functions of mpu_lab.core.tensor_parallel.mappings are "
           "defined on every rank."),
     ranks_needed=_walkthrough_sizes_fit,
 )

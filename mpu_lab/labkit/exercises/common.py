@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, List, Optional
 
-from mpu_lab import parallel_state
+from mpu_lab.core import parallel_state
 
 RIGHT, WRONG, EMPTY = "Right:", "Not yet:", "No answer yet:"
 

@@ -19,10 +19,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from mpu_lab import context_parallel, distributed
-from mpu_lab.comm import exchange
-from mpu_lab.context_parallel.block_attention import block_forward
-from mpu_lab.context_parallel.ring_attention import block_pair
+from mpu_lab.core import context_parallel
+from mpu_lab.training import initialize
+from mpu_lab.core.comm import exchange
+from mpu_lab.core.context_parallel.block_attention import block_forward
+from mpu_lab.core.context_parallel.ring_attention import block_pair
 from mpu_lab.labkit.cp_lessons import attention_inputs, causal_work, dense_lse
 from mpu_lab.labkit.exercises.common import Verdict, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
@@ -66,7 +67,7 @@ def run_merge_case(learner: Callable, case: Case) -> Outcome:
     p = case.params
     seq_length = 2 * cp * p["chunk"]
     q, k, v = attention_inputs(seq_length, p["b"], p["n"], p["d"], p["seed"], p.get("scale_q", 1.0),
-                               device=distributed.get_device())
+                               device=initialize.get_device())
     mine = context_parallel.positions_on_rank(seq_length, rank, cp)
     dense = torch.nn.functional.scaled_dot_product_attention(
         *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True).permute(2, 0, 1, 3)
@@ -118,7 +119,7 @@ def run_zigzag_case(learner: Callable, case: Case) -> Outcome:
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     p = case.params
     seq_length = 2 * cp * p["chunk"]
-    tokens = layout_input(p["b"], seq_length, p["kind"], p["seed"], distributed.get_device())
+    tokens = layout_input(p["b"], seq_length, p["kind"], p["seed"], initialize.get_device())
     expected = context_parallel.get_batch_on_this_cp_rank({"tokens": tokens},
                                                           cp_group=group)["tokens"]
     got = learner(tokens.clone(), group)

@@ -13,8 +13,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from mpu_lab import comm, distributed, parallel_state
-from mpu_lab.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from mpu_lab.core import comm, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from mpu_lab.labkit.exercises.common import Verdict, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
 from mpu_lab.perf.cost_model import bytes_per_parameter_terms
@@ -77,11 +78,11 @@ def check_optimizer_state_gb(answer: Any, num_params: float, d: int,
 # flat fp32 parameter buffer, its own gradient, a learning rate and the data-parallel group;
 # it returns the parameters after one plain-SGD step on the gradient averaged over the group,
 # computed the distributed optimizer's way. Graded on every rank against the plain step
-# (mpu_lab.comm's all-reduce, then the update of every element), and by the collectives it
+# (mpu_lab.core.comm's all-reduce, then the update of every element), and by the collectives it
 # called: a reduce-scatter and an all-gather, never an all-reduce.
 _REDUCE_SCATTER = "reduce-scatter"
 _ALL_GATHER = "all-gather"
-# torch.distributed's and mpu_lab.comm's collectives, by what they do
+# torch.distributed's and mpu_lab.core.comm's collectives, by what they do
 _DIST_CALLS = {"all_reduce": "all-reduce", "reduce_scatter_tensor": _REDUCE_SCATTER,
                "reduce_scatter": _REDUCE_SCATTER, "all_gather_into_tensor": _ALL_GATHER,
                "all_gather": _ALL_GATHER, "broadcast": "broadcast", "reduce": "reduce",
@@ -96,8 +97,8 @@ _COMM_CALLS = {"all_reduce": "all-reduce", "reduce_scatter": _REDUCE_SCATTER,
 @contextlib.contextmanager
 def watch_collectives(seen: List[str]):
     """Note in ``seen`` each collective called while active, by what it does (``"all-reduce"``,
-    ``"reduce-scatter"``...), whether through ``torch.distributed`` or :mod:`mpu_lab.comm`.
-    A call of ``mpu_lab.comm`` is noted once, as itself (on gloo its reduce-scatter runs an
+    ``"reduce-scatter"``...), whether through ``torch.distributed`` or :mod:`mpu_lab.core.comm`.
+    A call of ``mpu_lab.core.comm`` is noted once, as itself (on gloo its reduce-scatter runs an
     all-reduce inside, which is not the learner's call)."""
     depth = [0]
     saved: Dict[tuple, Callable] = {}
@@ -142,7 +143,7 @@ def step_inputs(n: int, seed: int, rank: int, device=None):
 
 def plain_step(param: torch.Tensor, grad: torch.Tensor, lr: float, group) -> torch.Tensor:
     """The reference: the plain data-parallel step. All-reduce the gradient
-    (:func:`mpu_lab.comm.all_reduce`), divide by the group's size, update every element."""
+    (:func:`mpu_lab.core.comm.all_reduce`), divide by the group's size, update every element."""
     mean = comm.all_reduce(grad, group) / dist.get_world_size(group=group)
     return param - lr * mean
 
@@ -153,7 +154,7 @@ def run_distributed_step_case(learner: Callable, case: Case) -> Outcome:
     group = parallel_state.get_data_parallel_group()
     d = dist.get_world_size(group=group)
     rank = dist.get_rank()
-    device = distributed.get_device()
+    device = initialize.get_device()
     n, lr, seed = case.params["n"], case.params["lr"], case.params["seed"]
     param, grad = step_inputs(n, seed, rank, device)
     expected = plain_step(param.clone(), grad.clone(), lr, group)
@@ -234,7 +235,7 @@ def hook_batches(sizes: Sequence[int], d: int, micro_batches: int, seed: int):
 
 
 class _AllReduceLog:
-    """While open: every ``dist.all_reduce`` (and ``mpu_lab.comm``'s) call, with the bucket
+    """While open: every ``dist.all_reduce`` (and ``mpu_lab.core.comm``'s) call, with the bucket
     its tensor is (or None), whether it was asynchronous, whether backward was running and
     how many gradients each of the bucket's parameters had then (the harness's own count)."""
 
@@ -321,7 +322,7 @@ def run_bucket_hook_case(learner: Callable, case: Case) -> Outcome:
     d, me = dist.get_world_size(group=group), dist.get_rank(group=group)
     sizes, m, seed = case.params["sizes"], case.params["micro_batches"], case.params["seed"]
     where = f"data-parallel rank {me} of {d}:"
-    device = distributed.get_device()
+    device = initialize.get_device()
     data = [[(x.to(device), y.to(device)) for x, y in rank]
             for rank in hook_batches(sizes, d, m, seed + 1)]
     reference = hook_mlp(sizes, seed).to(device)

@@ -18,7 +18,8 @@ from unittest import mock
 
 import torch
 
-from mpu_lab import distributed, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab.core import parallel_state
 from mpu_lab.labkit.exercises.common import Verdict, as_int, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, show
 from mpu_lab.labkit.broken_jobs import FOREGROUND
@@ -192,7 +193,7 @@ def run_exchange_case(learner: Callable, case: Case) -> Outcome:
     message with its neighbours, then what it returned against the neighbours' messages."""
     p = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    device = distributed.get_device()
+    device = initialize.get_device()
     shape = tuple(case.params["shape"])
     got = learner(stage, p, message_of(stage, shape, device))
     where = f"stage {stage} of {p}:"

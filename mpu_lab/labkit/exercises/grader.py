@@ -35,7 +35,7 @@ import linecache
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from mpu_lab import parallel_state
+from mpu_lab.core import parallel_state
 from mpu_lab.labkit.exercises.common import EMPTY, RIGHT, WRONG, Verdict
 from mpu_lab.labkit.playground.errors import CollectiveTimeout, RankError
 

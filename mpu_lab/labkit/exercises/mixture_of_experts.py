@@ -16,8 +16,8 @@ rows of each local expert. The ``E`` experts are spread over the ranks of ``grou
 Megatron does: rank ``r`` holds experts ``r*E/ep .. (r+1)*E/ep - 1``.
 
 Each case sets up Megatron's expert groups for its ``ep`` on the grading world (so ``group``
-is the expert-model-parallel group of :mod:`mpu_lab.parallel_state`) and compares with the
-mirror's own dispatcher (:class:`mpu_lab.models.moe.MoEAlltoAllTokenDispatcher`), which the
+is the expert-model-parallel group of :mod:`mpu_lab.core.parallel_state`) and compares with the
+mirror's own dispatcher (:class:`mpu_lab.core.transformer.moe.MoEAlltoAllTokenDispatcher`), which the
 package tests hold against a single-process MoE. Token rows carry their name: row ``t`` of
 rank ``r`` is ``[100 r + t, 100 r + t + 0.5]``, so a verdict lists the rows by name.
 """
@@ -30,11 +30,12 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from mpu_lab import distributed, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab.core import parallel_state
 from mpu_lab.labkit.exercises.common import Verdict, as_floats, as_int, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome
-from mpu_lab.models.moe import MoEAlltoAllTokenDispatcher, get_capacity
-from mpu_lab.parallel_state import generate_rank_groups
+from mpu_lab.core.transformer.moe import MoEAlltoAllTokenDispatcher, get_capacity
+from mpu_lab.core.parallel_state import generate_rank_groups
 from mpu_lab.perf.cost_model.moe import (MIXTRAL_8X7B, MoEModelShape, moe_flops_per_token,
                                          moe_parameter_count)
 
@@ -111,7 +112,7 @@ def case_inputs(rank: int, num_tokens: int, num_experts: int, topk: int, seed: i
 
 def reference_dispatch(tokens: torch.Tensor, routing_map: torch.Tensor):
     """What Megatron's dispatcher gives this rank's experts: ``(rows, tokens_per_local_expert)``
-    from the mirror's :class:`~mpu_lab.models.moe.MoEAlltoAllTokenDispatcher` over the
+    from the mirror's :class:`~mpu_lab.core.transformer.moe.MoEAlltoAllTokenDispatcher` over the
     expert-model-parallel group (expert-tensor-parallel size 1)."""
     ep = parallel_state.get_expert_model_parallel_world_size()
     num_experts = routing_map.size(1)
@@ -200,7 +201,7 @@ def run_dispatch_case(learner: Callable, case: Case) -> Outcome:
     num_experts = p["experts_per_rank"] * ep
     rank = torch.distributed.get_rank()
     tokens, routing_map = case_inputs(rank, p["tokens"], num_experts, p["topk"], p["seed"],
-                                      p.get("skew", False), distributed.get_device())
+                                      p.get("skew", False), initialize.get_device())
     expected, expected_counts = reference_dispatch(tokens, routing_map)
     where = (f"ep rank {parallel_state.get_expert_model_parallel_rank()} of {ep} "
              f"(experts {parallel_state.get_expert_model_parallel_rank() * p['experts_per_rank']}"

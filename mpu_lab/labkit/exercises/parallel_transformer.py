@@ -12,11 +12,13 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from mpu_lab import distributed, parallel_state, tensor_parallel
+from mpu_lab.training import initialize
+from mpu_lab.core import parallel_state, tensor_parallel
 from mpu_lab.labkit.exercises.common import Verdict, as_int_list, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, show
-from mpu_lab.models import TransformerConfig, lecture_shapes
-from mpu_lab.perf import activation_memory_per_layer
+from mpu_lab.core.transformer import TransformerConfig
+from mpu_lab.perf.layer_shapes import lecture_shapes
+from mpu_lab.perf.cost_model import activation_memory_per_layer
 from mpu_lab.perf.comm_counts import expected_layer_counts
 
 
@@ -39,7 +41,7 @@ def check_layer_shape(answer: Any, tensor: str, B: int, L: int, D: int, n_H: int
 
 
 def valid_tensor_parallel_sizes(hidden_size: int, num_attention_heads: int) -> List[int]:
-    """The sizes ``t`` at which :class:`~mpu_lab.models.TransformerConfig` accepts the layer
+    """The sizes ``t`` at which :class:`~mpu_lab.core.transformer.TransformerConfig` accepts the layer
     (whole heads per rank; the MLP splits too)."""
     config = TransformerConfig(num_layers=1, hidden_size=hidden_size,
                                num_attention_heads=num_attention_heads)
@@ -140,7 +142,7 @@ def run_ce_case(learner: Callable, case: Case) -> Outcome:
     """Runs on every rank of the grading world: this rank's vocabulary slice of the case's
     logits, the learner's loss against mpu_lab's ``vocab_parallel_cross_entropy`` (which is
     first held against ``F.cross_entropy`` of the full logits)."""
-    device = distributed.get_device()
+    device = initialize.get_device()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     full, target = ce_inputs(case.params, tp, parallel_state.get_data_parallel_rank())
@@ -190,7 +192,7 @@ def run_ce_backward_case(learner: Callable, case: Case) -> Outcome:
     """Runs on every rank of the grading world: the learner's gradient of this rank's logit
     slice against the slice of autograd's gradient through ``F.cross_entropy`` of the full
     logits (mpu_lab's own ``vocab_parallel_cross_entropy`` backward is first held against it)."""
-    device = distributed.get_device()
+    device = initialize.get_device()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()

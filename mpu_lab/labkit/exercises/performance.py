@@ -7,7 +7,8 @@ from typing import Any
 
 from mpu_lab.labkit.exercises.common import (Verdict, as_floats, as_int, as_int_list, unanswered,
                                              verdict)
-from mpu_lab.perf import bubble_fraction, explore, predict_iteration
+from mpu_lab.perf.cost_model import bubble_fraction, predict_iteration
+from mpu_lab.perf import explore
 
 
 def check_best_config(answer: Any, model, cluster, num_gpus: int, global_batch_size: int,

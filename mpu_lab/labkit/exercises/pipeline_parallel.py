@@ -11,20 +11,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mpu_lab import distributed, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab.core import parallel_state
 from mpu_lab.labkit.exercises.common import Verdict, as_int, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
-from mpu_lab.pipeline_parallel import p2p_communication as p2p
-from mpu_lab.pipeline_parallel import schedules
-from mpu_lab.pipeline_parallel.order import Message, Op, communication_plan, schedule_order
-from mpu_lab.pipeline_parallel.timeline import analytic_bubble, simulate
-from mpu_lab.pipeline_parallel.toy import (
-    ToyConfig,
-    ToyModel,
-    build_toy_model_chunks,
-    toy_batches,
-    toy_forward_step,
-)
+from mpu_lab.core.pipeline_parallel import p2p_communication as p2p
+from mpu_lab.core.pipeline_parallel import schedules
+from mpu_lab.perf.pipeline_order import Message, Op, communication_plan, schedule_order
+from mpu_lab.perf.pipeline_simulation import analytic_bubble, simulate
+from mpu_lab.perf.pipeline_toy import (
+    ToyConfig, ToyModel, build_toy_model_chunks, toy_batches, toy_forward_step)
 
 
 def check_bubble_share(answer: Any, p: int, m: int, v: int = 1, tol: float = 0.005) -> Verdict:
@@ -121,7 +117,7 @@ def run_order(order: Sequence, stage: int, num_stages: int) -> Optional[Tuple[st
     one this stage needed, as ``(the op that needed it, what it needed, what came)``, or
     ``None`` when all were right; a wrong order can also leave the stages waiting for each
     other (the collective timeout then ends it)."""
-    device = distributed.get_device()
+    device = initialize.get_device()
     steps = [(Op(kind, k, 0),) for kind, k in order]
     problem = None
     for i, boundary in enumerate(communication_plan(steps, num_stages, stage)):
@@ -154,7 +150,7 @@ def run_1f1b_case(learner: Callable, case: Case) -> Outcome:
         raise
     except Exception as exc:       # noqa: BLE001 -- re-raised below, after the other stages know
         error, problem = exc, "raised"
-    bad = torch.tensor([1.0 if problem else 0.0], device=distributed.get_device())
+    bad = torch.tensor([1.0 if problem else 0.0], device=initialize.get_device())
     torch.distributed.all_reduce(bad, group=parallel_state.get_pipeline_model_parallel_group())
     if error is not None:
         raise error
@@ -270,7 +266,7 @@ def run_1f1b_loop_case(learner: Callable, case: Case) -> Outcome:
     p = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     m = num_microbatches_of(case.params, p)
-    device = distributed.get_device()
+    device = initialize.get_device()
     config = loop_toy_config(p)
     dense = ToyModel(config)
     batches = toy_batches(config, m, LOOP_SEQ_LENGTH, LOOP_MICRO_BATCH, seed=m, device=device)

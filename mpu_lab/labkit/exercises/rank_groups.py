@@ -8,7 +8,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from mpu_lab import distributed, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab.core import parallel_state
 from mpu_lab.labkit.exercises.common import Verdict, as_int, as_int_list, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome
 from mpu_lab.labkit.viz.rank_groups import groups_crossing_nodes
@@ -148,7 +149,7 @@ def _live_case(learner: Callable) -> Outcome:
             holding = [g for g in answers[fam] if rank in g]
             if len(holding) == 1:
                 mine[i, [r for r in holding[0] if 0 <= r < n]] = 1
-    device = distributed.get_device()
+    device = initialize.get_device()
     everyone = [torch.zeros_like(mine, device=device) for _ in range(n)]
     dist.all_gather(everyone, mine.to(device))                   # every rank joins, always
     if bad is not None:
@@ -171,7 +172,7 @@ def _live_case(learner: Callable) -> Outcome:
 
 def run_rank_groups(learner: Callable, case: Case) -> Outcome:
     """Runs on every rank: the learner's ``my_groups(world_size, tp, pp, family)`` for the
-    ``tp``, ``dp`` and ``pp`` families against :func:`mpu_lab.parallel_state.generate_rank_groups`
+    ``tp``, ``dp`` and ``pp`` families against :func:`mpu_lab.core.parallel_state.generate_rank_groups`
     (Megatron-core's default order ``tp-cp-ep-dp-pp``, cp = ep = 1: the groups of
     ``tp-cp-dp-pp``)."""
     if case.params.get("live"):

@@ -10,10 +10,11 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from mpu_lab import distributed, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab.core import parallel_state
 from mpu_lab.labkit.exercises.common import Verdict, as_int_list, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare, show
-from mpu_lab.tensor_parallel.layers import RowParallelLinear
+from mpu_lab.core.tensor_parallel.layers import RowParallelLinear
 from mpu_lab.labkit.viz.splits import shard_shapes
 
 
@@ -119,7 +120,7 @@ def run_row_forward(learner: Callable, case: Case) -> Outcome:
     mpu_lab's RowParallelLinear holding this rank's shard of the same master weight."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    device = distributed.get_device()
+    device = initialize.get_device()
     p = case.params
     master, bias, x, grad_y = row_inputs(p, tp, tp_rank, parallel_state.get_data_parallel_rank())
     bias, x, grad_y = (None if bias is None else bias.to(device)), x.to(device), grad_y.to(device)

@@ -3,8 +3,8 @@ Megatron's own assertions (on the layouts of
 :data:`~mpu_lab.labkit.collective_layouts.COLLECTIVE_LAYOUTS`), and the write-the-code
 exercises :data:`F_EXERCISE` and :data:`G_EXERCISE`: the learner writes the forward and the
 backward of f and g (Shoeybi et al. 2019, §3), graded on a playground world against
-:func:`~mpu_lab.tensor_parallel.mappings.copy_to_tensor_model_parallel_region` and
-:func:`~mpu_lab.tensor_parallel.mappings.reduce_from_tensor_model_parallel_region`."""
+:func:`~mpu_lab.core.tensor_parallel.mappings.copy_to_tensor_model_parallel_region` and
+:func:`~mpu_lab.core.tensor_parallel.mappings.reduce_from_tensor_model_parallel_region`."""
 from __future__ import annotations
 
 import ast
@@ -13,18 +13,12 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from mpu_lab import distributed
+from mpu_lab.training import initialize
 from mpu_lab.labkit.collective_layouts import COLLECTIVE_LAYOUTS
-from mpu_lab.labkit.exercises.common import (
-    Verdict,
-    as_int,
-    tp_group_of,
-    unanswered,
-    verdict,
-)
+from mpu_lab.labkit.exercises.common import Verdict, as_int, tp_group_of, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
 from mpu_lab.labkit.megatron_core import MAPPINGS as MEGATRON_NAMES
-from mpu_lab.tensor_parallel import mappings
+from mpu_lab.core.tensor_parallel import mappings
 
 
 def group_sum_of_ranks(rank: int, world_size: int, tp: int, pp: int = 1) -> int:
@@ -130,7 +124,7 @@ def check_megatron_expectations(results: Sequence[dict]) -> Verdict:
 def _rank_tensor(spec: Dict[str, Any], rank: int) -> torch.Tensor:
     """A case's tensor on this rank: ``values`` (reshaped to ``shape``) times ``rank + 1`` when
     ``times_rank_plus_1``, plus ``plus_rank`` times the rank; on the rank's device."""
-    t = torch.tensor(spec["values"], dtype=torch.float32, device=distributed.get_device())
+    t = torch.tensor(spec["values"], dtype=torch.float32, device=initialize.get_device())
     t = t.reshape(spec["shape"])
     if spec.get("times_rank_plus_1"):
         t = t * (rank + 1)
@@ -239,7 +233,7 @@ def source_of(module, names: Sequence[str]) -> str:
 
 
 def print_f_and_g_source() -> None:
-    """Print f and g from ``mpu_lab/tensor_parallel/mappings.py`` (:data:`F_AND_G`)."""
+    """Print f and g from ``mpu_lab/core/tensor_parallel/mappings.py`` (:data:`F_AND_G`)."""
     print(source_of(mappings, F_AND_G))
 
 

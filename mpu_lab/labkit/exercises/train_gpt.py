@@ -7,7 +7,7 @@ from typing import Any
 
 from mpu_lab.labkit.exercises.common import Verdict, as_floats, as_int, unanswered, verdict
 from mpu_lab.labkit.gpt_runs import derived
-from mpu_lab.models import pad_vocab_size
+from mpu_lab.core.models.gpt import pad_vocab_size
 
 
 def check_micro_batches(answer: Any, gpt_args: str, world_size: int) -> Verdict:

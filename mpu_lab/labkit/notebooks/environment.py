@@ -13,11 +13,12 @@ def environment(nranks: int = 8) -> Dict[str, object]:
     # pytest loads this package as its nbval plugin (which would cost every run seconds).
     import torch
 
-    from mpu_lab import distributed, launcher  # loads torch: only when the check runs
+    from mpu_lab import launcher  # loads torch: only when the check runs
+    from mpu_lab.training import initialize  # likewise
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     forced = os.environ.get("MPU_LAB_BACKEND", "auto")
-    backend = distributed.choose_backend(nranks, gpus) if forced == "auto" else forced
+    backend = initialize.choose_backend(nranks, gpus) if forced == "auto" else forced
     info = {
         "python": platform.python_version(), "torch": torch.__version__,
         "cpu_cores": os.cpu_count(), "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],

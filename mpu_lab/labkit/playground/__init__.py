@@ -10,9 +10,9 @@
 a playground world stays up between cells, so a learner can poke the same process group cell
 after cell. Each engine of an ipyparallel cluster is one rank: it gets torchrun's environment
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, a free ``MASTER_PORT``),
-initialises ``torch.distributed`` by :func:`mpu_lab.distributed.init`'s rule (NCCL when each rank
+initialises ``torch.distributed`` by :func:`mpu_lab.training.initialize.init`'s rule (NCCL when each rank
 has a GPU of its own, gloo otherwise) and Megatron's groups with
-:func:`mpu_lab.parallel_state.initialize_model_parallel`. A cell finds its rank's device in
+:func:`mpu_lab.core.parallel_state.initialize_model_parallel`. A cell finds its rank's device in
 ``device`` (``cuda:LOCAL_RANK`` on NCCL, a shared GPU or the CPU on gloo) and makes its tensors
 there (``torch.ones(4, device=device)``: NCCL refuses CPU tensors); tensors come back to the
 notebook on the CPU.
@@ -36,23 +36,11 @@ Modules: :mod:`~mpu_lab.labkit.playground.world` (the controller side),
 :mod:`~mpu_lab.labkit.playground.magic` (:func:`start_world` and ``%%ranks``).
 """
 from mpu_lab.labkit.playground.errors import (
-    HEADING,
-    CollectiveTimeout,
-    PlaygroundError,
-    RankError,
-    RankOutput,
-    WorldStartTimeout,
-)
+    HEADING, CollectiveTimeout, PlaygroundError, RankError, RankOutput, WorldStartTimeout)
 from mpu_lab.labkit.playground.magic import load_ipython_extension, ranks_magic, start_world
 from mpu_lab.labkit.playground.world import (
-    DEFAULT_TIMEOUT_S,
-    SETUP_RESEND_S,
-    START_ATTEMPTS,
-    START_TIMEOUT_S,
-    World,
-    check_world_args,
-    current_world,
-)
+    DEFAULT_TIMEOUT_S, SETUP_RESEND_S, START_ATTEMPTS, START_TIMEOUT_S, World, check_world_args,
+    current_world)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "START_TIMEOUT_S", "START_ATTEMPTS", "SETUP_RESEND_S", "HEADING",

@@ -3,7 +3,7 @@
 The controller sends them by reference (ipyparallel pickles a function as its code plus the
 name of its module; the engine imports this module and runs the code with its globals), so
 everything they use lives here, and every engine imports this module and the modules it
-imports (torch, :mod:`mpu_lab.tensor_parallel`) when the first function arrives.
+imports (torch, :mod:`mpu_lab.core.tensor_parallel`) when the first function arrives.
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 import mpu_lab
-from mpu_lab import comm, distributed, parallel_state, tensor_parallel
-from mpu_lab.tensor_parallel import mappings
+from mpu_lab.core import comm, parallel_state, tensor_parallel
+from mpu_lab.training import initialize
+from mpu_lab.core.tensor_parallel import mappings
 
 # What a rank that was inside a collective or a send/receive raises when the wait ends: its own
 # timeout, or the connection its peer closed on timing out first.
@@ -53,7 +54,7 @@ def _waited_in_collective(exc: BaseException) -> bool:
 
 def engine_setup(env: Dict[str, str]) -> int:
     """Put torchrun's variables in this engine's environment. Returns the engine's PID. (The
-    heavy modules, torch and mpu_lab.tensor_parallel, came with this module when the engine
+    heavy modules, torch and mpu_lab.core.tensor_parallel, came with this module when the engine
     unpickled this function: before any collective timeout runs.)"""
     os.environ.update(env)
     return os.getpid()
@@ -70,11 +71,11 @@ def engine_init(backend: str, timeout_s: float, tp: int, pp: int, port: Optional
             dist.destroy_process_group()
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
-    info = distributed.init(backend=backend, timeout_s=timeout_s)
+    info = initialize.init(backend=backend, timeout_s=timeout_s)
     parallel_state.initialize_model_parallel(tp, pp)
     dist.barrier()               # connect the pairs now, so the first cell is quick
     names = dict(torch=torch, dist=dist, np=np, mpu_lab=mpu_lab, comm=comm,
-                 distributed=distributed, parallel_state=parallel_state,
+                 parallel_state=parallel_state,
                  tensor_parallel=tensor_parallel, rank=info.rank, world_size=info.world_size,
                  device=info.device)
     names.update({n: getattr(mappings, n) for n in dir(mappings)

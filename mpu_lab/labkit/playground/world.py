@@ -13,22 +13,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from mpu_lab import distributed, launcher, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab import launcher
+from mpu_lab.core import parallel_state
 from mpu_lab.labkit.playground.cluster_logs import quiet_about_removed_logs
-from mpu_lab.labkit.playground.engine import (
-    engine_init,
-    engine_setup,
-    engine_values,
-    run_on_engine,
-)
+from mpu_lab.labkit.playground.engine import engine_init, engine_setup, engine_values, run_on_engine
 from mpu_lab.labkit.playground.errors import (
-    HEADING,
-    PlaygroundError,
-    RankOutput,
-    WorldStartTimeout,
-    world_problem,
-    raise_for_outputs,
-)
+    HEADING, PlaygroundError, RankOutput, WorldStartTimeout, world_problem, raise_for_outputs)
 from mpu_lab.labkit.viz.collectives import plot_collective
 from mpu_lab.launcher import process_tree
 
@@ -47,7 +38,7 @@ def _gpu_count() -> int:
 def engine_env(rank: int, world_size: int, port: int, timeout_s: float) -> Dict[str, str]:
     """The environment of the engine that is ``rank``: torchrun's variables, as a one-node
     ``torchrun --nproc-per-node world_size`` gives its workers (``LOCAL_RANK`` = rank), so
-    :func:`mpu_lab.distributed.init` takes the same decision as in a launched job: NCCL and
+    :func:`mpu_lab.training.initialize.init` takes the same decision as in a launched job: NCCL and
     ``cuda:LOCAL_RANK`` when every engine has a GPU of its own, gloo with
     ``cuda:LOCAL_RANK % GPUs`` when the engines share GPUs, gloo on the CPU without one."""
     return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -135,7 +126,7 @@ class World:
         self.timings["engines_registered_s"] = time.perf_counter() - t0
         self.controller_pid = self.cluster.controller.process.pid
         self.engine_ids = sorted(self.client.ids)[: self.world_size]
-        port = distributed.free_port()
+        port = initialize.free_port()
         # ipyparallel tells the client an engine registered before the engine has surely
         # connected to the scheduler, and a request routed to it before then is dropped
         # (ipyparallel issue #476). The setup request is idempotent, so a rank that has not
@@ -150,7 +141,7 @@ class World:
 
     def _init_group(self, new_port: bool = False) -> None:
         t0 = time.perf_counter()
-        port = distributed.free_port() if new_port else None
+        port = initialize.free_port() if new_port else None
         infos = self._answers(
             lambda r: self.client[self.engine_ids[r]].apply_async(
                 engine_init, self.requested_backend, self.timeout_s, self.tp, self.pp, port),

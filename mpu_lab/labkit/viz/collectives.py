@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from mpu_lab import parallel_state
+from mpu_lab.core import parallel_state
 from mpu_lab.labkit.collective_layouts import COLLECTIVE_LAYOUTS
 from mpu_lab.labkit.viz.style import display_figure, group_colors, new_figure, styled
 

@@ -2,7 +2,7 @@
 per rank of a contiguous split against Megatron's zig-zag layout.
 
 Both read :mod:`mpu_lab.labkit.cp_lessons`, which takes the block pairs from the mirror's
-``block_pair`` (:mod:`mpu_lab.context_parallel.ring_attention`).
+``block_pair`` (:mod:`mpu_lab.core.context_parallel.ring_attention`).
 """
 from __future__ import annotations
 

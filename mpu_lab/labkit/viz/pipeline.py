@@ -1,5 +1,5 @@
 """Lab 09's pictures: a pipeline's Gantt chart, one row per stage, from the logical timeline
-(:func:`mpu_lab.pipeline_parallel.timeline.simulate`) or from a real run's records
+(:func:`mpu_lab.perf.pipeline_simulation.simulate`) or from a real run's records
 (:mod:`mpu_lab.perf.pipeline_timeline`)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from mpu_lab.labkit.viz.style import STYLE
-from mpu_lab.pipeline_parallel.timeline import Record, bubble_share
+from mpu_lab.perf.pipeline_simulation import Record, bubble_share
 
 # (kind, chunk parity) -> colour: forwards blue, backwards orange, odd model chunks lighter.
 GANTT_COLORS = {("F", 0): "#4C72B0", ("F", 1): "#8DA9D6", ("B", 0): "#DD8452", ("B", 1): "#F2B994"}
@@ -20,10 +20,10 @@ def plot_gantt(records: Sequence[Sequence[Record]], title: Optional[str] = None,
                time_unit: str = "units", label_microbatches: bool = True) -> Figure:
     """Gantt chart: one row per pipeline stage (stage 0 on top), forwards blue, backwards
     orange, odd model chunks lighter; the number in a box is its micro-batch; the title ends
-    with the idle share (:func:`~mpu_lab.pipeline_parallel.timeline.bubble_share`).
+    with the idle share (:func:`~mpu_lab.perf.pipeline_simulation.bubble_share`).
 
     ``records[k]`` are stage ``k``'s ``(kind, microbatch, chunk, start, end)``: ``.records`` of
-    :func:`~mpu_lab.pipeline_parallel.timeline.simulate`, or the ``"records"`` of
+    :func:`~mpu_lab.perf.pipeline_simulation.simulate`, or the ``"records"`` of
     :func:`mpu_lab.perf.pipeline_timeline.pipeline_records` (times in seconds are shifted to
     start at 0; pass ``time_unit="s"``, or ``"ms"``, which scales them by 1000). Returns the
     ``Figure`` (drawn into ``ax`` when given).

@@ -14,15 +14,9 @@ from typing import Dict, Iterable, List, Optional, Sequence
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch, Rectangle
 
-from mpu_lab import parallel_state
+from mpu_lab.core import parallel_state
 from mpu_lab.labkit.viz.style import (
-    CROSSING,
-    LABEL_BOX,
-    display_figure,
-    group_colors,
-    new_figure,
-    styled,
-)
+    CROSSING, LABEL_BOX, display_figure, group_colors, new_figure, styled)
 
 FAMILY_NAMES = {
     "tp": "tensor model-parallel", "pp": "pipeline model-parallel", "dp": "data_parallel",

@@ -1,7 +1,7 @@
 """Context parallelism (CP) in the cost model: activation memory, bytes per layer, overlap, time.
 
 CP splits the sequence of every layer over ``cp`` ranks (Megatron-core's
-``--context-parallel-size``; :mod:`mpu_lab.context_parallel` is the mirror). Each rank keeps
+``--context-parallel-size``; :mod:`mpu_lab.core.context_parallel` is the mirror). Each rank keeps
 ``s/cp`` tokens (Megatron's layout: chunks r and 2·cp−1−r of 2·cp, so causal work is even) and
 sees the other ranks' keys and values through one of three exchanges:
 

@@ -4,7 +4,7 @@ An MoE layer replaces the dense MLP by ``E`` expert MLPs and a router ``h × E``
 token to its top ``k`` (Shazeer et al. 2017; GShard, Lepikhin et al. 2020, arXiv:2006.16668;
 Switch Transformers, Fedus et al. 2021, arXiv:2101.03961). So the experts count ``E`` times in
 the parameters and ``k`` times in the FLOPs per token. Expert parallelism places ``E/ep``
-experts on each rank (Megatron-core's ``--expert-model-parallel-size``; :mod:`mpu_lab.models.moe`
+experts on each rank (Megatron-core's ``--expert-model-parallel-size``; :mod:`mpu_lab.core.transformer.moe`
 is the mirror) and moves tokens with an all-to-all before the experts (dispatch) and after
 them (combine), in both passes.
 

@@ -16,7 +16,7 @@ group: cp = 4).
 import pytest
 import torch
 
-from mpu_lab import context_parallel
+from mpu_lab.core import context_parallel
 from mpu_lab.labkit.exercises import LSE_MERGE, ZIGZAG_LAYOUT, grade
 from mpu_lab.labkit.exercises import context_parallel as cp_exercises
 from mpu_lab.labkit.notebooks.solutions import solution_source

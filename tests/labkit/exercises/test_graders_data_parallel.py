@@ -40,7 +40,7 @@ def my_distributed_step(param, grad, lr, group):
     return full[:n]
 '''
 
-# the same with mpu_lab.comm's collectives, which return new tensors
+# the same with mpu_lab.core.comm's collectives, which return new tensors
 COMM_SOLUTION = '''
 def my_distributed_step(param, grad, lr, group):
     d, me = dist.get_world_size(group), dist.get_rank(group)

@@ -361,7 +361,7 @@ def test_an_exercise_layout_regroups_for_the_grading_and_puts_the_worlds_groups_
 
 def test_f_and_g_source_is_read_from_mappings_by_name(capsys):
     from mpu_lab.labkit.exercises import tp_mappings
-    from mpu_lab.tensor_parallel import mappings
+    from mpu_lab.core.tensor_parallel import mappings
     tp_mappings.print_f_and_g_source()
     out = capsys.readouterr().out
     names = ["def _reduce(", "class _CopyToModelParallelRegion(",

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpu_lab import distributed, parallel_state
+from mpu_lab.training import initialize
+from mpu_lab.core import parallel_state, utils
 from mpu_lab.labkit.playground import engine
 from mpu_lab.labkit.playground.world import check_world_args, engine_env
 
@@ -32,7 +33,8 @@ def machine(monkeypatch):
     the device ``torch.cuda.set_device`` was given."""
     for name in ("MPU_LAB_DEVICE", "MPU_LAB_BACKEND", "TORCH_NCCL_BLOCKING_WAIT"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(distributed, "_INFO", None)
+    monkeypatch.setattr(initialize, "_INFO", None)
+    monkeypatch.setattr(utils, "_DEVICE", None)
     state = {"init": None, "set_device": None}
     shell = types.SimpleNamespace(user_ns={})
 

@@ -1,4 +1,4 @@
-"""mpu_lab.models.moe.MoELayer on real ranks (gloo) against a plain single-process MoE from the
+"""mpu_lab.core.transformer.moe.MoELayer on real ranks (gloo) against a plain single-process MoE from the
 same master weights (tests/mp/moe_reference.py: loops over tokens and experts, fp64): at
 ep = 2 and 4, with etp = 1 and etp = 2 (sequence parallel on, t = 2), both dispatchers, top-1
 and top-2 (softmax and sigmoid), without and with token dropping, the output, the input

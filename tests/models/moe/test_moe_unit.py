@@ -1,4 +1,4 @@
-"""mpu_lab.models.moe in one process: the routing maths, the capacity, the load-balancing loss
+"""mpu_lab.core.transformer.moe in one process: the routing maths, the capacity, the load-balancing loss
 and the permutations on values worked by hand; the aux-loss autograd Function against autograd
 of the summed loss; TransformerConfig.check_moe's refusals; and the whole MoELayer at ep = 1
 (a one-rank world) against the plain MoE of tests/mp/moe_reference.py.
@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from mpu_lab.comm import exchange
-from mpu_lab.models import TransformerConfig
-from mpu_lab.models.moe import (
+from mpu_lab.core.comm import exchange
+from mpu_lab.core.transformer import TransformerConfig
+from mpu_lab.core.transformer.moe import (
     MoEAuxLossAutoScaler, MoELayer, apply_router_token_dropping, get_capacity, permute,
     sort_chunks_by_idxs, switch_load_balancing_loss_func, topk_routing_with_score_function,
     unpermute)

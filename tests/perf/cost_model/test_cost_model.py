@@ -144,7 +144,7 @@ def test_bubble_fractions():
     assert bubble_fraction(8, 32, v=4) == 7 / 128
     assert bubble_fraction(1, 5) == 0
     # the same numbers as the pipeline package's own (independent) formula
-    from mpu_lab.pipeline_parallel.timeline import analytic_bubble
+    from mpu_lab.perf.pipeline_simulation import analytic_bubble
     for p, m, v in ((4, 8, 1), (4, 8, 2), (8, 3, 1)):
         assert bubble_fraction(p, m, v) == float(analytic_bubble(p, m, v)["relative"])
     with pytest.raises(ValueError, match="m must be >= 1"):

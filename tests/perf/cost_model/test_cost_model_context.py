@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from mpu_lab.perf import DGX_H100, GPT3_175B, ParallelConfig, explorer
+from mpu_lab.perf.cost_model import DGX_H100, GPT3_175B, ParallelConfig
+from mpu_lab.perf import explorer
 from mpu_lab.perf.cost_model import (activation_memory_per_layer, cp_activation_memory_per_layer,
                                      cp_comm_bytes_per_layer, cp_memory_per_gpu, memory_per_gpu,
                                      predict_context_parallel, predict_iteration, ring_overlap)

@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from mpu_lab.perf import DGX_H100, ParallelConfig, explorer
+from mpu_lab.perf.cost_model import DGX_H100, ParallelConfig
+from mpu_lab.perf import explorer
 from mpu_lab.perf.cost_model import (MIXTRAL_8X7B, MoEModelShape, moe_a2a_bytes_per_layer,
                                      moe_flops_per_token, moe_memory_per_gpu,
                                      moe_parameter_count, predict_moe)

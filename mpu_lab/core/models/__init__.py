@@ -1,0 +1,1 @@
+"""Models built from the transformer, after Megatron-core's ``core/models/``: ``gpt``."""

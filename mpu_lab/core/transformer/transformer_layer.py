@@ -1,0 +1,89 @@
+"""The transformer layer, tensor- and sequence-parallel: :class:`TransformerLayer`
+(Megatron-core's ``core/transformer/transformer_layer.py``; ``ParallelTransformerLayer`` in
+Megatron's legacy code). The stack of layers is in :mod:`.transformer_block`.
+
+One pre-LayerNorm GPT layer (Megatron's ``TransformerLayer``)::
+
+    x = x + dropout(attention(LN(x)) + b_O)        # one g (all-reduce) in the attention
+    x = x + dropout(mlp(LN(x)) + b_2)              # one g in the MLP
+
+so, per layer and step, **2 all-reduces forward and 2 backward** (the two ``f``s at the
+inputs of the column-parallel QKV and fc1 layers) — Shoeybi et al. 2019, §3, Fig. 4.
+
+Sequence parallelism (Korthikanti et al. 2022, §4.2.2). LayerNorm, dropout and the residual
+adds act on each token independently, so between the tensor-parallel blocks each rank keeps
+only its ``s/t`` tokens (``[s/t, b, h]``): every ``g`` becomes a reduce-scatter and every ``f``
+an all-gather (same bytes, ``t`` times less activation memory outside the blocks). Each rank
+now computes LayerNorm (and the row-parallel biases) on different tokens, so those
+parameters' gradients are partial sums: ``allreduce_sequence_parallel_grads``
+(core/distributed/finalize_model_grads.py) all-reduces them over the
+tensor-parallel group before the optimizer step. Dropout on different tokens must draw
+different masks: it runs inside ``get_rng_tracker().fork()``.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from mpu_lab.core.utils import get_device
+from mpu_lab.core.transformer.attention import SelfAttention
+from mpu_lab.core.transformer.mlp import MLP
+from mpu_lab.core.transformer.moe import MoELayer
+from mpu_lab.core.transformer.transformer_config import TransformerConfig
+from mpu_lab.core.tensor_parallel import get_rng_tracker
+
+
+def build_layer_norm(config: TransformerConfig) -> torch.nn.LayerNorm:
+    norm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
+                              device=get_device(), dtype=config.params_dtype)
+    for p in norm.parameters():
+        # Replicated on the tensor-parallel group; with sequence parallelism each rank sees
+        # other tokens, so its gradient must be all-reduced (finalize_model_grads.py).
+        p.sequence_parallel = config.sequence_parallel
+    return norm
+
+
+def _hidden_dropout_context(config: TransformerConfig, training: bool):
+    """Where dropout outside the tensor-parallel blocks draws its mask: the default generator
+    (the same mask on every rank of the group, which holds the same tokens), or with sequence
+    parallelism the tensor-parallel stream (each rank holds other tokens)."""
+    if training and config.hidden_dropout > 0 and config.sequence_parallel:
+        return get_rng_tracker().fork()
+    return contextlib.nullcontext()
+
+
+class TransformerLayer(torch.nn.Module):
+    """Pre-LN GPT layer: ``x + attn(LN(x))`` then ``x + mlp(LN(x))``; ``[s, b, h]`` in and out
+    (``[s/t, b, h]`` with sequence parallelism). ``layer_number`` (0-based) numbers the layer
+    across pipeline stages. With ``config.num_moe_experts`` the MLP is an
+    :class:`~mpu_lab.core.transformer.moe.MoELayer`."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int = 0):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.input_layernorm = build_layer_norm(config)
+        self.self_attention = SelfAttention(config)
+        self.pre_mlp_layernorm = build_layer_norm(config)
+        # mixture of experts: the MLP's place taken by an MoELayer (Megatron-core's layer spec
+        # with num_moe_experts); it returns (output, None), no bias to add
+        self.mlp = MoELayer(config) if config.num_moe_experts else MLP(config)
+
+    def _bias_dropout_add(self, x, bias, residual):
+        if bias is not None:
+            x = x + bias
+        if self.training and self.config.hidden_dropout > 0:
+            with _hidden_dropout_context(self.config, self.training):
+                x = F.dropout(x, p=self.config.hidden_dropout, training=True)
+        return residual + x
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        ln = self.input_layernorm(hidden_states)
+        attn, attn_bias = self.self_attention(ln)
+        hidden_states = self._bias_dropout_add(attn, attn_bias, hidden_states)
+        ln = self.pre_mlp_layernorm(hidden_states)
+        mlp, mlp_bias = self.mlp(ln)
+        hidden_states = self._bias_dropout_add(mlp, mlp_bias, hidden_states)
+        return hidden_states
