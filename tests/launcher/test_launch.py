@@ -126,7 +126,7 @@ def test_an_environment_inside_the_repository_is_not_the_repositorys_code():
     from mpu_lab.launcher import REPO_ROOT, diagnosis
     torch_file = str(REPO_ROOT / ".venv" / "lib" / "python3.11" / "site-packages" / "torch"
                      / "distributed" / "distributed_c10d.py")
-    own = str(REPO_ROOT / "mpu_lab" / "comm.py")
+    own = str(REPO_ROOT / "mpu_lab" / "core" / "comm" / "__init__.py")
     engine = str(REPO_ROOT / "mpu_lab" / "labkit" / "playground" / "engine.py")
     dump = ("Current thread 0x00007f00 (most recent call first):\n"
             f'  File "{torch_file}", line 2501 in all_reduce\n'
@@ -134,6 +134,6 @@ def test_an_environment_inside_the_repository_is_not_the_repositorys_code():
             f'  File "{engine}", line 100 in run_on_engine\n')
     assert debugging.format_stack(dump) == [
         "all_reduce           (torch/distributed/distributed_c10d.py)",
-        "all_reduce           (mpu_lab/core/comm.py:80)"]
+        "all_reduce           (mpu_lab/core/comm/__init__.py:80)"]
     assert diagnosis.short_path(torch_file) == "distributed_c10d.py"
-    assert diagnosis.short_path(own) == "mpu_lab/core/comm.py"
+    assert diagnosis.short_path(own) == "mpu_lab/core/comm/__init__.py"
