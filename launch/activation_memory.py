@@ -13,10 +13,9 @@ paper's. From a notebook::
 
     job = mpu_lab.launcher.run("activation_memory.py", ["--tp", 2], nproc=2, show="none")
 """
-import argparse
 import sys
 
-from mpu_lab.training import initialize
+from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state
 from mpu_lab.core.transformer import TransformerConfig
@@ -24,7 +23,7 @@ from mpu_lab.perf import activation_memory as memory
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = flag_errors.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size t (= ranks)")
     p.add_argument("--seq", type=int, default=128, help="sequence length s")
     p.add_argument("--batch", type=int, default=2, help="micro-batch size b")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mpu_lab.core import comm
-from mpu_lab.training import initialize
+from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.perf import bandwidth
 
@@ -32,8 +32,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="bench_bandwidth.py", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = flag_errors.ArgumentParser(prog="bench_bandwidth.py", description=__doc__.split("\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ops", nargs="+", default=list(bandwidth.COLLECTIVES),
                    help=f"collectives to time, of {', '.join(bandwidth.COLLECTIVES)}")
     p.add_argument("--min-bytes", default="4K", help="smallest whole-array size S (e.g. 1K)")

@@ -23,14 +23,13 @@ With no test selected, all run. Each test asserts Megatron's values, then rank 0
 line per rank, in rank order. From a notebook, ``mpu_lab.launcher.run("collectives.py",
 ["--test", "copy"], nproc=8).results`` returns each rank's values.
 """
-import argparse
 import os
 import types
 
 import torch
 import torch.distributed as dist
 
-from mpu_lab.training import initialize
+from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state as ps
 from mpu_lab.core import tensor_parallel as tp
@@ -173,7 +172,7 @@ TESTS = {
 
 
 def selected_tests(argv=None):
-    parser = argparse.ArgumentParser(description="mpu_lab's operators against the expected values of Megatron's tensor-parallel unit tests, on 8 ranks")
+    parser = flag_errors.ArgumentParser(description="mpu_lab's operators against the expected values of Megatron's tensor-parallel unit tests, on 8 ranks")
     parser.add_argument("--test", nargs="+", metavar="NAME", choices=[*TESTS, "all"],
                         help=f"tests to run: {', '.join(TESTS)} or all (default: the TEST_* "
                              f"switches that are set, else all)")
@@ -189,9 +188,10 @@ def selected_tests(argv=None):
 def main():
     names = selected_tests()
     world = int(os.environ.get("WORLD_SIZE", "0"))
-    if world and world % WORLD:
-        raise ValueError(f"collectives.py runs Megatron's tests with tp * pp = {WORLD}: start it "
-                         f"with --nproc-per-node {WORLD} (got a world of {world})")
+    if world and world % WORLD:   # refused before any process group starts, on rank 0 only
+        flag_errors.refuse("collectives.py", f"it runs Megatron's tests with tp * pp = {WORLD}: "
+                                             f"start it with --nproc-per-node {WORLD} (got a "
+                                             f"world of {world})")
     initialize.init()
     results = {}
     for name in names:

@@ -31,7 +31,7 @@ from mpu_lab import launcher, training
 from mpu_lab.perf import dp_overlap
 from mpu_lab.perf import rank_clock
 from mpu_lab.perf.comm_timing import CommCall, CommTimer
-from mpu_lab.perf.step_timer import StepTimer
+from mpu_lab.perf.breakdown import StepTimer
 
 PRECHECK = "mpu_lab.perf.dp_overlap:check_args"
 

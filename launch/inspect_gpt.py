@@ -9,12 +9,11 @@ notebook::
     job = mpu_lab.launcher.run("inspect_gpt.py", ["--tp", "2"], nproc=2, show="none")
     print(mpu_lab.perf.layer_shapes.format_shape_table(job.results[0]["shape_table"]))
 """
-import argparse
 import sys
 
 import torch
 
-from mpu_lab.training import initialize
+from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state, tensor_parallel
 from mpu_lab.core.models.gpt import GPTModel
@@ -24,7 +23,7 @@ from mpu_lab.perf.comm_counts import count_collectives, format_collectives, per_
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = flag_errors.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size d_tp")
     p.add_argument("--batch", type=int, default=2, help="B")
     p.add_argument("--seq", type=int, default=8, help="L")

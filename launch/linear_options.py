@@ -15,13 +15,12 @@ collectives each pass issues, from outside (torch's ``CommDebugMode``:
 shapes, counts and the verdict, nothing machine-dependent. Results go to
 :func:`mpu_lab.launcher.report`.
 """
-import argparse
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab.training import initialize
+from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state as ps
 from mpu_lab.core import tensor_parallel as tp
@@ -192,7 +191,7 @@ def line(res):
 
 @launcher.entrypoint
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="parallel linear options vs the dense layer")
+    parser = flag_errors.ArgumentParser(description="parallel linear options vs the dense layer")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world)")
     parser.add_argument("--layer", nargs="+", choices=["column", "row", "mlp"], default=["column"])
     parser.add_argument("--input-size", type=int, default=1024)

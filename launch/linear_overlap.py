@@ -6,9 +6,9 @@ with every collective finished before the next GEMM starts (:mod:`mpu_lab.perf.l
         --hidden 256 --steps 10
 
 Every rank is one tensor-parallel rank (t = the number of ranks). For each mode ("overlap":
-``mpu_lab.core.tensor_parallel.linear_autograd`` as it is; "serial": inside
-``mpu_lab.perf.comm_timing.no_overlap()``, which waits for each async collective at once)
-it times ``--steps`` forward + backward steps and records one backward pass step by step.
+``mpu_lab.core.tensor_parallel.linear_autograd`` as it is; "serial": the column-parallel
+layer with ``async_comm = False``, which waits for each of its collectives at once) it
+times ``--steps`` forward + backward steps and records one backward pass step by step.
 Rank 0 prints the table; every rank reports ``{"rank", "t", "device", "modes": {mode:
 {"step_ms", "backward_ms", "events"}}}``, event times in ms from the start of that backward.
 """
@@ -19,7 +19,6 @@ import torch
 from mpu_lab.training import initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state
-from mpu_lab.perf.comm_timing import no_overlap
 from mpu_lab.perf.linear_overlap import check_args, measure
 from mpu_lab.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -41,8 +40,8 @@ def main(argv=None):
     x = torch.randn(a.seq // t, a.batch, a.hidden, device=device, requires_grad=True)
     dy = torch.randn(a.seq // t, a.batch, a.hidden, device=device)
     modes = {"overlap": measure(col, row, x, dy, a.steps)}
-    with no_overlap():
-        modes["serial"] = measure(col, row, x, dy, a.steps)
+    col.async_comm = False          # the row-parallel layer communicates after its linear
+    modes["serial"] = measure(col, row, x, dy, a.steps)
     lines = launcher.gather_lines(f"{modes['overlap']['step_ms']} {modes['serial']['step_ms']}")
     if lines is not None and not a.quiet:
         print(f"step (forward + backward) of a sequence-parallel MLP, t = {t}, "

@@ -14,9 +14,8 @@ Megatron-core is optional: where it cannot be imported every rank reports
     job = mpu_lab.launcher.run("megatron_core_ddp.py", [], nproc=2)
     print(mpu_lab.labkit.megatron_core_ddp.format_ddp_results(job.results))
 """
-import argparse
 
-from mpu_lab.training import initialize
+from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state as ps
 from mpu_lab.labkit import megatron_core as mc
@@ -26,7 +25,7 @@ from mpu_lab.labkit import megatron_core_ddp as mcd
 
 @launcher.entrypoint
 def main():
-    parser = argparse.ArgumentParser(description="Megatron-core's DDP and distributed "
+    parser = flag_errors.ArgumentParser(description="Megatron-core's DDP and distributed "
                                      "optimizer vs mpu_lab's, side by side")
     parser.add_argument("--steps", type=int, default=3, help="Adam steps per mode (>= 1)")
     parser.add_argument("--modes", default=",".join(mcd.MODES),
@@ -35,8 +34,8 @@ def main():
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in mcd.MODES]
     if bad or args.steps < 1:
-        raise ValueError(f"--modes {bad} unknown (known: {', '.join(mcd.MODES)}) or "
-                         f"--steps {args.steps} < 1")
+        parser.error(f"--modes {bad} unknown (known: {', '.join(mcd.MODES)}) or "
+                     f"--steps {args.steps} < 1")
     rank = mcc.start_job(mc.missing(), more_warnings=(".*Transformer Engine.*", ".*Apex.*"))
     if rank is None:
         return

@@ -15,10 +15,9 @@ From a notebook::
     from mpu_lab.labkit import megatron_core_moe as mcm
     print(mcm.format_results(mcm.run_side_by_side(["ep2/alltoall/top2"])))
 """
-import argparse
 import os
 
-from mpu_lab.training import initialize
+from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.labkit import megatron_core as mc
 from mpu_lab.labkit import megatron_core_cpu as mcc
@@ -27,11 +26,14 @@ from mpu_lab.labkit import megatron_core_moe as mcm
 
 @launcher.entrypoint
 def main():
-    parser = argparse.ArgumentParser(description="Megatron-core's MoELayer vs mpu_lab's")
+    parser = flag_errors.ArgumentParser(description="Megatron-core's MoELayer vs mpu_lab's")
     parser.add_argument("--cases", nargs="+", default=list(mcm.DEFAULT_CASES))
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cases = [mcm.parse_case(name, world_size) for name in args.cases]
+    try:
+        cases = [mcm.parse_case(name, world_size) for name in args.cases]
+    except ValueError as exc:    # refused before any process group starts, on rank 0 only
+        parser.error(str(exc))
     rank = mcc.start_job(mc.missing())
     if rank is None:
         return

@@ -20,11 +20,10 @@ From a notebook::
     job = mpu_lab.launcher.run("megatron_core_side_by_side.py", ["--what", "column"], nproc=4)
     print(mpu_lab.labkit.megatron_core.format_results(job.results))
 """
-import argparse
 import os
 import warnings
 
-from mpu_lab.training import initialize
+from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state as ps
 from mpu_lab.labkit import megatron_core as mc
@@ -47,7 +46,7 @@ def check(results, tol=TOL):
 
 @launcher.entrypoint
 def main():
-    parser = argparse.ArgumentParser(description="mpu_lab vs Megatron-core, side by side")
+    parser = flag_errors.ArgumentParser(description="mpu_lab vs Megatron-core, side by side")
     parser.add_argument("--what", choices=("column", "row", "mappings", "all"), default="all")
     parser.add_argument("--tp", type=int, default=None,
                         help="tensor-parallel size (default: the world size)")
@@ -64,7 +63,7 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     t = args.tp or world
     if world % t:
-        raise ValueError(f"--tp {t} does not divide the world of {world} ranks")
+        parser.error(f"--tp {t} does not divide the world of {world} ranks")
 
     # Expected noise, hidden: Megatron-core warns that CUDA_DEVICE_MAX_CONNECTIONS is unset (a
     # speed hint for GPUs) and calls torch collectives that recent torch marks deprecated.

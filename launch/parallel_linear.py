@@ -13,14 +13,13 @@ rank ``i`` keeps the ``i``-th slice of each of the 3 blocks.
 
 From a notebook: ``mpu_lab.launcher.run("parallel_linear.py", ["--tp", "4"], nproc=4).results``.
 """
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu_lab.training import initialize
+from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state as ps
 from mpu_lab.core import tensor_parallel as tp
@@ -127,7 +126,7 @@ def describe(kind, res, args, t):
 
 @launcher.entrypoint
 def main():
-    parser = argparse.ArgumentParser(description="column/row parallel linear vs dense matmul")
+    parser = flag_errors.ArgumentParser(description="column/row parallel linear vs dense matmul")
     parser.add_argument("--tp", type=int, default=None,
                         help="tensor-parallel size (default: the world size)")
     parser.add_argument("--input-size", type=int, default=1024)
@@ -139,10 +138,10 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     t = args.tp or world
     if world % t:
-        raise ValueError(f"--tp {t} does not divide the world of {world} ranks")
+        parser.error(f"--tp {t} does not divide the world of {world} ranks")
     for name, size in (("--output-size", args.output_size), ("--input-size", args.input_size)):
         if size % (t * args.stride):
-            raise ValueError(f"{name} {size} is not divisible by tp x stride = {t} x {args.stride}")
+            parser.error(f"{name} {size} is not divisible by tp x stride = {t} x {args.stride}")
 
     initialize.init()
     ps.initialize_model_parallel(tensor_model_parallel_size=t)

@@ -15,10 +15,9 @@ From a notebook::
     from mpu_lab.perf.pipeline_bubble import measure_bubble
     print(measure_bubble(2, (1, 8)).summary())
 """
-import argparse
 import os
 
-from mpu_lab.training import initialize
+from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state as ps
 from mpu_lab.perf import pipeline_bubble, rank_clock
@@ -26,7 +25,7 @@ from mpu_lab.perf import pipeline_bubble, rank_clock
 
 @launcher.entrypoint
 def main():
-    parser = argparse.ArgumentParser(description="the 1F1B bubble, measured per rank")
+    parser = flag_errors.ArgumentParser(description="the 1F1B bubble, measured per rank")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--iterations", type=int, default=3)
     args = parser.parse_args()

@@ -19,7 +19,7 @@ from mpu_lab.core import comm
 from mpu_lab.training import initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state as ps
-from mpu_lab.training.rank_groups_args import rank_groups_parser
+from mpu_lab.training.rank_groups_args import parse_and_check_args
 
 # Checked by the launcher before torchrun starts (read from this source, not imported).
 PRECHECK = "mpu_lab.training.rank_groups_args:check_rank_groups_args"
@@ -31,7 +31,9 @@ EXPERT_FAMILIES = {"ep": ps.get_expert_model_parallel_group,
 
 
 def parse_args(argv=None):
-    return rank_groups_parser(description=__doc__.splitlines()[0]).parse_args(argv)
+    """The flags, checked for the world torchrun launched: a configuration that cannot work is
+    refused here, before any process group starts (one message, on rank 0; exit status 2)."""
+    return parse_and_check_args(argv, description=__doc__.splitlines()[0])
 
 
 @launcher.entrypoint

@@ -48,8 +48,8 @@ reports its last iteration's forward/backward records under ``"timeline"``::
 the schedule itself records nothing.)
 
 With ``--breakdown`` each rank reports where its steps' time went (compute vs each kind of
-collective) under ``"breakdown"``: :mod:`mpu_lab.perf.step_timer` times the training loop's
-steps from outside; ``mpu_lab.perf.breakdown.format_breakdown`` tabulates it::
+collective) under ``"breakdown"``: :class:`mpu_lab.perf.breakdown.StepTimer`, a callback of
+the training loop, times its steps; ``mpu_lab.perf.breakdown.format_breakdown`` tabulates it::
 
     from mpu_lab.perf import breakdown
     print(breakdown.format_breakdown(breakdown.breakdowns(job.results)))
@@ -61,9 +61,10 @@ Chrome trace per rank to DIR.
 Debugging (lab 14): ``--inject-fault KIND[:RANK[:ITERATION]]`` makes one rank misbehave on
 purpose (hang, skip-collective, mismatched-shape, wrong-group, crash, pp-deadlock, divergence,
 fp16-overflow; ``mpu_lab.labkit.faults.FAULT_KINDS`` says what each does). The flag and the
-injection come from the lab kit (``faults.add_fault_args``, ``faults.inject``), which wraps the
-training loop's calls from outside; ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION`` kills a rank in the
-middle of a checkpoint save the same way. ``--dense-twin`` has rank 0 train the dense TP=1 twin
+injection come from the lab kit (``faults.add_fault_args``; ``faults.inject``, callbacks the
+training loop calls at its hook points); ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION`` kills a rank in
+the middle of a checkpoint save (``faults.kill_in_save``, the checkpoint writer the loop is
+given). ``--dense-twin`` has rank 0 train the dense TP=1 twin
 from the run's initial weights too and report its losses, for
 ``mpu_lab.labkit.twin_check.compare_with_dense_twin``::
 
@@ -78,7 +79,6 @@ project's flag (Megatron picks 1F1B, or interleaved when
 ``--num-layers-per-virtual-pipeline-stage`` is given, and has no GPipe); the default follows
 Megatron's rule.
 """
-import contextlib
 import faulthandler
 import os
 import pathlib
@@ -87,7 +87,7 @@ import sys
 from mpu_lab.training import initialize
 from mpu_lab import launcher, training
 from mpu_lab.labkit import faults
-from mpu_lab.perf import pipeline_timeline, step_timer
+from mpu_lab.perf import breakdown, pipeline_timeline
 
 # Checked by the launcher before torchrun starts (read from this source, not imported).
 PRECHECK = "mpu_lab.labkit.faults:check_launch_args"
@@ -106,21 +106,23 @@ def _dump_stacks_on_abort():
 @launcher.entrypoint
 def main(argv=None):
     _dump_stacks_on_abort()
-    args = training.parse_args(argv, extra_args_provider=faults.add_fault_args)
-    # Check the flags first (pure): a bad configuration fails here, naming the numbers.
-    training.validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    # Check the flags first (pure), for the world torchrun launched: a configuration that
+    # cannot work is refused here, before any process group starts (one message, rank 0).
+    args = training.arguments.parse_and_validate_args(
+        argv, extra_args_provider=faults.add_fault_args, extra_checks=[faults.fault_of])
     fault = faults.fault_of(args)
     initialize.init()
     state = training.setup(args)
-    faults.inject(fault)              # --inject-fault: wraps the loop's calls on its rank
-    faults.kill_in_save_from_env()    # MPU_LAB_FAULT_IN_SAVE
+    callbacks = faults.inject(fault)             # --inject-fault: [] without it
+    timer = breakdown.step_timer_for(args)       # --breakdown[-barrier|-profile], else None
+    if timer is not None:
+        callbacks.append(timer)
     weights = training.dense_twin_weights(state) if args.dense_twin else None
-    timer = step_timer.step_timer_for(args)    # --breakdown[-barrier|-profile], else None
     recorder = pipeline_timeline.ScheduleRecorder(   # --record-timeline: hooks on the chunks
         state.model_chunks, args.num_micro_batches, args.pipeline_schedule) \
         if args.record_timeline else None
-    with step_timer.timing_train_steps(timer) if timer else contextlib.nullcontext():
-        metrics = training.train(state)
+    metrics = training.train(state, callbacks=callbacks,   # MPU_LAB_FAULT_IN_SAVE: its writer
+                             storage_writer=faults.kill_in_save_from_env())
     result = {"metrics": metrics, "iteration": state.iteration}
     if weights is not None:   # rank 0, --dense-twin
         result["dense_losses"] = training.dense_twin_losses(args, weights)

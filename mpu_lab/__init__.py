@@ -1,14 +1,14 @@
 """mpu_lab: Megatron-LM's model-parallel unit (MPU), small enough to read and run anywhere.
 
-Three parts (``docs/ARCHITECTURE.md`` draws the layers):
+Four parts (``docs/ARCHITECTURE.md`` draws the layers):
 
-* the Megatron mirror, named after Megatron-core's files so a learner can jump to the real
-  thing: ``parallel_state`` (rank groups), ``distributed`` (backend and device),
-  ``comm`` (every collective), ``tensor_parallel``, ``models``, ``pipeline_parallel``,
-  ``optimizer``, ``checkpointing``, ``training``;
+* ``core``: the Megatron mirror, at Megatron-core's own paths (``core/tensor_parallel/``,
+  ``core/transformer/``, ``core/models/gpt/``, ``core/pipeline_parallel/``, ...), so a learner
+  can open the real file beside ours; ``training``: Megatron-LM's ``megatron/training/``
+  (arguments, initialisation, the loop, checkpointing);
 * ``launcher``: a ``launch/`` script under torchrun from a notebook or a test;
-* ``labkit``: pictures, exercises, the live playground and notebook tooling for the labs;
-
-and ``perf``, the cost model and the measurement tools, between the mirror and the lab kit.
+* ``perf``: the cost model and the measurements, made from outside the mirror;
+* ``labkit``: lessons, exercises and graders, pictures, the live playground and notebook
+  tooling for the labs.
 """
 __version__ = "0.1.0"

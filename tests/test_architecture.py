@@ -437,8 +437,9 @@ if __name__ == "__main__":
 
 def test_the_readme_counts_the_tensor_parallel_reading_path_as_it_is():
     """The README's line count of tensor_parallel/ plus the collectives module is the files'
-    own (a copy of a number is tied to its source), and it stays within the 1,200-line budget
-    of a readable mirror."""
+    own (a copy of a number is tied to its source), and it stays within the 1,250-line budget
+    of a readable mirror (1,200 until activation recomputation's checkpoint with distributed
+    saved activations and the linear layer's serial switch, ``async_comm``, joined it)."""
     files = sorted((ROOT / "mpu_lab" / "core" / "tensor_parallel").glob("*.py")) + [
         ROOT / "mpu_lab" / "core" / "comm" / "__init__.py"]
     lines = sum(len(f.read_text().splitlines()) for f in files)
@@ -446,4 +447,4 @@ def test_the_readme_counts_the_tensor_parallel_reading_path_as_it_is():
                        (ROOT / "README.md").read_text())
     assert stated, "the README no longer states the reading path's length"
     assert int(stated.group(1).replace(",", "")) == lines
-    assert lines <= 1200
+    assert lines <= 1250

@@ -158,7 +158,6 @@ def test_rank_groups_flags_take_the_expert_sizes_under_megatrons_names_too():
     args = check_rank_groups_args(["--tp", "2", "--pp", "1", "--expert-model-parallel-size", "2",
                                    "--expert-tensor-parallel-size", "1"], 4)
     assert (args.ep, args.etp) == (2, 1)
-    with pytest.raises(ValueError, match="world_size 4 is not divisible by "
-                                         "expert_tensor_parallel_size 2 x "
-                                         "expert_model_parallel_size 4"):
+    with pytest.raises(ValueError, match="--ep 4 with --etp 2 does not fit 4 ranks: world size 4 "
+                                         "is not divisible by etp x ep x pp = 2 x 4 x 1 = 8"):
         check_rank_groups_args(["--tp", "2", "--pp", "1", "--expert-model-parallel-size", "4"], 4)

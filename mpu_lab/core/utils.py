@@ -35,3 +35,22 @@ def nearest_multiples(n: int, step: int) -> str:
     (``nearest_multiples(10, 4) == "8 or 12"``; ``"4"`` when the one below is 0)."""
     below, above = n // step * step, (n // step + 1) * step
     return f"{below} or {above}" if below else f"{above}"
+
+
+class _MakeViewlessTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp):
+        out = torch.empty((1,), dtype=inp.dtype, device=inp.device)
+        out.data = inp.data            # the same storage, no ._base
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output
+
+
+def make_viewless_tensor(inp: torch.Tensor) -> torch.Tensor:
+    """Megatron-core's ``make_viewless_tensor``: ``inp`` itself when it is not a view, else a
+    tensor on the same storage with no ``._base`` (gradients pass through), so that its
+    storage may be swapped (``distribute_saved_activations``)."""
+    return inp if inp._base is None else _MakeViewlessTensor.apply(inp)

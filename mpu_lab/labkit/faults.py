@@ -3,12 +3,13 @@ KIND[:RANK[:ITERATION]]``), so a learner sees what a broken distributed job does
 diagnosed (lab 14); and a rank killed in the middle of a checkpoint save
 (``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION``, the reliability tests).
 
-The lab's own (Megatron-LM has no fault injection), and it stays out of the training loop:
-:func:`inject` wraps, for one rank and one iteration, the one call of
-:mod:`mpu_lab.training.training` that each kind corrupts (the train step itself, the loss
-all-reduce, the gradient-norm reduction, the step after backward), and :func:`kill_in_save`
-wraps the checkpoint writer of ``torch.distributed.checkpoint``. Each kind is something that
-goes wrong in real jobs (Megatron-LM issue #881 and nanotron issue #209 are hangs):
+The lab's own (Megatron-LM has no fault injection), and it stays out of the training loop: the
+faults enter through the seams any user of the loop has. :func:`inject` gives the callbacks
+(:class:`mpu_lab.training.training.Callback`) that ``train(..., callbacks=...)`` calls before a
+step, before its optimizer step and after its loss average (:class:`Injection` says what each
+kind does where), and :func:`kill_in_save` a ``torch.distributed.checkpoint`` writer (a
+``FileSystemWriter`` subclass) for ``train(..., storage_writer=...)``. Each kind is something
+that goes wrong in real jobs (Megatron-LM issue #881 and nanotron issue #209 are hangs):
 
 * a collective fault (hang, skip-collective, mismatched-shape, wrong-group, pp-deadlock) makes
   the other ranks wait until the collective timeout (``MPU_LAB_TIMEOUT_S``), or makes gloo
@@ -31,7 +32,7 @@ import dataclasses
 import os
 import pathlib
 import time
-from typing import Callable, Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from mpu_lab.training import initialize
 from mpu_lab.core import parallel_state
 from mpu_lab.training.checkpointing import iteration_dir
-from mpu_lab.core.optimizer import DynamicLossScaler
+from mpu_lab.core.optimizer import DynamicLossScaler, clip_grad_norm
 from mpu_lab.training import arguments
 from mpu_lab.training import training as loop
 
@@ -54,21 +55,23 @@ FAULT_KINDS: Dict[str, Dict[str, str]] = {
                  "lock, slow I/O, an endless loop) leaves every other rank waiting in it until "
                  "the collective timeout."},
     "skip-collective": {
-        "what": "the rank does not enter the all-reduce that averages the loss over the "
-                "data-parallel group (a rank-dependent `if` around a collective)",
+        "what": "the rank does not enter an all-reduce that the other ranks of its "
+                "data-parallel group enter, averaging the loss for a log line after the step "
+                "(a rank-dependent `if` around a collective)",
         "needs": "a data-parallel size > 1 (at PP > 1: a last-stage rank)",
         "cause": "A collective that not every rank calls never completes: the ranks that "
                  "entered it wait, and the rank that skipped it waits in its next one."},
     "mismatched-shape": {
         "what": "the rank all-reduces a tensor of 2 elements where the others all-reduce the "
-                "1-element loss",
+                "1-element loss (averaging it for a log line after the step)",
         "needs": "a data-parallel size > 1 (at PP > 1: a last-stage rank)",
         "cause": "Ranks that pass tensors of different sizes to the same collective cannot "
                  "agree on the message: gloo refuses it or waits until the timeout, NCCL may "
                  "hang or return garbage."},
     "wrong-group": {
         "what": "the rank sums the gradient norm over the data-parallel group where the "
-                "tensor-parallel (model-parallel) group was meant",
+                "tensor-parallel (model-parallel) group was meant (every rank measures it "
+                "before the optimizer step)",
         "needs": "--tensor-model-parallel-size > 1 and a data-parallel size > 1",
         "cause": "A collective issued on the wrong process group pairs ranks that are not "
                  "waiting for each other: some wait forever, others silently combine "
@@ -269,25 +272,46 @@ def send_first_to_neighbour(state, fault: Fault) -> None:
     dist.recv(activation, src=other, group=group)
 
 
-@dataclasses.dataclass
-class Injection:
-    """One fault installed into this process's training loop: :meth:`train_step` replaces
-    the loop's ``train_step`` (it arms the fault on its rank in its iteration and runs the
-    kinds that act before the forward); each other method replaces the one call its kind
-    corrupts, and passes the call through unchanged whenever the fault is not armed."""
-    fault: Fault
-    rank: int
-    armed: bool = False
-    inflated_scaler: Optional[DynamicLossScaler] = None
-    originals: Dict[str, Callable] = dataclasses.field(default_factory=dict)
+def grad_norm_over(state, group) -> float:
+    """The gradient norm of this rank's model chunks, its squares summed over ``group``
+    (``clip_grad_norm`` with ``max_norm = 0`` only measures): what a monitoring callback logs
+    before the optimizer step."""
+    params = [p for chunk in state.model_chunks for p in chunk.parameters() if p.requires_grad]
+    return clip_grad_norm(params, 0.0, group)
 
-    def train_step(self, state):
+
+class Injection(loop.Callback):
+    """One fault as a callback of the training loop (:class:`mpu_lab.training.training.Callback`),
+    passed to ``train(..., callbacks=[...])`` on every rank (pp-deadlock also acts on the fault
+    rank's neighbour, the loss and norm faults on its peers). It acts in the fault's iteration
+    only:
+
+    * ``on_step_begin``: hang sleeps, divergence re-draws a shard, pp-deadlock sends first,
+      fp16-overflow multiplies the rank's loss scale by 2^64 for the backward;
+    * ``on_before_optimizer_step``: fp16-overflow gives the scaler back its true scale (it
+      unscales the gradients with it); crash raises; wrong-group: every rank measures its
+      gradient norm over the model-parallel group, the fault's rank over the data-parallel one;
+    * ``on_step_end``: the ranks of the fault rank's data-parallel group average the loss once
+      more for a log line (:meth:`loss_for_log`): skip-collective leaves that rank out,
+      mismatched-shape gives it 2 elements.
+    """
+
+    def __init__(self, fault: Fault, rank: int):
+        self.fault, self.rank = fault, rank
+        self.in_fault_step = False
+        self.inflated_scaler: Optional[DynamicLossScaler] = None
+
+    @property
+    def armed(self) -> bool:
+        """This rank misbehaves in this step."""
+        return self.in_fault_step and self.rank == self.fault.rank
+
+    def on_step_begin(self, state) -> None:
         fault = self.fault
-        faulty_step = state.iteration + 1 == fault.iteration
-        self.armed = faulty_step and self.rank == fault.rank
+        self.in_fault_step = state.iteration + 1 == fault.iteration
         if self.armed:
             announce(fault)
-        if faulty_step and fault.kind == "pp-deadlock":
+        if self.in_fault_step and fault.kind == "pp-deadlock":
             send_first_to_neighbour(state, fault)   # on the fault's rank and its neighbour
         elif self.armed and fault.kind == "hang":
             hang()
@@ -297,95 +321,75 @@ class Injection:
             # this rank's loss is scaled 2^64 times too much for one backward
             self.inflated_scaler = state.scaler
             state.scaler.scale *= OVERFLOW_FACTOR
-        try:
-            return self.originals["train_step"](state)
-        finally:
-            self.armed = False
 
-    def finalize_model_grads(self, *args, **kwargs):
-        """After the backward, before the optimizer step: crash raises; fp16-overflow gives
-        the scaler back its true scale, which it unscales the gradients with."""
-        out = self.originals["finalize_model_grads"](*args, **kwargs)
+    def on_before_optimizer_step(self, state) -> None:
         if self.inflated_scaler is not None:
             self.inflated_scaler.scale /= OVERFLOW_FACTOR
             self.inflated_scaler = None
         if self.armed and self.fault.kind == "crash":
             crash(self.fault)
-        return out
+        if self.in_fault_step and self.fault.kind == "wrong-group":
+            group = parallel_state.get_data_parallel_group() if self.armed \
+                else parallel_state.get_model_parallel_group()
+            grad_norm_over(state, group)
 
-    def average_losses_across_data_parallel_group(self, loss):
-        """skip-collective: no all-reduce on this rank; mismatched-shape: 2 elements, not 1."""
-        original = self.originals["average_losses_across_data_parallel_group"]
-        if self.armed and self.fault.kind == "skip-collective":
-            return loss
-        if self.armed and self.fault.kind == "mismatched-shape":
-            return original(torch.stack([loss, torch.ones_like(loss)]))
-        return original(loss)
-
-    def clip_grad_norm(self, params, max_norm, group, expert_group=None):
-        """wrong-group: the norm summed over the data-parallel group, not the model-parallel
-        one."""
-        if self.armed:
+    def on_step_end(self, state, step) -> None:
+        if self.in_fault_step and self.fault.kind in ("skip-collective", "mismatched-shape"):
             group = parallel_state.get_data_parallel_group()
-        return self.originals["clip_grad_norm"](params, max_norm, group, expert_group)
+            if self.fault.rank in dist.get_process_group_ranks(group):
+                loss = torch.tensor(step["lm_loss"], device=initialize.get_device())
+                value = self.loss_for_log(loss)
+                if value is not None:
+                    loop.average_losses_across_data_parallel_group(value)
+        self.in_fault_step = False
+
+    def loss_for_log(self, loss: torch.Tensor) -> Optional[torch.Tensor]:
+        """What this rank all-reduces when its data-parallel group averages the loss again in
+        the fault's step: nothing on the skip-collective rank (a rank-dependent ``if``), the
+        loss and a 1 on the mismatched-shape rank (2 elements), the 1-element loss elsewhere."""
+        if self.armed and self.fault.kind == "skip-collective":
+            return None
+        if self.armed and self.fault.kind == "mismatched-shape":
+            return torch.stack([loss, torch.ones_like(loss)])
+        return loss
 
 
-# the call of mpu_lab.training.training each kind replaces, besides train_step
-PATCHED_CALL = {"crash": "finalize_model_grads", "fp16-overflow": "finalize_model_grads",
-                "skip-collective": "average_losses_across_data_parallel_group",
-                "mismatched-shape": "average_losses_across_data_parallel_group",
-                "wrong-group": "clip_grad_norm"}
-
-
-def inject(fault: Optional[Fault]) -> Callable[[], None]:
-    """Install ``fault`` (:func:`fault_of`) into this process's training loop: replace the
-    loop's ``train_step`` and the one call the kind corrupts (:data:`PATCHED_CALL`) with the
-    methods of an :class:`Injection`. Returns the function that puts the originals back;
-    nothing is installed for None. Every rank calls it (pp-deadlock also acts on the fault
-    rank's neighbour)."""
-    if fault is None:
-        return lambda: None
-    injection = Injection(fault, dist.get_rank())
-    for name in ["train_step"] + ([PATCHED_CALL[fault.kind]] if fault.kind in PATCHED_CALL else []):
-        injection.originals[name] = getattr(loop, name)
-        setattr(loop, name, getattr(injection, name))
-
-    def remove() -> None:
-        for name, original in injection.originals.items():
-            setattr(loop, name, original)
-    return remove
+def inject(fault: Optional[Fault]) -> List[loop.Callback]:
+    """The training-loop callbacks that put ``fault`` (:func:`fault_of`) into this process's
+    run: ``[Injection]``, or ``[]`` for None. Every rank passes them to ``train``."""
+    return [] if fault is None else [Injection(fault, dist.get_rank())]
 
 
 # --------------------------------------------------------------------------- in the save
-def kill_in_save(rank: int, iteration: int) -> Callable[[], None]:
-    """Global rank ``rank`` exits (``os._exit(3)``, no Python exception) inside
-    ``torch.distributed.checkpoint``'s save of ``iteration``, right after writing its data
-    file and before DCP's metadata: a rank killed mid-save, which leaves an incomplete
-    checkpoint behind. Wraps the default writer's ``write_data``; returns the undo."""
-    # heavy (about a second): imported only for this fault
+def kill_in_save(rank: int, iteration: int):
+    """A ``torch.distributed.checkpoint`` ``StorageWriter`` for ``save_checkpoint`` (``train``'s
+    ``storage_writer``): DCP's ``FileSystemWriter``, except that global rank ``rank`` exits
+    (``os._exit(3)``, no Python exception) in the save of ``iteration``, right after writing
+    its data file and before DCP's metadata: a rank killed mid-save, which leaves an
+    incomplete checkpoint behind."""
+    # heavy (about half a second): imported, and the subclass made, only for this fault
     from torch.distributed.checkpoint import FileSystemWriter
-    original = FileSystemWriter.write_data
     folder = iteration_dir(".", iteration).name
 
-    def write_data(self, plan, planner):
-        future = original(self, plan, planner)
-        if dist.get_rank() != rank or pathlib.Path(self.path).name != folder:
-            return future
-        future.wait()
-        print(f"rank {rank}: exiting in the middle of saving {folder} "
-              f"({SAVE_FAULT_ENV}={rank}:{iteration})", flush=True)
-        os._exit(3)
+    class KillInSaveWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            if dist.get_rank() != rank or pathlib.Path(self.path).name != folder:
+                return future
+            future.wait()
+            print(f"rank {rank}: exiting in the middle of saving {folder} "
+                  f"({SAVE_FAULT_ENV}={rank}:{iteration})", flush=True)
+            os._exit(3)
 
-    FileSystemWriter.write_data = write_data
-    return lambda: setattr(FileSystemWriter, "write_data", original)
+    return KillInSaveWriter(".")   # dcp.save points it at each checkpoint folder (reset)
 
 
-def kill_in_save_from_env() -> Callable[[], None]:
-    """:func:`kill_in_save` as ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION`` asks (nothing when it
-    is not set); returns the undo."""
+def kill_in_save_from_env():
+    """:func:`kill_in_save` as ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION`` asks; None (DCP's own
+    writer) when it is not set."""
     value = os.environ.get(SAVE_FAULT_ENV, "")
     if not value:
-        return lambda: None
+        return None
     try:
         rank, iteration = (int(part) for part in value.split(":"))
     except ValueError:

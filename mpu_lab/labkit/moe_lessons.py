@@ -32,10 +32,11 @@ import torch
 from mpu_lab.core import comm, parallel_state
 from mpu_lab.training import initialize
 from mpu_lab.labkit.exercises.mixture_of_experts import case_inputs
+from mpu_lab.core.distributed import allreduce_data_parallel_grads
 from mpu_lab.core.transformer import TransformerConfig
 from mpu_lab.core.transformer.moe import (
-    MoEAlltoAllTokenDispatcher, MoELayer, apply_router_token_dropping, finish_grad_sync,
-    get_capacity, topk_routing_with_score_function)
+    MoEAlltoAllTokenDispatcher, MoELayer, apply_router_token_dropping, get_capacity,
+    topk_routing_with_score_function)
 from mpu_lab.perf.comm_counts import CollectiveLog
 from mpu_lab.perf.cost_model.moe import (MIXTRAL_8X7B, MoEModelShape, moe_flops_per_token,
                                          moe_parameter_count)
@@ -202,7 +203,7 @@ def train_load(aux_loss: float, steps: int = 40, tokens: int = 64, hidden: int =
             loss = ((output - target) ** 2).mean()
             optimizer.zero_grad()
             loss.backward()
-            finish_grad_sync(layer.parameters())
+            allreduce_data_parallel_grads(list(layer.parameters()))
             optimizer.step()
         return loads
     finally:

@@ -74,7 +74,7 @@ _P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 _COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
              "all_to_all_with_splits", "send_recv")
 # mpu_lab's thin wrapper around torch.distributed: its frames say nothing about who called it.
-_PLUMBING = tuple((pathlib.Path(__file__).resolve().parent.parent / "comm").glob("*.py"))
+_PLUMBING = tuple((pathlib.Path(__file__).resolve().parent.parent / "core" / "comm").glob("*.py"))
 _SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 
 

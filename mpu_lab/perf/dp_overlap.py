@@ -18,7 +18,7 @@ each of :data:`MODES`: the all-reduce, the distributed optimizer's reduce-scatte
 without overlap (overlap off and on alternate step by step on one set-up model, so a change of
 load on the machine hits both alike). Per rank and timed step it records when backward started and ended (hooks on
 the model's output and on every parameter's gradient) and, from a
-:class:`~mpu_lab.perf.comm_timing.CommTimer` (installed from outside the mirror), when each
+:class:`~mpu_lab.perf.comm_timing.CommTimer` (at ``mpu_lab.core.comm``'s hook point), when each
 bucket's reduction was issued, when it was done, and when ``finish_grad_sync`` had waited for
 it. **Exposed communication** is the time from the end of backward until the last bucket was
 waited for: what the step pays for data parallelism on top of its compute.

@@ -1,7 +1,7 @@
 """What each rank's device actually did: compute, communication and idle time from its trace.
 
 ``train_gpt.py --breakdown-profile DIR`` runs the timed steps under ``torch.profiler`` and
-writes each rank's Chrome trace (:class:`mpu_lab.perf.step_timer.StepTimer`). This module
+writes each rank's Chrome trace (:class:`mpu_lab.perf.breakdown.StepTimer`). This module
 reads those traces and books every instant of the step window under one of three classes:
 
 * **compute** — the device ran something that is not communication. On a GPU: the CUDA
@@ -26,7 +26,7 @@ wait inside a communication op called from a backward function counts as communi
 
 The time base is the trace's (microseconds; ranks on one host share it, and Kineto puts CUDA
 kernels on the same clock as the CPU ops). ``ts + baseTimeNanoseconds / 1000`` is Unix time in
-µs, which is how the step windows :class:`~mpu_lab.perf.step_timer.StepTimer` reports in
+µs, which is how the step windows :class:`~mpu_lab.perf.breakdown.StepTimer` reports in
 wall-clock seconds are placed on it. Results come in rank order (the trace's ``distributedInfo.rank``)::
 
     tls = kernel_timelines(job.results)          # train_gpt.py ... --breakdown-profile DIR

@@ -1,8 +1,8 @@
 """What Megatron's linear does in backward, timed (``launch/linear_overlap.py`` runs it): a
 sequence-parallel MLP, column- then row-parallel (Korthikanti et al. 2022 §4.2.2), with its
-collectives overlapped by the gradient GEMMs, against the same layers inside
-:func:`mpu_lab.perf.comm_timing.no_overlap` (every collective finished before the next GEMM
-starts).
+collectives overlapped by the gradient GEMMs, against the same layers with
+``async_comm=False`` (Megatron's linear waiting for every collective at once, so each is
+finished before the next GEMM starts: :mod:`mpu_lab.core.tensor_parallel.linear_autograd`).
 
 :func:`parser` and :func:`check_args` (the script's ``PRECHECK``: sizes refused before any
 process starts), :func:`measure` (runs inside a rank: median step time, and one backward pass

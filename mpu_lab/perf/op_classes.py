@@ -1,7 +1,7 @@
 """Where a rank's step went, op class by op class, from its ``torch.profiler`` trace.
 
 ``train_gpt.py --breakdown-profile DIR`` writes each rank's Chrome trace of the timed steps
-(:class:`mpu_lab.perf.step_timer.StepTimer`). :func:`op_class_profile` books every instant of
+(:class:`mpu_lab.perf.breakdown.StepTimer`). :func:`op_class_profile` books every instant of
 one rank's main thread under one of the classes the cost model (:mod:`mpu_lab.perf.cost_model`) has a term
 for, plus the one it had none for, so a prediction can be set against a run term by term
 (:func:`compare_terms`):

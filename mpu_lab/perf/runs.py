@@ -22,7 +22,7 @@ from mpu_lab.perf.calibrate_gpu import device_calibration, gpu_cluster_from
 from mpu_lab.perf.breakdown import breakdowns, training_window
 from mpu_lab.perf.cost_model import predict_iteration
 from mpu_lab.perf.utilisation import Utilisation, run_with_utilisation
-from mpu_lab.perf.step_timer import COMPUTE
+from mpu_lab.perf.breakdown import COMPUTE
 
 __all__ = ["ProfiledRun", "training_flags", "format_utilisation", "profile_training",
            "measured_vs_predicted", "format_measured_vs_predicted", "compare_with_model"]

@@ -11,8 +11,9 @@ resharding), :mod:`~mpu_lab.training.datasets` and the single-process twin
 (:mod:`~mpu_lab.training.plain_gpt`, :mod:`~mpu_lab.training.dense_twin`). The gradient
 reductions are the mirror's (``core/distributed/finalize_model_grads.py``); AdamW, clipping
 and the fp16 loss scale are in ``mpu_lab/core/optimizer/``. Lab 14's injected
-faults (``--inject-fault``) live in the lab kit (:mod:`mpu_lab.labkit.faults`), which wraps
-this package's calls from outside: the loop has no fault branch.
+faults (``--inject-fault``) live in the lab kit (:mod:`mpu_lab.labkit.faults`) and enter as
+callbacks of the loop (:class:`~mpu_lab.training.training.Callback`) and a checkpoint writer:
+the loop has no fault branch.
 
 Data parallelism at PP=1 is torch's ``DistributedDataParallel`` on the data-parallel group,
 with a communication hook that routes its bucket all-reduces through ``mpu_lab.core.comm``, the
@@ -34,14 +35,14 @@ from mpu_lab.training.dense_twin import train_dense_twin
 from mpu_lab.training.optimizer_param_scheduler import OptimizerParamScheduler, build_scheduler
 from mpu_lab.training.setup import TrainState, get_batch, get_model, setup
 from mpu_lab.training.training import (
-    average_losses_across_data_parallel_group, dense_twin_losses, dense_twin_weights, forward_step,
+    Callback, average_losses_across_data_parallel_group, dense_twin_losses, dense_twin_weights, forward_step,
     loss_across_context_parallel_ranks, masked_mean_loss, pretrain, train, train_step,
     train_step_pipelined)
 
 __all__ = [
     "build_parser", "parse_args", "validate_args", "check_launch_args", "model_config",
     "vocab_padding_message", "OptimizerParamScheduler", "build_scheduler", "TrainState",
-    "get_model", "setup", "get_batch", "train_step", "train_step_pipelined", "forward_step",
+    "get_model", "setup", "get_batch", "Callback", "train_step", "train_step_pipelined", "forward_step",
     "masked_mean_loss", "loss_across_context_parallel_ranks", "train", "pretrain",
     "train_dense_twin", "dense_twin_weights", "dense_twin_losses",
     "average_losses_across_data_parallel_group",

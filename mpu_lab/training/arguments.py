@@ -3,17 +3,21 @@
 flag names, :func:`validate_args`, which fills in the derived values (data-parallel size,
 micro-batches, padded vocabulary, pipeline schedule) and is pure — no ``torch.distributed`` —
 so a notebook or the launcher can reject a bad configuration *before* any process starts, with
-a ``ValueError`` naming the numbers; :func:`check_launch_args`, what the launcher checks
-before ``torchrun`` starts (:func:`mpu_lab.launcher.precheck`); and :func:`model_config`, the
-:class:`~mpu_lab.core.transformer.transformer_layer.TransformerConfig` of the flags. Both the parser and the
-checks are built from named steps, one per argument group and one per check family, as
-Megatron's ``_add_*_args`` functions; the parallelism flags and their checks (tensor, pipeline,
-sequence and context parallelism) are in :mod:`~mpu_lab.training.parallel_args`, the
+a ``ValueError`` in flag names whose suggested values each pass every check;
+:func:`check_launch_args`, what the launcher checks before ``torchrun`` starts
+(:func:`mpu_lab.launcher.precheck`); :func:`parse_and_validate_args`, what the script itself
+calls first (one message on rank 0, exit status 2: :mod:`~mpu_lab.training.flag_errors`); and
+:func:`model_config`, the :class:`~mpu_lab.core.transformer.transformer_layer.TransformerConfig`
+of the flags. Both the parser and the checks are built from named steps, one per argument
+group and one per check family, as Megatron's ``_add_*_args`` functions; the model's flags
+are in :mod:`~mpu_lab.training.model_args`, the parallelism flags and their checks (tensor,
+pipeline, sequence and context parallelism) in :mod:`~mpu_lab.training.parallel_args`, the
 mixture-of-experts flags in :mod:`~mpu_lab.training.moe_args`.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -21,10 +25,17 @@ from mpu_lab.training import checkpointing
 from mpu_lab.training.datasets import BYTE_VOCAB_SIZE, check_text_file
 from mpu_lab.core.models.gpt.gpt_model import pad_vocab_size
 from mpu_lab.core.transformer.transformer_layer import TransformerConfig
-from mpu_lab.core.pipeline_parallel import validate_pipeline_args
+from mpu_lab.core.utils import divisors
+from mpu_lab.training import flag_errors
+from mpu_lab.training.flag_errors import NPROC, FlagError, multiples_near
+from mpu_lab.training.model_args import add_network_size_args, check_model_args
 from mpu_lab.training.parallel_args import (add_context_parallel_args, add_parallelism_args,
-                                            check_context_parallel, check_parallel_sizes)
-from mpu_lab.training.moe_args import add_moe_args, check_moe_args, moe_config_fields
+                                            check_context_parallel, check_parallel_sizes,
+                                            check_pipeline_args)
+from mpu_lab.training.recompute_args import (add_recompute_args, check_recompute_args,
+                                             recompute_config_fields)
+from mpu_lab.training.moe_args import (add_moe_args, check_moe_args, expert_tensor_parallel_size,
+                                       moe_config_fields)
 
 
 def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -39,26 +50,6 @@ def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket (default, as Megatron: "
                         "max(40000000, 1000000 x data-parallel size))")
-
-
-def _add_network_size_args(p: argparse.ArgumentParser) -> None:
-    """The transformer's shape, dropout and initialisation."""
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
-    g.add_argument("--seq-length", type=int, default=64)
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="default: --seq-length")
-    g.add_argument("--activation", choices=["gelu", "relu"], default="gelu")
-    g.add_argument("--hidden-dropout", type=float, default=0.0,
-                   help="Megatron's default is 0.1; 0 keeps runs at different TP sizes equal")
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this x TP size (Megatron)")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -139,7 +130,7 @@ def _add_debugging_args(p: argparse.ArgumentParser) -> None:
 # In the order of the help text.
 ARGUMENT_GROUPS = (add_parallelism_args, add_context_parallel_args, add_moe_args,
                    _add_data_parallel_args,
-                   _add_network_size_args, _add_data_args, _add_training_args,
+                   add_network_size_args, add_recompute_args, _add_data_args, _add_training_args,
                    _add_mixed_precision_args, _add_logging_and_checkpointing_args,
                    _add_debugging_args)
 
@@ -149,7 +140,7 @@ def build_parser(extra_args_provider: Optional[Callable[[argparse.ArgumentParser
     """The parser of ``launch/train_gpt.py``, one argument group at a time (as Megatron's
     ``parse_args``); ``extra_args_provider(parser)`` adds more (Megatron's own hook: lab 14's
     ``--inject-fault`` comes in this way, from :mod:`mpu_lab.labkit.faults`)."""
-    p = argparse.ArgumentParser(
+    p = flag_errors.ArgumentParser(
         prog="train_gpt.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Train a small GPT with tensor/sequence/context/pipeline/data parallelism "
                     "(Megatron-style flags).")
@@ -195,7 +186,8 @@ def model_config(args) -> TransformerConfig:
         activation=args.activation, sequence_parallel=args.sequence_parallel,
         layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
-        cp_comm_type=getattr(args, "cp_comm_type", "p2p"), **moe_config_fields(args))
+        cp_comm_type=getattr(args, "cp_comm_type", "p2p"), **moe_config_fields(args),
+        **recompute_config_fields(args))
 
 
 def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = True
@@ -204,15 +196,43 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
     (``data_parallel_size``, ``num_micro_batches``, ``padded_vocab_size``, ...).
 
     Pure: no ``torch.distributed``, so it runs in the notebook before ``torchrun`` starts.
-    Raises ``ValueError`` naming the numbers and what would be valid. Returns ``args``.
-    One check family per step, in this order (each may use what the ones before filled in).
+    Raises ``ValueError`` naming the flags, their values and what would be valid: each value a
+    :class:`~mpu_lab.training.flag_errors.FlagError` suggests is tried with the other flags as
+    given and kept only if every check passes. Returns ``args``.
     """
+    given = argparse.Namespace(**vars(args))
+    try:
+        return _validate(args, world_size, check_load)
+    except FlagError as exc:
+        raise exc.keeping(lambda flag, value: _works(given, world_size, flag, value)) from None
+
+
+def _works(given: argparse.Namespace, world_size: int, flag: str, value) -> bool:
+    """Whether the flags ``given`` pass every check with ``flag`` set to ``value`` (or on
+    ``value`` ranks, for :data:`~mpu_lab.training.flag_errors.NPROC`)."""
+    trial = argparse.Namespace(**vars(given))
+    if flag == NPROC:
+        world_size = value
+    else:
+        setattr(trial, flag.lstrip("-").replace("-", "_"), value)
+    try:
+        _validate(trial, world_size, check_load=False)
+    except ValueError:
+        return False
+    return True
+
+
+def _validate(args, world_size: int, check_load: bool) -> argparse.Namespace:
+    """One check family per step, in this order (each may use what the ones before filled
+    in)."""
     dp = check_parallel_sizes(args, world_size)
-    _check_model(args)
+    check_model_args(args)
+    check_recompute_args(args)
+    model_config(args).check(args.tensor_model_parallel_size, args.seq_length)   # backstop
     check_context_parallel(args)
     check_moe_args(args, world_size, model_config(args))
     _fill_batch_sizes(args, world_size, dp)
-    _validate_pipeline(args)
+    check_pipeline_args(args)
     _check_optimizer_and_schedule(args)
     _check_data_parallel_options(args, dp * args.context_parallel_size)
     _check_save_interval(args)
@@ -221,21 +241,36 @@ def validate_args(args: argparse.Namespace, world_size: int, check_load: bool = 
     return args
 
 
-def _check_model(args) -> None:
-    """Positive sizes, the model's shape for this TP size, and the position table (fills in
-    ``max_position_embeddings``)."""
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "micro_batch_size", "train_iters", "log_interval"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    model_config(args).check(args.tensor_model_parallel_size, args.seq_length)
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if args.max_position_embeddings < args.seq_length:
-        raise ValueError(f"--max-position-embeddings {args.max_position_embeddings} is smaller "
-                         f"than --seq-length {args.seq_length}: the position table needs a row "
-                         f"per position; use >= {args.seq_length} (or leave it out: default "
-                         f"--seq-length)")
+def fewest_ranks(args) -> int:
+    """The fewest ranks the parallel sizes fit: a multiple of TP x CP x PP and of the expert
+    layers' etp x ep x pp."""
+    pp = args.pipeline_model_parallel_size
+    dense = args.tensor_model_parallel_size * getattr(args, "context_parallel_size", 1) * pp
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    experts = expert_tensor_parallel_size(args) * ep * pp
+    return math.lcm(max(1, dense), max(1, experts))
+
+
+def parse_and_validate_args(argv: Optional[Sequence[str]] = None,
+                            extra_args_provider: Optional[Callable[[argparse.ArgumentParser], Any]]
+                            = None,
+                            extra_checks: Sequence[Callable[[argparse.Namespace], Any]] = ()
+                            ) -> argparse.Namespace:
+    """What ``launch/train_gpt.py`` calls first, before any process group starts (the first two
+    steps of Megatron's ``initialize_megatron``: ``parse_args``, ``validate_args``), for the
+    world torchrun launched (``WORLD_SIZE``), then ``extra_checks(args)`` (lab 14's fault).
+
+    A configuration that cannot work is refused: one message, printed by rank 0 only, exit
+    status 2 on every rank (:func:`mpu_lab.training.flag_errors.refuse`). Under plain
+    ``python`` it is refused too, after the flags are checked for :func:`fewest_ranks`, with
+    the torchrun line that runs them."""
+    def check(args, world_size):
+        validate_args(args, world_size)
+        for extra in extra_checks:
+            extra(args)
+
+    return flag_errors.parse_for_launch(build_parser(extra_args_provider), argv, check,
+                                        fewest_ranks)
 
 
 def _fill_batch_sizes(args, world_size: int, dp: int) -> None:
@@ -246,10 +281,12 @@ def _fill_batch_sizes(args, world_size: int, dp: int) -> None:
         args.global_batch_size = mbs * dp
     gbs = args.global_batch_size
     if gbs < 1 or gbs % (mbs * dp):
-        raise ValueError(
+        raise FlagError(
             f"--global-batch-size {gbs} must be a multiple of micro batch size x data-parallel "
             f"size = {mbs} x {dp} = {mbs * dp} (global batch = micro batch x micro-batches x "
-            f"DP); e.g. {mbs * dp}, {2 * mbs * dp} or {4 * mbs * dp}")
+            f"DP)", {"--global-batch-size": [mbs * dp * k for k in (1, 2, 4)],
+                     "--micro-batch-size": divisors(gbs // dp) if gbs >= dp and gbs % dp == 0
+                     else []})
     args.data_parallel_size = dp
     args.num_micro_batches = gbs // (mbs * dp)
     args.world_size = world_size
@@ -332,37 +369,6 @@ def _check_load(args, check_load: bool) -> None:
         # (before torchrun starts) and where they are read (checkpointing.load_checkpoint)
         path = checkpointing.find_checkpoint(args.load)
         checkpointing.check_compatible(checkpointing.read_checkpoint_info(path), args)
-
-
-def _validate_pipeline(args) -> None:
-    """The pipeline checks (:func:`mpu_lab.core.pipeline_parallel.validate_pipeline_args`) in terms
-    of this script's flags; fills in ``pipeline_schedule`` and
-    ``virtual_pipeline_model_parallel_size``."""
-    pp, nlv = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
-    if pp == 1:
-        given = [f for f, v in (("--pipeline-schedule", args.pipeline_schedule),
-                                ("--num-layers-per-virtual-pipeline-stage", nlv)) if v is not None]
-        if given:
-            raise ValueError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} "
-                             f"--pipeline-model-parallel-size > 1, "
-                             f"got 1 (one stage runs its micro-batches one after the other)")
-        args.virtual_pipeline_model_parallel_size = None
-        return
-    try:
-        pipe = validate_pipeline_args(
-            num_layers=args.num_layers, pipeline_model_parallel_size=pp,
-            global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-            data_parallel_size=args.data_parallel_size, schedule=args.pipeline_schedule,
-            num_layers_per_virtual_pipeline_stage=nlv)
-    except ValueError as exc:
-        raise ValueError(
-            f"{exc} [here: --num-layers {args.num_layers}, --pipeline-model-parallel-size {pp}, "
-            f"--num-layers-per-virtual-pipeline-stage {nlv}, --pipeline-schedule "
-            f"{args.pipeline_schedule}, micro-batches per step = --global-batch-size "
-            f"{args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x DP "
-            f"{args.data_parallel_size}) = {args.num_micro_batches}]") from None
-    args.pipeline_schedule = pipe["schedule"]
-    args.virtual_pipeline_model_parallel_size = pipe["virtual_pipeline_model_parallel_size"]
 
 
 def vocab_padding_message(args) -> str:

@@ -3,14 +3,18 @@
 pipeline, sequence and context parallelism (:func:`add_parallelism_args`,
 :func:`add_context_parallel_args`), the sizes against the world (:func:`check_parallel_sizes`:
 ``world = TP x CP x DP x PP``, Megatron's ``tp-cp-dp-pp`` order) and what context parallelism
-needs of the model (:func:`check_context_parallel`). No ``torch.distributed``: they run before
-any process starts and raise ``ValueError`` naming the numbers and what would be valid."""
+needs of the model (:func:`check_context_parallel`), and the pipeline's layers, schedule and
+micro-batches (:func:`check_pipeline_args`). No ``torch.distributed``: they run before
+any process starts and raise :class:`~mpu_lab.training.flag_errors.FlagError` naming the flags,
+their values and the values that would fit."""
 from __future__ import annotations
 
 import argparse
 
 from mpu_lab.core.context_parallel import COMM_TYPES
-from mpu_lab.core.utils import divisors, nearest_multiples
+from mpu_lab.core.pipeline_parallel import canonical_schedule, validate_pipeline_args
+from mpu_lab.core.utils import divisors
+from mpu_lab.training.flag_errors import NPROC, FlagError, join_or, multiples_near
 
 
 def add_parallelism_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +45,10 @@ def add_context_parallel_args(p: argparse.ArgumentParser) -> None:
                         "CP) or allgather (all of K and V, Llama 3)")
 
 
+TP, CP, PP = ("--tensor-model-parallel-size", "--context-parallel-size",
+              "--pipeline-model-parallel-size")
+
+
 def check_parallel_sizes(args, world_size: int) -> int:
     """The tensor-, context- and pipeline-parallel sizes against the world; returns the
     data-parallel size ``world_size / (TP x CP x PP)``."""
@@ -49,30 +57,20 @@ def check_parallel_sizes(args, world_size: int) -> int:
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     if tp < 1 or pp < 1 or cp < 1:
-        raise ValueError(f"--tensor-model-parallel-size {tp}, --pipeline-model-parallel-size "
-                         f"{pp} and --context-parallel-size {cp} must be >= 1")
-    if cp > 1 and world_size % (tp * cp * pp):
-        fixed = tp * pp
-        valid = (f"valid context-parallel sizes are {divisors(world_size // fixed)}"
-                 if world_size % fixed == 0 else
-                 f"TP x PP = {fixed} does not divide {world_size} ranks either")
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor x context x pipeline parallel "
-            f"size {tp} x {cp} x {pp} = {tp * cp * pp}; with {world_size} ranks, TP={tp} and "
-            f"PP={pp} {valid}, or use a world size that is a multiple of {tp * cp * pp}")
-    if world_size % (tp * pp):
-        if pp == 1:
-            valid = f"with {world_size} ranks valid tensor-parallel sizes are {divisors(world_size)}"
-        elif world_size % pp == 0:
-            valid = (f"with {world_size} ranks and {pp} pipeline stages valid tensor-parallel "
-                     f"sizes are {divisors(world_size // pp)}")
-        else:
-            valid = (f"{pp} pipeline stages do not divide {world_size} ranks: valid "
-                     f"pipeline-parallel sizes are {divisors(world_size)}")
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor x pipeline parallel size "
-            f"{tp} x {pp} = {tp * pp}; {valid}")
-    return world_size // (tp * cp * pp)
+        raise ValueError(f"{TP} {tp}, {PP} {pp} and {CP} {cp} must be >= 1")
+    model = tp * cp * pp
+    if world_size % model:
+        given = [(flag, size) for flag, size in ((TP, tp), (CP, cp), (PP, pp)) if size > 1]
+        raise FlagError(
+            f"{join_or([f'{f} {s}' for f, s in given], 'and')} "
+            f"{'does' if len(given) == 1 else 'do'} not fit {world_size} ranks: world size "
+            f"{world_size} is not divisible by "
+            + (f"tensor x pipeline parallel size {tp} x {pp}" if cp == 1 else
+               f"tensor x context x pipeline parallel size {tp} x {cp} x {pp}")
+            + f" = {model} (world = TP x CP x DP x PP)",
+            {**{flag: divisors(world_size) for flag, _ in given},
+             NPROC: multiples_near(world_size, model)})
+    return world_size // model
 
 
 def check_context_parallel(args) -> None:
@@ -85,28 +83,95 @@ def check_context_parallel(args) -> None:
         return
     if s % (2 * cp):
         step = 2 * cp
-        nearest = nearest_multiples(s, step)
-        raise ValueError(
-            f"--seq-length {s} is not divisible by 2 x --context-parallel-size = 2 x {cp} = "
-            f"{step}: context parallelism cuts the sequence into 2*cp equal chunks (rank r keeps "
-            f"chunks r and 2cp-1-r); use a multiple of {step}, e.g. {nearest}")
+        raise FlagError(
+            f"--seq-length {s} is not divisible by 2 x {CP} = 2 x {cp} = {step}: context "
+            f"parallelism cuts the sequence into 2*cp equal chunks (rank r keeps chunks r and "
+            f"2cp-1-r)", {"--seq-length": multiples_near(s, step),
+                          CP: [c for c in divisors(s // 2) if c > 1] if s % 2 == 0 else []})
     if args.sequence_parallel and (s // cp) % t:
         step = 2 * cp * t
-        raise ValueError(
-            f"--sequence-parallel with --context-parallel-size {cp}: each CP rank holds "
-            f"s/cp = {s} / {cp} = {s // cp} tokens, which sequence parallelism splits over "
-            f"TP = {t} ranks; {s // cp} is not divisible by {t}: use a --seq-length that is a "
-            f"multiple of 2 x CP x TP = {step}, e.g. {(s // step + 1) * step}")
+        raise FlagError(
+            f"--sequence-parallel with {CP} {cp}: each CP rank holds s/cp = {s} / {cp} = "
+            f"{s // cp} tokens, which sequence parallelism splits over TP = {t} ranks, and "
+            f"{s // cp} is not divisible by {t} (a --seq-length that works is a multiple of "
+            f"2 x CP x TP = {step})", {"--seq-length": multiples_near(s, step),
+                                       TP: divisors(s // cp)})
     n = args.num_attention_heads
     if args.cp_comm_type == "a2a" and n % (t * cp):
-        valid = [c for c in divisors(n // t) if c > 1] if n % t == 0 else []
-        raise ValueError(
+        raise FlagError(
             f"--cp-comm-type a2a gives each of the TP x CP = {t} x {cp} = {t * cp} ranks of a "
             f"tensor- and context-parallel group whole heads: --num-attention-heads {n} is not "
-            f"divisible by {t * cp}; use a head count that is a multiple of {t * cp}, "
-            + (f"a context-parallel size in {valid}, " if valid else "")
-            + "or --cp-comm-type p2p or allgather")
+            f"divisible by {t * cp}",
+            {CP: [c for c in divisors(n // t) if c > 1] if n % t == 0 else [],
+             "--num-attention-heads": multiples_near(n, t * cp),
+             "--cp-comm-type": [c for c in COMM_TYPES if c != "a2a"]})
     if args.attention_dropout > 0:
-        raise ValueError(f"--attention-dropout {args.attention_dropout} with "
-                         f"--context-parallel-size {cp}: the context-parallel attention has no "
-                         f"dropout; use --attention-dropout 0 (--hidden-dropout works with CP)")
+        raise FlagError(f"--attention-dropout {args.attention_dropout} with {CP} {cp}: the "
+                        f"context-parallel attention has no dropout (--hidden-dropout works "
+                        f"with CP)", {"--attention-dropout": [0]})
+
+
+def check_pipeline_args(args) -> None:
+    """The pipeline in flag names (after the batch sizes are filled in): layers per stage and
+    per model chunk, the schedule against the virtual stages, micro-batches for the
+    interleaved schedule; then :func:`mpu_lab.core.pipeline_parallel.validate_pipeline_args`
+    (Megatron-core's names, the flags given beside them) as a backstop. Fills in
+    ``pipeline_schedule`` and ``virtual_pipeline_model_parallel_size``."""
+    p, nlv, layers = args.pipeline_model_parallel_size, \
+        args.num_layers_per_virtual_pipeline_stage, args.num_layers
+    nlv_flag = "--num-layers-per-virtual-pipeline-stage"
+    if p == 1:
+        given = [f for f, v in (("--pipeline-schedule", args.pipeline_schedule),
+                                (nlv_flag, nlv)) if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} "
+                             f"{PP} > 1, got 1 (one stage runs its micro-batches one after the "
+                             f"other)")
+        args.virtual_pipeline_model_parallel_size = None
+        return
+    if layers % p:
+        raise FlagError(f"--num-layers {layers} is not divisible by {PP} {p}: every stage "
+                        f"needs the same number of layers",
+                        {"--num-layers": multiples_near(layers, p), PP: divisors(layers)})
+    per_stage, v = layers // p, 1
+    if nlv is not None:
+        if nlv < 1 or per_stage % nlv:
+            raise FlagError(f"{nlv_flag} {nlv} does not divide the {per_stage} layers of each "
+                            f"stage (--num-layers {layers} / {PP} {p})",
+                            {nlv_flag: divisors(per_stage)})
+        v = per_stage // nlv
+    try:
+        schedule = canonical_schedule(args.pipeline_schedule) if args.pipeline_schedule else None
+    except ValueError as exc:
+        raise ValueError(f"--pipeline-schedule {args.pipeline_schedule}: {exc}") from None
+    if schedule == "interleaved" and v == 1:
+        raise FlagError(f"--pipeline-schedule interleaved needs 2 or more model chunks per "
+                        f"stage: give {nlv_flag} (v = the {per_stage} layers per stage / it)",
+                        {nlv_flag: [d for d in divisors(per_stage) if d < per_stage],
+                         "--pipeline-schedule": ["1f1b"]})
+    if v > 1 and schedule not in (None, "interleaved"):
+        raise FlagError(f"--pipeline-schedule {args.pipeline_schedule} runs one model chunk per "
+                        f"stage, but {nlv_flag} {nlv} makes {v} chunks of each stage's "
+                        f"{per_stage} layers", {"--pipeline-schedule": ["interleaved"],
+                                                 nlv_flag: [None]})
+    m, dp = args.num_micro_batches, args.data_parallel_size
+    if v > 1 and m % p:
+        mbs = args.micro_batch_size
+        raise FlagError(f"the interleaved schedule runs the micro-batches in groups of {PP} "
+                        f"{p}: --global-batch-size {args.global_batch_size} / (--micro-batch-size "
+                        f"{mbs} x DP {dp}) = {m} micro-batches per step, not divisible by {p}",
+                        {"--global-batch-size": [mbs * dp * p * k for k in (1, 2, 4)]})
+    try:
+        pipe = validate_pipeline_args(
+            num_layers=layers, pipeline_model_parallel_size=p,
+            global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+            data_parallel_size=dp, schedule=args.pipeline_schedule,
+            num_layers_per_virtual_pipeline_stage=nlv)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc} [here: --num-layers {layers}, {PP} {p}, {nlv_flag} {nlv}, "
+            f"--pipeline-schedule {args.pipeline_schedule}, micro-batches per step = "
+            f"--global-batch-size {args.global_batch_size} / (--micro-batch-size "
+            f"{args.micro_batch_size} x DP {dp}) = {m}]") from None
+    args.pipeline_schedule = pipe["schedule"]
+    args.virtual_pipeline_model_parallel_size = pipe["virtual_pipeline_model_parallel_size"]

@@ -157,7 +157,7 @@ def wrap_megatron_ddp(chunks: List[torch.nn.Module], args: argparse.Namespace
     With experts (Megatron's separate expert buffer), each chunk gets a second wrapper for its
     expert parameters, over the expert-data-parallel group — the ranks holding the same
     experts; the distributed optimizer shards those over it — their sums scaled by ``1 / d``
-    as the dense average (see :func:`mpu_lab.core.transformer.moe.finish_grad_sync` for why ``d``)."""
+    as the dense average (see :func:`mpu_lab.core.distributed.allreduce_data_parallel_grads` for why ``d``)."""
     dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     size = args.ddp_bucket_size or max(40_000_000, 1_000_000 * dp_cp)
     options = dict(overlap_grad_reduce=args.overlap_grad_reduce,

@@ -9,13 +9,20 @@ micro-batches go through the stages under
 :func:`average_losses_across_data_parallel_group` and return :func:`_step_output`'s dict.
 :func:`train` is the loop, logging JSON lines (``--metrics-file``) and saving checkpoints;
 :func:`pretrain` parses, validates, sets up and trains. Mixed precision is ``torch.autocast``
-over fp32 parameters."""
+over fp32 parameters.
+
+Code from outside enters the loop at fixed points only, as Megatron's loop calls its
+``timers`` and ``process_non_loss_data_func``: the :class:`Callback` objects passed to
+:func:`train` (and :func:`train_step`) are called before a step, before its optimizer step and
+after its loss average; :func:`train` hands ``storage_writer`` (a
+``torch.distributed.checkpoint`` ``StorageWriter``) to every checkpoint save."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import functools
 import json
+import pathlib
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -36,6 +43,30 @@ from mpu_lab.training.dense_twin import train_dense_twin
 from mpu_lab.core.distributed.finalize_model_grads import finalize_model_grads
 from mpu_lab.training.setup import TrainState, get_batch, has_experts, setup
 from mpu_lab.training.moe_metrics import load_balancing_loss
+
+
+class Callback:
+    """A hook on the training loop. :func:`train_step` calls each callback of its
+    ``callbacks`` list, in list order, at three fixed points; every method here does nothing,
+    a subclass overrides the ones it needs (e.g. :class:`mpu_lab.perf.breakdown.StepTimer`).
+
+    * ``on_step_begin(state)``: before the step's first forward; ``state.iteration`` counts
+      the steps done so far.
+    * ``on_before_optimizer_step(state)``: after the backward of every micro-batch and the
+      gradient reductions (``finalize_model_grads``), before the fp16 unscale, the clipping and
+      the optimizer step.
+    * ``on_step_end(state, step)``: after the loss average over the data-parallel group;
+      ``step`` is the dict :func:`train_step` returns, and ``state.iteration`` counts this step.
+    """
+
+    def on_step_begin(self, state: TrainState) -> None:
+        pass
+
+    def on_before_optimizer_step(self, state: TrainState) -> None:
+        pass
+
+    def on_step_end(self, state: TrainState, step: Dict[str, float]) -> None:
+        pass
 
 
 def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -145,10 +176,13 @@ def _zero_grads(state: TrainState) -> None:
         ddp.zero_grad_buffer()
 
 
-def train_step(state: TrainState) -> Dict[str, float]:
-    """One iteration (``state.iteration`` is 0-based on entry, incremented on exit)."""
+def train_step(state: TrainState, callbacks: Sequence[Callback] = ()) -> Dict[str, float]:
+    """One iteration (``state.iteration`` is 0-based on entry, incremented on exit), calling
+    ``callbacks`` at their points (:class:`Callback`)."""
     if state.args.pipeline_model_parallel_size > 1:
-        return train_step_pipelined(state)
+        return train_step_pipelined(state, callbacks)
+    for callback in callbacks:
+        callback.on_step_begin(state)
     args, model, ddp_model = state.args, state.model, state.ddp_model
     device = initialize.get_device()
     model.train()
@@ -174,11 +208,16 @@ def train_step(state: TrainState) -> Dict[str, float]:
     # averaged here, each over its group
     plain_experts = has_experts(args) and not state.ddp_chunks
     finalize_model_grads(model, data_parallel_params=params if plain_experts else None,
-                   ddp_chunks=state.ddp_chunks)
+                         ddp_chunks=state.ddp_chunks)
+    for callback in callbacks:
+        callback.on_before_optimizer_step(state)
     lr, grad_norm, skipped = _optimizer_step(args, state, params)
     # Loss of the global batch: mean over micro-batches, then over the data-parallel group.
     loss = average_losses_across_data_parallel_group(loss_sum / M)
-    return _step_output(state, loss, grad_norm, lr, skipped)
+    step = _step_output(state, loss, grad_norm, lr, skipped)
+    for callback in callbacks:
+        callback.on_step_end(state, step)
+    return step
 
 
 def _microbatches(state: TrainState, iteration: int, chunk) -> Iterator[Optional[Dict[str, torch.Tensor]]]:
@@ -211,14 +250,17 @@ def forward_step(state: TrainState, data_iterator, model):
     return output, loss_func
 
 
-
-def train_step_pipelined(state: TrainState) -> Dict[str, float]:
+def train_step_pipelined(state: TrainState, callbacks: Sequence[Callback] = ()
+                         ) -> Dict[str, float]:
     """One iteration with pipeline parallelism (Megatron's ``train_step`` with
     ``get_forward_backward_func()``): the schedule runs the forwards and backwards of all
     micro-batches over the stages; then the gradients are finished — data-parallel average,
     sequence-parallel LayerNorm sums, the tied embedding summed over the first and last stage
     — clipped over the model-parallel group and applied. The loss lives on the last stage; it
-    is broadcast over the pipeline so every rank returns it."""
+    is broadcast over the pipeline so every rank returns it. ``callbacks`` as in
+    :func:`train_step`."""
+    for callback in callbacks:
+        callback.on_step_begin(state)
     args, chunks = state.args, state.model_chunks
     device = initialize.get_device()
     for chunk in chunks:
@@ -239,7 +281,9 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
         grad_scale_func=(lambda loss: loss * scale) if state.scaler else None)
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     finalize_model_grads(chunks, data_parallel_params=None if state.ddp_chunks else params,
-                   ddp_chunks=state.ddp_chunks)
+                         ddp_chunks=state.ddp_chunks)
+    for callback in callbacks:
+        callback.on_before_optimizer_step(state)
     lr, grad_norm, skipped = _optimizer_step(args, state, params)
     # The loss of the global batch: on the last stage the mean over micro-batches, averaged
     # over the data-parallel group; then sent from the last stage to the whole pipeline.
@@ -249,18 +293,28 @@ def train_step_pipelined(state: TrainState) -> Dict[str, float]:
         loss = average_losses_across_data_parallel_group(loss)
     loss = comm.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                           group=parallel_state.get_pipeline_model_parallel_group())
-    return _step_output(state, loss, grad_norm, lr, skipped)
+    step = _step_output(state, loss, grad_norm, lr, skipped)
+    for callback in callbacks:
+        callback.on_step_end(state, step)
+    return step
 
 
 def train(state: TrainState, train_iters: Optional[int] = None,
-          log: Callable[[str], None] = print) -> List[Dict[str, Any]]:
+          log: Callable[[str], None] = print, callbacks: Sequence[Callback] = (),
+          storage_writer=None) -> List[Dict[str, Any]]:
     """Run to ``train_iters`` (default ``args.train_iters``) optimizer steps; return the
-    metrics of each logged iteration (the same dicts as the ``--metrics-file`` lines)."""
+    metrics of each logged iteration (the same dicts as the ``--metrics-file`` lines, appended
+    to that file, whose folder is made if missing). ``callbacks`` go to every
+    :func:`train_step`; ``storage_writer`` to every
+    :func:`~mpu_lab.training.checkpointing.save_checkpoint` (None: DCP's file writer)."""
     args = state.args
     end = args.train_iters if train_iters is None else train_iters
     device = initialize.get_device()
     rank0 = dist.get_rank() == 0
-    metrics_out = open(args.metrics_file, "a") if (args.metrics_file and rank0) else None
+    metrics_out = None
+    if args.metrics_file and rank0:
+        pathlib.Path(args.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+        metrics_out = open(args.metrics_file, "a")
     tokens_per_iteration = args.global_batch_size * args.seq_length
     logged: List[Dict[str, Any]] = []
     window_losses, window_start = [], None
@@ -268,7 +322,7 @@ def train(state: TrainState, train_iters: Optional[int] = None,
         initialize.synchronize(device)
         window_start = time.perf_counter()
         while state.iteration < end:
-            step = train_step(state)
+            step = train_step(state, callbacks)
             window_losses.append(step["lm_loss"])
             it = state.iteration
             if it % args.log_interval == 0 or it == end:
@@ -297,10 +351,10 @@ def train(state: TrainState, train_iters: Optional[int] = None,
                 window_losses = []
                 window_start = time.perf_counter()
             if args.save and args.save_interval and it % args.save_interval == 0:
-                checkpointing.save_checkpoint(args.save, state)
+                checkpointing.save_checkpoint(args.save, state, storage_writer)
                 window_start = time.perf_counter()
         if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
-            checkpointing.save_checkpoint(args.save, state)
+            checkpointing.save_checkpoint(args.save, state, storage_writer)
     finally:
         if metrics_out:
             metrics_out.close()
@@ -330,12 +384,13 @@ def dense_twin_losses(args: argparse.Namespace, weights: Dict[str, torch.Tensor]
 
 
 def pretrain(argv: Optional[Sequence[str]] = None, args: Optional[argparse.Namespace] = None,
-             log: Callable[[str], None] = print):
+             log: Callable[[str], None] = print, callbacks: Sequence[Callback] = (),
+             storage_writer=None):
     """Parse, validate, set up and train in a process that ``torch.distributed`` already runs
-    in (a torchrun worker; groups are (re)initialised from the flags). Returns
-    ``(metrics, state)``."""
+    in (a torchrun worker; groups are (re)initialised from the flags); ``callbacks`` and
+    ``storage_writer`` as in :func:`train`. Returns ``(metrics, state)``."""
     if args is None:
         args = parse_args(argv)
     validate_args(args, dist.get_world_size())
     state = setup(args, log=log)
-    return train(state, log=log), state
+    return train(state, log=log, callbacks=callbacks, storage_writer=storage_writer), state

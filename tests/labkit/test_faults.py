@@ -17,10 +17,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mpu_lab import launcher
+from mpu_lab import launcher, training
 from mpu_lab.launcher import LaunchError, diagnosis, runner
 from mpu_lab.labkit import faults, twin_check
 from mpu_lab.core.optimizer import DynamicLossScaler
+from mpu_lab.training import checkpointing
 from mpu_lab.training import training as loop
 from process_watch import ProcessWatch
 
@@ -111,9 +112,9 @@ def test_hang_names_the_rank_that_never_came_and_where_it_was(fault_jobs):
 
 
 def test_skipped_collective_pairs_unrelated_calls(fault_jobs):
-    """Rank 1 skips the loss all-reduce and enters its next data-parallel collective (the
-    gradient all-reduce of iteration 3): gloo pairs the two, and rank 0, which expects one
-    float, aborts on the bucket's size."""
+    """Rank 1 skips the all-reduce of the loss that rank 0 enters after the step and enters
+    its next data-parallel collective (the gradient all-reduce of iteration 3): gloo pairs the
+    two, and rank 0, which expects one float, aborts on the bucket's size."""
     message = _error(fault_jobs, "skip-collective")
     assert fault_jobs["skip-collective"]["seconds"] <= PEER_LOST_BOUND_S
     assert re.search(r"rank 0 aborted \(SIGABRT.*\) at mpu_lab/training/training\.py:\d+ in "
@@ -135,8 +136,10 @@ def test_mismatched_shape_times_out_in_the_same_call_on_every_rank(fault_jobs):
 
 
 def test_wrong_group_leaves_ranks_in_different_collectives(fault_jobs):
-    """Rank 1 sums its gradient norm over the data-parallel group {1, 3}: rank 0 waits for it
-    in the tensor-parallel group {0, 1}; the others end up in other collectives."""
+    """Rank 1 sums its gradient norm over the data-parallel group {1, 3} where rank 0 sums
+    over the tensor-parallel group {0, 1}: rank 1's next call on {0, 1} completes rank 0's,
+    and rank 0 then waits in the loop's own clipping; the others end up in other
+    collectives."""
     message = _error(fault_jobs, "wrong-group")
     assert fault_jobs["wrong-group"]["seconds"] <= TIMEOUT_BOUND_S
     assert re.search(r"rank 0 (at|raised at) mpu_lab/core/optimizer/clip_grads\.py:\d+ in "
@@ -286,84 +289,93 @@ def test_likely_cause_from_records_alone(tmp_path):
 
 # --------------------------------------------------------------------------- the injection itself
 def test_training_loop_and_checkpoint_save_carry_no_fault_code():
-    """The code a learner reads has no fault branch: the lab kit wraps it from outside."""
+    """The code a learner reads has no fault branch: the lab kit's faults enter through its
+    callbacks and its checkpoint writer."""
     for path in ("mpu_lab/training/training.py", "mpu_lab/training/checkpointing/save_load.py"):
         source = (launcher.REPO_ROOT / path).read_text()
         assert not re.search(r"\bfaults?\b|inject|os\._exit|MPU_LAB_FAULT|import.*labkit",
                              source), path
 
 
-@pytest.mark.parametrize("kind,call", [
-    ("hang", None), ("divergence", None), ("pp-deadlock", None),
-    ("crash", "finalize_model_grads"), ("fp16-overflow", "finalize_model_grads"),
-    ("skip-collective", "average_losses_across_data_parallel_group"),
-    ("mismatched-shape", "average_losses_across_data_parallel_group"),
-    ("wrong-group", "clip_grad_norm")])
-def test_inject_replaces_the_step_and_the_one_call_of_its_kind_then_puts_them_back(world, kind, call):
-    names = ["train_step", "finalize_model_grads", "average_losses_across_data_parallel_group",
-             "clip_grad_norm"]
-    before = {name: getattr(loop, name) for name in names}
-    remove = faults.inject(faults.Fault(kind, 0, 2))
-    try:
-        replaced = {name for name in names if getattr(loop, name) is not before[name]}
-        assert replaced == {"train_step"} | ({call} if call else set())
-    finally:
-        remove()
-    assert {name: getattr(loop, name) for name in names} == before
+def test_inject_gives_one_callback_and_rebinds_nothing(world):
+    """The faults enter as a callback of the loop: nothing of the loop's module is replaced."""
+    before = dict(vars(loop))
+    assert faults.inject(None) == []
+    for kind in faults.FAULT_KINDS:
+        callbacks = faults.inject(faults.Fault(kind, 0, 2))
+        assert len(callbacks) == 1 and isinstance(callbacks[0], loop.Callback)
+    assert dict(vars(loop)) == before
 
 
-def _one_step(monkeypatch, fault, iteration, scale=2.0 ** 16):
-    """Run the injected train_step once on a stand-in step that calls the (wrapped)
-    finalize_model_grads and the loss average as the real steps do; returns what it saw."""
+def _one_step(fault, iteration, scale=2.0 ** 16):
+    """Run the fault's callback through one step's three hook points, as train_step calls
+    them, on a stand-in state; returns what the step would have seen."""
     seen = {}
-
-    def step(state):
-        seen["scale_in_backward"] = state.scaler.scale
-        loop.finalize_model_grads()
-        seen["scale_at_optimizer_step"] = state.scaler.scale
-        seen["loss"] = loop.average_losses_across_data_parallel_group(torch.tensor(3.0))
-        return {}
-
-    monkeypatch.setattr(loop, "train_step", step)
-    monkeypatch.setattr(loop, "finalize_model_grads", lambda *a, **k: None)
     state = SimpleNamespace(iteration=iteration, scaler=DynamicLossScaler(scale))
-    remove = faults.inject(fault)
-    try:
-        loop.train_step(state)
-    finally:
-        remove()
+    injection, = faults.inject(fault)
+    injection.on_step_begin(state)
+    seen["scale_in_backward"] = state.scaler.scale
+    seen["armed"] = injection.armed
+    injection.on_before_optimizer_step(state)
+    seen["scale_at_optimizer_step"] = state.scaler.scale
+    seen["logged"] = injection.loss_for_log(torch.tensor(3.0))
+    state.iteration += 1
+    injection.on_step_end(state, {"lm_loss": 3.0})   # one rank: the average is the identity
+    seen["armed_after"] = injection.armed
     return seen
 
 
-def test_fp16_overflow_scales_one_backward_by_2_to_the_64_on_its_rank_only(world, monkeypatch):
+def test_fp16_overflow_scales_one_backward_by_2_to_the_64_on_its_rank_only(world):
     fault = faults.Fault("fp16-overflow", 0, 2)
-    seen = _one_step(monkeypatch, fault, iteration=1)          # iteration 2, rank 0: armed
+    seen = _one_step(fault, iteration=1)          # iteration 2, rank 0: armed
+    assert seen["armed"] and not seen["armed_after"]
     assert seen["scale_in_backward"] == 2.0 ** 80
     assert seen["scale_at_optimizer_step"] == 2.0 ** 16       # the scaler's own, exactly
-    seen = _one_step(monkeypatch, fault, iteration=2)          # iteration 3: untouched
+    seen = _one_step(fault, iteration=2)          # iteration 3: untouched
     assert seen["scale_in_backward"] == seen["scale_at_optimizer_step"] == 2.0 ** 16
-    seen = _one_step(monkeypatch, faults.Fault("fp16-overflow", 1, 2), iteration=1)   # rank 1
+    seen = _one_step(faults.Fault("fp16-overflow", 1, 2), iteration=1)   # rank 1
     assert seen["scale_in_backward"] == 2.0 ** 16
 
 
-def test_loss_faults_change_the_all_reduce_input_on_their_step_only(world, monkeypatch):
-    """One rank, so the loss average is the identity: what comes back is what went in."""
-    shape = _one_step(monkeypatch, faults.Fault("mismatched-shape", 0, 2), 1)["loss"]
-    assert shape.tolist() == [3.0, 1.0]                         # 2 elements, not 1
-    assert _one_step(monkeypatch, faults.Fault("mismatched-shape", 0, 2), 0)["loss"].shape == ()
-    assert _one_step(monkeypatch, faults.Fault("skip-collective", 0, 2), 1)["loss"].item() == 3.0
+def test_loss_faults_change_the_all_reduce_input_on_their_step_only(world):
+    """What the rank all-reduces when the loss is averaged again for the log line."""
+    logged = _one_step(faults.Fault("mismatched-shape", 0, 2), 1)["logged"]
+    assert logged.tolist() == [3.0, 1.0]                        # 2 elements, not 1
+    assert _one_step(faults.Fault("mismatched-shape", 0, 2), 0)["logged"].shape == ()
+    assert _one_step(faults.Fault("mismatched-shape", 1, 2), 1)["logged"].shape == ()
+    assert _one_step(faults.Fault("skip-collective", 0, 2), 1)["logged"] is None   # skipped
+    assert _one_step(faults.Fault("skip-collective", 0, 2), 2)["logged"].item() == 3.0
     with pytest.raises(RuntimeError, match="rank 0 raised at iteration 2"):
-        _one_step(monkeypatch, faults.Fault("crash", 0, 2), 1)
-    assert _one_step(monkeypatch, faults.Fault("crash", 0, 2), 2)["loss"].item() == 3.0
+        _one_step(faults.Fault("crash", 0, 2), 1)
+    assert _one_step(faults.Fault("crash", 0, 2), 2)["logged"].item() == 3.0
 
 
-def test_kill_in_save_wraps_dcp_writer_and_refuses_a_bad_spec(monkeypatch):
+def test_kill_in_save_is_a_dcp_file_writer_and_refuses_a_bad_spec(monkeypatch):
     from torch.distributed.checkpoint import FileSystemWriter
-    original = FileSystemWriter.write_data
-    undo = faults.kill_in_save(1, 4)
-    assert FileSystemWriter.write_data is not original
-    undo()
-    assert FileSystemWriter.write_data is original
+    writer = faults.kill_in_save(1, 4)
+    assert isinstance(writer, FileSystemWriter)
+    assert type(writer).write_data is not FileSystemWriter.write_data
+    monkeypatch.delenv(faults.SAVE_FAULT_ENV, raising=False)
+    assert faults.kill_in_save_from_env() is None              # DCP's own writer
     monkeypatch.setenv(faults.SAVE_FAULT_ENV, "1-4")
     with pytest.raises(ValueError, match=r"MPU_LAB_FAULT_IN_SAVE='1-4': expected RANK:ITERATION"):
         faults.kill_in_save_from_env()
+
+
+def test_kill_in_save_writes_other_ranks_and_iterations_as_dcp_does(world, tmp_path):
+    """Rank 0 of a one-rank world, saving iteration 1: a writer for rank 1, or for rank 0 at
+    iteration 4, writes the checkpoint as DCP's own writer does (complete, verified)."""
+    argv = ["--num-layers", 1, "--hidden-size", 16, "--num-attention-heads", 2,
+            "--seq-length", 8, "--micro-batch-size", 2, "--vocab-size", 32,
+            "--make-vocab-size-divisible-by", 16, "--train-iters", 1, "--quiet"]
+    args = training.validate_args(training.parse_args([str(a) for a in argv]), 1)
+    state = training.setup(args, log=lambda s: None)
+    training.train(state, log=lambda s: None)
+    for name, writer in (("default", None), ("rank1", faults.kill_in_save(1, 1)),
+                         ("iter4", faults.kill_in_save(0, 4))):
+        path = checkpointing.save_checkpoint(tmp_path / name, state, writer)
+        checkpointing.verify_checkpoint(path)
+        assert checkpointing.read_checkpoint_info(path)["iteration"] == 1
+    files = {name: sorted(p.name for p in (tmp_path / name / "iter_0000001").iterdir())
+             for name in ("default", "rank1", "iter4")}
+    assert files["rank1"] == files["iter4"] == files["default"]

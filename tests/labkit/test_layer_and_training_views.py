@@ -100,7 +100,8 @@ def test_launch_lines_split_into_flags_and_the_lecture_line_fits_8_ranks(capsys)
     d = gpt_runs.derived(gpt_runs.LECTURE_GPT_ARGS, 8)
     assert (d["data_parallel_size"], d["num_micro_batches"], d["lr_warmup_steps"]) == (2, 2, 3200)
     gpt_runs.print_derived(gpt_runs.LECTURE_GPT_ARGS, 6)
-    assert "refused: world size 6 is not divisible" in capsys.readouterr().out
+    assert ("refused: --tensor-model-parallel-size 2 and "
+            "--pipeline-model-parallel-size 2 do not fit 6 ranks") in capsys.readouterr().out
     gpt_runs.print_side_by_side("--a 1 --b", "--a 2 --c x")
     assert capsys.readouterr().out.splitlines()[1:] == [
         "--a           1             2", "--b          on             -", "--c           -             x"]
@@ -134,7 +135,7 @@ def test_comparisons_use_common_iterations_and_print_rounded_losses(capsys):
 
 
 def test_a_bad_launch_line_fails_before_any_process_starts():
-    with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible"):
+    with pytest.raises(ValueError, match="--num-attention-heads 4 is not divisible"):
         gpt_runs.train(gpt_runs.gpt_flags(2, tensor_model_parallel_size=8), nproc=8)
 
 

@@ -213,7 +213,7 @@ def test_train_gpt_script_writes_metrics_saves_and_resumes_at_another_tp_and_pp(
         [[list(op) for op in schedule_order("1f1b", 2, stage, 2)] for stage in (0, 1)]
 
 
-def test_train_gpt_script_checks_its_flags_before_starting_torch_distributed(monkeypatch):
+def test_train_gpt_script_checks_its_flags_before_starting_torch_distributed(monkeypatch, capsys):
     import importlib.util
 
     from mpu_lab.launcher import LAUNCH_DIR
@@ -221,6 +221,9 @@ def test_train_gpt_script_checks_its_flags_before_starting_torch_distributed(mon
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by the "
-                                         "tensor-parallel size 3"):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exit_:
         script.main(["--tensor-model-parallel-size", "3"])
+    assert exit_.value.code == 2
+    assert ("--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"
+            in capsys.readouterr().err)

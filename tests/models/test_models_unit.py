@@ -105,29 +105,33 @@ def validate(argv, world_size=1):
 
 @pytest.mark.parametrize("argv,world,message", [
     (["--num-attention-heads", 6, "--hidden-size", 60, "--tensor-model-parallel-size", 4], 4,
-     r"num_attention_heads 6 is not divisible by the tensor-parallel size 4.*\[1, 2, 3, 6\]"),
-    (["--hidden-size", 66, "--num-attention-heads", 4], 1, "hidden_size 66 is not divisible by num_attention_heads 4"),
+     r"--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4.*"
+     r"valid with the other flags as given: --tensor-model-parallel-size 1 or 2; "
+     r"or --num-attention-heads 4$"),
+    (["--hidden-size", 66, "--num-attention-heads", 4], 1, "--hidden-size 66 is not divisible by --num-attention-heads 4"),
     (["--sequence-parallel", "--tensor-model-parallel-size", 4, "--seq-length", 30], 4,
-     "seq_length 30 is not divisible by the tensor-parallel size 4"),
-    (["--tensor-model-parallel-size", 3], 4, r"world size 4 is not divisible .* \[1, 2, 4\]"),
+     "--seq-length 30 is not divisible by --tensor-model-parallel-size 4"),
+    (["--tensor-model-parallel-size", 3], 4, r"world size 4 is not divisible .*--tensor-model-parallel-size 1, 2 or 4$"),
     (["--micro-batch-size", 4, "--global-batch-size", 12], 2, "--global-batch-size 12 must be a multiple of .* 4 x 2 = 8"),
     (["--fp16", "--bf16"], 1, "exclude each other"),
     # pipeline parallelism
     (["--num-layers", 3, "--pipeline-model-parallel-size", 2], 2,
-     "num_layers 3 is not divisible by pipeline_model_parallel_size 2"),
+     "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
     (["--num-layers", 4, "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 3], 2,
-     r"num_layers_per_virtual_pipeline_stage 3 does not divide the 2 layers of each stage.*\[1, 2\]"),
+     r"--num-layers-per-virtual-pipeline-stage 3 does not divide the 2 layers of each stage.*"
+     r"--num-layers-per-virtual-pipeline-stage 2$"),
     (["--num-layers", 4, "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
       "--micro-batch-size", 2, "--global-batch-size", 2], 2,
-     r"num_microbatches divisible by pipeline_model_parallel_size: 1 micro-batches for 2 stages.*"
-     r"--global-batch-size 2 / \(--micro-batch-size 2 x DP 1\) = 1"),
+     r"--global-batch-size 2 / \(--micro-batch-size 2 x DP 1\) = 1 micro-batches per step, "
+     r"not divisible by 2.*--global-batch-size 4, 8 or 16"),
     (["--num-layers", 2, "--pipeline-model-parallel-size", 2, "--micro-batch-size", 4,
       "--global-batch-size", 12], 4, "--global-batch-size 12 must be a multiple of .* 4 x 2 = 8"),
     (["--num-layers", 2, "--pipeline-model-parallel-size", 2, "--pipeline-schedule", "zigzag"], 2,
      r"unknown pipeline schedule 'zigzag'; choose one of \['no-pipelining', 'gpipe', '1f1b', 'interleaved'\]"),
     (["--num-layers", 4, "--pipeline-model-parallel-size", 2, "--pipeline-schedule", "gpipe",
       "--num-layers-per-virtual-pipeline-stage", 1], 2,
-     "schedule 'gpipe' runs one model chunk per stage, but virtual_pipeline_model_parallel_size is 2"),
+     "--pipeline-schedule gpipe runs one model chunk per stage, but "
+     "--num-layers-per-virtual-pipeline-stage 1 makes 2 chunks"),
     (["--pipeline-schedule", "1f1b"], 2, r"--pipeline-schedule needs --pipeline-model-parallel-size > 1"),
     (["--pipeline-model-parallel-size", 3, "--num-layers", 3], 4,
      r"world size 4 is not divisible by tensor x pipeline parallel size 1 x 3 = 3"),

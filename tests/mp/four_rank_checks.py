@@ -11,12 +11,15 @@ In the same world, one after the other, model parallel re-initialised by each pa
 * ``perf``: tests/mp/perf_checks.py (the step-time breakdown at three layouts, the bandwidth
   benchmark's functions);
 * ``dp``: tests/mp/dp_checks.py (Megatron's data parallelism and distributed optimizer against
-  the plain path at DP = 4 and at DP = 2 with TP or PP, checkpoints across DP sizes).
+  the plain path at DP = 4 and at DP = 2 with TP or PP, checkpoints across DP sizes);
+* ``recompute``: tests/mp/recompute_checks.py (activation recomputation at TP = 2, with and
+  without sequence parallelism, against no recomputation, dropout on).
 
-Every rank reports ``{"rank", "gpt", "pipeline", "perf", "dp", "seconds"}``; the session
+Every rank reports ``{"rank", "gpt", "pipeline", "perf", "dp", "recompute", "seconds"}``; the session
 fixture ``four_rank_job`` (tests/conftest.py) starts the job once for
 tests/models/test_gpt_mp.py, tests/pipeline_parallel/test_pipeline_mp.py,
-tests/perf/test_perf_measure.py and tests/optimizer/test_distrib_optimizer.py. Each script still
+tests/perf/test_perf_measure.py, tests/optimizer/test_distrib_optimizer.py and
+tests/models/test_recompute_mp.py. Each script still
 runs on its own too.
 """
 import pathlib
@@ -29,6 +32,7 @@ import dp_checks    # this script's folder is first on sys.path
 import gpt_checks
 import perf_checks
 import pipeline_checks
+import recompute_checks
 from mpu_lab.training import initialize
 from mpu_lab import launcher
 
@@ -42,7 +46,8 @@ def main():
                        ("pipeline", pipeline_checks.checks),
                        ("perf", lambda: perf_checks.checks(sys.argv[2], info)),
                        ("dp", lambda: dp_checks.checks(
-                           str(pathlib.Path(sys.argv[1]).parent / "dp_ckpt")))]:
+                           str(pathlib.Path(sys.argv[1]).parent / "dp_ckpt"))),
+                       ("recompute", recompute_checks.checks)]:
         t0 = time.perf_counter()
         out[name] = part()
         out["seconds"][name] = round(time.perf_counter() - t0, 2)

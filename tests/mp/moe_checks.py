@@ -8,7 +8,8 @@ pre-softmax, top-2 softmax, top-2 sigmoid) and capacity (none, or a factor that 
 every rank builds every rank's input and output gradient from one generator, runs its own
 block through the layer (train mode, load-balancing loss on), backward with its block of
 ``sum(out * dout)``, then the gradient reductions: the sequence-parallel sums over tp
-(mpu_lab.core.distributed.allreduce_sequence_parallel_grads) and ``finish_grad_sync`` (dense parameters over the
+(mpu_lab.core.distributed.allreduce_sequence_parallel_grads) and the data-parallel average
+(mpu_lab.core.distributed.allreduce_data_parallel_grads: dense parameters over the
 data-parallel group, experts over the expert-data-parallel group, both / d). The reference
 does the same maths in one process: outputs per rank, and gradients of
 ``sum_r sum(out_r * dout_r) + aux`` (divided by d for the parameters).
@@ -25,9 +26,10 @@ import moe_reference    # this script's folder is first on sys.path
 from mpu_lab.training import initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state as ps
-from mpu_lab.core.distributed import allreduce_sequence_parallel_grads
+from mpu_lab.core.distributed import (allreduce_data_parallel_grads,
+                                      allreduce_sequence_parallel_grads)
 from mpu_lab.core.transformer import TransformerConfig
-from mpu_lab.core.transformer.moe import MoELayer, finish_grad_sync
+from mpu_lab.core.transformer.moe import MoELayer
 
 SEQ, BATCH, HIDDEN, FFN, EXPERTS = 8, 2, 8, 16, 8
 SEED = 1234
@@ -92,7 +94,7 @@ def run_case(config, world, tp):
     assert bias is None
     (out * ref["douts"][rank]).sum().backward()
     allreduce_sequence_parallel_grads(layer)
-    finish_grad_sync(layer.parameters())
+    allreduce_data_parallel_grads(list(layer.parameters()))
     d = ps.get_data_parallel_world_size()
     etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
     fc1 = fc2 = 0.0

@@ -20,8 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpu_lab.training import initialize
 from mpu_lab import launcher, training
-from mpu_lab.perf import step_timer
-from mpu_lab.training import training as loop    # the module whose train() calls train_step
+from mpu_lab.perf import breakdown
 
 BASE = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
         "--vocab-size", 128, "--make-vocab-size-divisible-by", 32, "--train-iters", 5,
@@ -40,7 +39,7 @@ C10D_COLLECTIVES = ("c10d.allreduce_", "c10d.allgather_", "c10d.reduce_scatter_"
 
 class C10dCount(TorchDispatchMode):
     """Counts the c10d collectives dispatched while it is active: a count independent of the
-    step timer's wrappers. (torch's CommDebugMode also tracks modules, and its tracker loses
+    step timer. (torch's CommDebugMode also tracks modules, and its tracker loses
     its place when a pipeline schedule runs a forward after a backward: IndexError in
     ``_fw_set_module_hook``, torch 2.13.)"""
 
@@ -54,24 +53,29 @@ class C10dCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class CountPerStep(training.Callback):
+    """The collectives ``counter`` saw in each step, between the loop's step-begin and
+    step-end hook points."""
+
+    def __init__(self, counter: C10dCount):
+        self.counter, self.per_step, self.before = counter, [], 0
+
+    def on_step_begin(self, state):
+        self.before = self.counter.count
+
+    def on_step_end(self, state, step):
+        self.per_step.append(self.counter.count - self.before)
+
+
 def breakdown_run(flags):
     args = training.validate_args(training.parse_args(BASE + flags), dist.get_world_size())
     state = training.setup(args, log=lambda s: None)
-    timer = step_timer.step_timer_for(args)       # as launch/train_gpt.py --breakdown
-    counter, per_step, train_step = C10dCount(), [], loop.train_step
-
-    def counted_step(state):            # the collectives of each step, the timer's below it
-        before = counter.count
-        out = train_step(state)
-        per_step.append(counter.count - before)
-        return out
-
-    loop.train_step = counted_step
-    try:
-        with counter, step_timer.timing_train_steps(timer):
-            metrics = training.train(state, log=lambda s: None)
-    finally:
-        loop.train_step = train_step
+    timer = breakdown.step_timer_for(args)        # as launch/train_gpt.py --breakdown
+    counter = C10dCount()
+    count = CountPerStep(counter)
+    with counter:
+        metrics = training.train(state, log=lambda s: None, callbacks=[count, timer])
+    per_step = count.per_step
     # the last step: torch DDP rebuilds its buckets over the first two (broadcasts of its own,
     # outside mpu_lab.core.comm); from then on every step issues the same collectives
     return dict(breakdown=timer.report(), metrics=metrics, counted_per_step=per_step,

@@ -10,15 +10,14 @@ same global batch. The groups are re-initialised in the same processes for each 
 ScheduleRecorder hooked on the chunks records the order each rank ran. Every rank reports a
 dict; tests/pipeline_parallel/test_pipeline_mp.py asserts.
 """
-from unittest import mock
 
 import torch
-import torch.distributed as dist
 
 from mpu_lab.core import comm
 from mpu_lab.training import initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state as ps
+from mpu_lab.perf.comm_counts import CollectiveLog
 from mpu_lab.perf.pipeline_timeline import ScheduleRecorder
 from mpu_lab.core.pipeline_parallel import (
     allreduce_embedding_grads, average_losses_across_microbatches, get_forward_backward_func,
@@ -153,9 +152,8 @@ def p2p_checks(pp):
     r, shape = ps.get_pipeline_model_parallel_rank(), (2, 3, 4)
     weight = torch.full(shape, float(r + 2), device=device, requires_grad=True)
     out = {}
-    # The messages are counted from outside: torch.distributed's isend / irecv, wrapped.
-    with mock.patch.object(dist, "isend", wraps=dist.isend) as isend, \
-            mock.patch.object(dist, "irecv", wraps=dist.irecv) as irecv:
+    # The messages are counted from outside, by torch's CommDebugMode (c10d send / recv ops).
+    with CollectiveLog() as log:
         x = p2p.recv_forward(shape)                                   # None on the first stage
         x = x if x is not None else torch.ones(shape, device=device, requires_grad=True)
         y = x * weight
@@ -165,7 +163,7 @@ def p2p_checks(pp):
         p2p.send_backward(x.grad, shape)
     out["forward_value"] = float(x.detach().flatten()[0])            # product of (k+2), k < r
     out["weight_grad"] = float(weight.grad.flatten()[0])
-    out["sends"], out["recvs"] = isend.call_count, irecv.call_count
+    out["sends"], out["recvs"] = log.count("send"), log.count("recv")
     nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
     act = torch.full(shape, 100.0 + r, device=device)
     grad = torch.full(shape, 200.0 + r, device=device)

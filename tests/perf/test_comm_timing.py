@@ -1,8 +1,10 @@
-"""Timing installed from outside the mirror (mpu_lab.perf.comm_timing, step_timer and
-linear_overlap's recorder), in a one-rank gloo world: the wrappers exist only while a timer is
-open, every call is booked with what was passed to it, no_overlap() finishes an async
-collective before it returns, and one recorded backward of Megatron's linear holds the GEMMs
-and collectives its docstring lists, in that order."""
+"""Timing from outside the mirror (mpu_lab.perf.comm_timing through mpu_lab.core.comm's hook
+point, breakdown's StepTimer and linear_overlap's recorder), in a one-rank gloo world: the hook is
+registered only while a timer is open and no function is replaced, every call is booked once
+with what was passed to it, an async call's wait is stamped when the caller waits, the serial
+switch of Megatron's linear (async_comm=False) finishes each collective before the next GEMM,
+and one recorded backward holds the GEMMs and collectives its docstring lists, in that order."""
+import contextlib
 import time
 
 import pytest
@@ -10,23 +12,60 @@ import torch
 import torch.nn.functional as F
 
 from mpu_lab.core import comm, parallel_state
-from mpu_lab.perf import comm_timing, linear_overlap, step_timer
-from mpu_lab.core.pipeline_parallel import p2p_communication
+from mpu_lab.core.comm import exchange, hooks
+from mpu_lab.perf import breakdown, comm_timing, linear_overlap
 from mpu_lab.core.tensor_parallel.linear_autograd import (
     linear_with_grad_accumulation_and_async_allreduce)
-from mpu_lab.training import training
+
+FUNCTIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_reduce_async",
+             "all_gather_async", "reduce_scatter_async")
 
 
-def test_wrappers_are_installed_only_while_a_timer_is_open(world):
-    names = comm_timing.BLOCKING + comm_timing.ASYNC
-    originals = {name: getattr(comm_timing.HOME[name], name) for name in names}
-    communicate = p2p_communication.communicate
-    with comm_timing.CommTimer():
-        with comm_timing.no_overlap():
-            assert comm.all_reduce is not originals["all_reduce"]
-        assert comm.all_reduce_async is not originals["all_reduce_async"]
-    assert {name: getattr(comm_timing.HOME[name], name) for name in names} == originals
-    assert p2p_communication.communicate is communicate
+class Log(hooks.CommHook):
+    """A hook of the test's own: notes (phase, kind, is_async) as comm reports them."""
+
+    def __init__(self):
+        self.seen = []
+
+    @contextlib.contextmanager
+    def call(self, call):
+        self.seen.append(("call", call.kind, call.is_async))
+        yield
+        assert call.works or not call.is_async        # an async call is issued on exit
+
+    @contextlib.contextmanager
+    def wait(self, call):
+        self.seen.append(("wait", call.kind, call.is_async))
+        yield
+
+
+def test_comm_reports_each_call_once_to_a_registered_hook_until_removed(world):
+    x = torch.ones(4)
+    log = Log()
+    handle = hooks.register_comm_hook(log)
+    try:
+        comm.all_reduce(x)                  # built on all_reduce_async + wait: reported once
+        pending = comm.all_gather_async(x)
+        pending.wait()
+        pending.wait()                      # the result is kept: waited for once
+        exchange.all_to_all(x)
+    finally:
+        handle.remove()
+    comm.all_reduce(x)
+    assert log.seen == [("call", "all_reduce", False), ("call", "all_gather", True),
+                        ("wait", "all_gather", True), ("call", "all_to_all", False)]
+
+
+def test_the_hook_is_registered_only_while_a_timer_is_open_and_nothing_is_replaced(world):
+    functions = {name: getattr(comm, name) for name in FUNCTIONS}
+    assert hooks.quiet()                               # no hook registered
+    with comm_timing.CommTimer() as timer, comm_timing.CommTimer():
+        assert not hooks.quiet()
+        assert {name: getattr(comm, name) for name in FUNCTIONS} == functions
+        comm.all_reduce(torch.ones(2))
+    assert hooks.quiet()                               # the hook left with the last timer
+    comm.all_reduce(torch.ones(2))
+    assert len(timer.calls) == 1                       # not booked once the timer closed
 
 
 def test_every_call_is_booked_with_its_kind_size_and_tensor(world):
@@ -35,7 +74,7 @@ def test_every_call_is_booked_with_its_kind_size_and_tensor(world):
         total = comm.all_reduce(x)
         gathered = comm.all_gather(x, dim=1)
         pending = comm.all_reduce_async(x)
-        assert pending.call.done_s is None            # in flight until someone waits
+        assert outer.calls[-1].done_s is None         # in flight until someone waits
         result = pending.wait()
     assert torch.equal(total, x) and torch.equal(result, x) and gathered.shape == (3, 4)
     assert outer.calls == inner.calls                 # nested timers each see every call
@@ -50,19 +89,17 @@ def test_every_call_is_booked_with_its_kind_size_and_tensor(world):
     assert outer.seconds() == pytest.approx(sum(c.seconds for c in calls))
 
 
-def test_no_overlap_waits_before_the_async_call_returns(world):
+def test_an_async_call_is_stamped_done_when_the_caller_waits(world):
     x = torch.ones(8)
     with comm_timing.CommTimer() as timer:
         overlapped = comm.all_reduce_async(x)
         between = time.perf_counter()
+        time.sleep(0.01)                              # the caller computes meanwhile
         overlapped.wait()
-        with comm_timing.no_overlap():
-            serial = comm.all_reduce_async(x)
-            between_serial = time.perf_counter()
-            assert torch.equal(serial.wait(), x)
-    first, second = timer.calls
-    assert first.done_s > between                     # waited for after the caller went on
-    assert second.done_s <= between_serial            # finished before the call returned
+    (call,) = timer.calls
+    assert call.issued_s < between < call.done_s      # waited for after the caller went on
+    assert call.seconds < call.done_s - call.issued_s  # the caller paid only the wait
+    assert call.completed_s <= call.done_s
 
 
 def _two_linears(seq=8, batch=2, hidden=8):
@@ -78,9 +115,10 @@ def _two_linears(seq=8, batch=2, hidden=8):
             torch.randn(seq, batch, hidden))
 
 
-def _recorded_backward(weights, group, x, dy):
+def _recorded_backward(weights, group, x, dy, async_comm=True):
     h = linear_with_grad_accumulation_and_async_allreduce(x, weights[0], None,
-                                                          sequence_parallel=True, group=group)
+                                                          sequence_parallel=True, group=group,
+                                                          async_comm=async_comm)
     y = linear_with_grad_accumulation_and_async_allreduce(F.gelu(h), weights[1], None)
     with linear_overlap.record_backward() as events:
         y.backward(dy)
@@ -97,29 +135,27 @@ def test_one_backward_holds_the_steps_of_the_linear_docstring_in_order(world):
                                       "reduce-scatter dX", "dW = dY^T X"]
     assert linear_overlap.in_flight(events) == [("all-gather X", ["dX = dY W"]),
                                                 ("reduce-scatter dX", ["dW = dY^T X"])]
-    with comm_timing.no_overlap():
-        serial = _recorded_backward(weights, group, x, dy)
+    serial = _recorded_backward(weights, group, x, dy, async_comm=False)
     assert linear_overlap.in_flight(serial) == [("all-gather X", []), ("reduce-scatter dX", [])]
 
 
-def test_the_step_timer_wraps_train_step_from_outside_and_puts_it_back(world, monkeypatch):
-    ran = []
-    monkeypatch.setattr(training, "train_step", lambda state: ran.append(state) or {})
-    fake = training.train_step
-    timer = step_timer.StepTimer(skip=1)
-    with step_timer.timing_train_steps(timer):
-        assert training.train_step is not fake      # what train()'s loop calls now
-        for state in range(3):
-            training.train_step(state)
-    assert training.train_step is fake and ran == [0, 1, 2]
+def test_the_step_timer_times_the_steps_after_the_first_and_their_collectives(world):
+    timer = breakdown.StepTimer(skip=1)
+    for _ in range(3):                               # as train()'s loop calls its callbacks
+        timer.on_step_begin()
+        comm.all_reduce(torch.ones(4))
+        timer.on_step_end()
     assert len(timer.step_seconds) == 2               # the first step is not timed
-    assert timer.report()["steps"] == 2
+    assert [c.kind for c in timer.comm_timer.calls] == ["all_reduce"] * 2
+    report = timer.report()
+    assert report["steps"] == 2
+    assert report["calls"] == {"other": 1.0}          # a one-rank group is no family's
 
 
 def test_step_timer_for_follows_the_breakdown_flags(world):
     class Args:
         breakdown, breakdown_barrier, breakdown_profile = False, False, None
-    assert step_timer.step_timer_for(Args) is None
+    assert breakdown.step_timer_for(Args) is None
     Args.breakdown_barrier = True
-    timer = step_timer.step_timer_for(Args)
+    timer = breakdown.step_timer_for(Args)
     assert timer.barrier and timer.skip == 1 and timer.profile_dir is None

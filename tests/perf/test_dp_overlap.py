@@ -113,7 +113,7 @@ def test_bad_flags_are_refused_before_launch():
         dp_overlap.check_args(["--steps", 0, "--modes", "x"], 4)
     with pytest.raises(ValueError, match="at least 2"):
         dp_overlap.check_args([], 1)
-    with pytest.raises(ValueError, match="hidden_size 30 is not divisible"):
+    with pytest.raises(ValueError, match="--hidden-size 30 is not divisible"):
         dp_overlap.run_dp_overlap(nproc=2, hidden_size=30)
 
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from mpu_lab.perf import bandwidth, breakdown, runs, step_timer, utilisation
+from mpu_lab.perf import bandwidth, breakdown, runs, utilisation
 
 
 # --------------------------------------------------------------------------- formulas
@@ -48,7 +48,7 @@ def test_sizes_and_tensor_shapes_of_the_benchmark():
 
 def test_categories_follow_the_group_and_the_size():
     families = {"tp": [0, 1], "dp": [0, 2], "pp": [0, 4]}
-    cat = step_timer.categorize
+    cat = breakdown.categorize
     assert cat("all_reduce", (0, 1), 4096, families) == "tp all_reduce"       # a layer's output
     assert cat("all_reduce", (0, 2), 30080, families) == "dp all_reduce"      # the gradients
     assert cat("p2p", (0, 4), 4096, families) == "pp p2p"

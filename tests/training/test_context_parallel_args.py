@@ -28,7 +28,8 @@ def test_valid_layouts_give_dp_as_world_over_tp_cp_pp():
 
 def test_sequence_length_not_divisible_by_2cp_is_refused_with_the_nearest_lengths():
     with pytest.raises(ValueError, match=r"--seq-length 30 is not divisible by 2 x "
-                                         r"--context-parallel-size = 2 x 2 = 4.*e\.g\. 28 or 32"):
+                                         r"--context-parallel-size = 2 x 2 = 4.*valid with the "
+                                         r"other flags as given: --seq-length 28 or 32$"):
         validate(["--context-parallel-size", 2, "--seq-length", 30], 2)
 
 
@@ -37,7 +38,8 @@ def test_a2a_needs_heads_divisible_by_tp_times_cp():
     validate(["--context-parallel-size", 2, "--tensor-model-parallel-size", 2,
               "--cp-comm-type", "a2a"], 4)
     with pytest.raises(ValueError, match=r"TP x CP = 2 x 2 = 4 .*--num-attention-heads 6 is not "
-                                         r"divisible by 4.*--cp-comm-type p2p or allgather"):
+                                         r"divisible by 4.*--num-attention-heads 4 or 8; "
+                                         r"or --cp-comm-type p2p or allgather$"):
         validate(["--context-parallel-size", 2, "--tensor-model-parallel-size", 2,
                   "--cp-comm-type", "a2a", "--num-attention-heads", 6, "--hidden-size", 48], 4)
     # the other comm types take any head count
@@ -46,12 +48,14 @@ def test_a2a_needs_heads_divisible_by_tp_times_cp():
 
 
 def test_cp_not_dividing_the_world_names_the_valid_sizes():
+    # CP 3 and 6 divide the 6 ranks but not the 64 positions into 2 x cp chunks: not suggested
     with pytest.raises(ValueError, match=r"world size 6 is not divisible by tensor x context x "
-                                         r"pipeline parallel size 1 x 4 x 1 = 4.*valid "
-                                         r"context-parallel sizes are \[1, 2, 3, 6\]"):
+                                         r"pipeline parallel size 1 x 4 x 1 = 4.*valid with the "
+                                         r"other flags as given: --context-parallel-size 1 or 2; "
+                                         r"or 4 or 8 ranks \(torchrun --nproc-per-node\)$"):
         validate(["--context-parallel-size", 4], 6)
-    with pytest.raises(ValueError, match=r"2 x 3 x 2 = 12; with 8 ranks, TP=2 and PP=2 valid "
-                                         r"context-parallel sizes are \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"2 x 3 x 2 = 12 .*: --context-parallel-size 1 or 2; "
+                                         r"or 12 ranks"):
         validate(["--context-parallel-size", 3, "--tensor-model-parallel-size", 2,
                   "--pipeline-model-parallel-size", 2, "--num-layers", 4,
                   "--seq-length", 48], 8)
@@ -59,7 +63,8 @@ def test_cp_not_dividing_the_world_names_the_valid_sizes():
 
 def test_sequence_parallel_needs_each_cp_ranks_tokens_divisible_by_tp():
     with pytest.raises(ValueError, match=r"s/cp = 40 / 4 = 10 tokens.*TP = 4.*multiple of "
-                                         r"2 x CP x TP = 32"):
+                                         r"2 x CP x TP = 32.*--seq-length 32 or 64; or "
+                                         r"--tensor-model-parallel-size 1 or 2$"):
         validate(["--context-parallel-size", 4, "--tensor-model-parallel-size", 4,
                   "--sequence-parallel", "--seq-length", 40], 16)
 
@@ -79,7 +84,7 @@ def test_the_launcher_refuses_before_torchrun_starts():
     # run() calls the script's PRECHECK first: no process is started for these
     for flags, nproc, message in [
             (["--context-parallel-size", "2", "--seq-length", "30"], 2, "2 x 2 = 4"),
-            (["--context-parallel-size", "3"], 4, "valid context-parallel sizes are"),
+            (["--context-parallel-size", "3"], 4, "--context-parallel-size 1, 2 or 4$"),
             (["--context-parallel-size", "4", "--cp-comm-type", "a2a",
               "--num-attention-heads", "2", "--hidden-size", "32"], 4, "not divisible by 4")]:
         with pytest.raises(ValueError, match=message):

@@ -30,7 +30,7 @@ those gradients.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -79,11 +79,7 @@ class DistributedDataParallel(torch.nn.Module):
                                          bucket_size, late_params)
         self._counts: Dict[int, int] = {}
         self._pending: Dict[int, comm.Pending] = {}
-        self._in_backward: Dict[int, bool] = {}
         self._bucket_of = {id(p): self.buffer.param_range(p)[0] for p in self.buffer.params}
-        # one entry per bucket reduction of the last step: bucket, kind, numel, nbytes and
-        # whether it started during backward
-        self.sync_log: List[Dict[str, object]] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook())
                        for p in self.buffer.params]
         self.zero_grad_buffer()
@@ -99,8 +95,7 @@ class DistributedDataParallel(torch.nn.Module):
         for p in self.buffer.params:
             p.grad = p.main_grad
         self._counts = {id(p): 0 for p in self.buffer.params}
-        self._pending, self._in_backward = {}, {}
-        self.sync_log = []
+        self._pending = {}
 
     def _make_hook(self):
         def hook(param: torch.nn.Parameter) -> None:
@@ -113,34 +108,28 @@ class DistributedDataParallel(torch.nn.Module):
                     f"in this step (call zero_grad_buffer() before each step)")
             self._counts[key] += 1
             if self.overlap_grad_reduce and not b.late and self._ready(b):
-                self._start(b, in_backward=True)
+                self._start(b)
         return hook
 
     def _ready(self, bucket: Bucket) -> bool:
         return all(self._counts[id(p)] >= self.num_micro_batches for p in bucket.params)
 
-    def _start(self, bucket: Bucket, in_backward: bool) -> None:
+    def _start(self, bucket: Bucket) -> None:
         """Start the bucket's reduction (asynchronously)."""
         if self.use_distributed_optimizer:
             pending = comm.reduce_scatter_async(bucket.grad_data, self.data_parallel_group)
         else:
             pending = comm.all_reduce_async(bucket.grad_data, self.data_parallel_group)
         self._pending[bucket.index] = pending
-        self._in_backward[bucket.index] = in_backward
 
     def _finish(self, bucket: Bucket) -> None:
-        pending = self._pending[bucket.index]
-        result = pending.wait()
+        result = self._pending[bucket.index].wait()
         d = self.data_parallel_size
         if self.use_distributed_optimizer:
             start, end = bucket.shard_range(self.data_parallel_rank)
             self._scale(bucket.grad_data[start:end].copy_(result), d)
         else:
             self._scale(bucket.grad_data.copy_(result), d)
-        self.sync_log.append(dict(
-            bucket=bucket.index, kind=pending.kind, numel=bucket.numel,
-            nbytes=bucket.numel * bucket.grad_data.element_size(),
-            started_in_backward=self._in_backward[bucket.index]))
 
     def _scale(self, grads: torch.Tensor, d: int) -> None:
         if self.gradient_scaling_factor is None:
@@ -161,7 +150,7 @@ class DistributedDataParallel(torch.nn.Module):
             return
         for b in buckets:
             if b.index not in self._pending:
-                self._start(b, in_backward=False)
+                self._start(b)
         for b in buckets:
             self._finish(b)
 

@@ -4,7 +4,8 @@ context parallel, Megatron's dp-cp group, with context parallelism) — torch DD
 all-reduce routed through :mod:`mpu_lab.core.comm` at PP=1 (:func:`ddp_allreduce_hook`),
 one coalesced all-reduce after the pipeline schedule at PP > 1 or with experts
 (:func:`allreduce_data_parallel_grads`, what Megatron's DDP does in ``finish_grad_sync``; the
-expert gradients over the expert-data-parallel group) —,
+expert gradients over the expert-data-parallel group; a missing gradient counts as zeros, as
+in Megatron's always-present gradient buffer) —,
 the sequence-parallel LayerNorm sums (:func:`allreduce_sequence_parallel_grads`, Megatron's
 ``_allreduce_layernorm_grads``) and the tied embedding summed over the first and last stage
 (:func:`mpu_lab.core.pipeline_parallel.allreduce_embedding_grads`); :func:`finalize_model_grads` runs
@@ -60,12 +61,22 @@ def ddp_allreduce_hook(state, bucket):
 
 def _average_coalesced(params: Sequence[torch.nn.Parameter], group, divisor: int) -> None:
     """Sum the gradients of ``params`` over ``group`` in one flat all-reduce, then divide by
-    ``divisor``. A missing gradient counts as zeros (every rank must send the same sizes)."""
-    if not params or (comm.group_size(group) == 1 and divisor == 1):
+    ``divisor``: the data-parallel average where no DDP reduces the gradients (PP > 1 or
+    experts without Megatron's DDP, a lone MoE layer).
+
+    A missing gradient (``.grad is None``: the parameter took no part in this rank's backward)
+    counts as **zeros**, and the parameter leaves with a gradient (the average of the other
+    ranks' ones, or zeros), at any group size. That is Megatron's rule: its DDP gradient buffer
+    always exists, so a parameter that got no gradient contributes the zeros of its slice, and
+    the optimizer steps it like any other. It is also the only rule a coalesced collective can
+    keep: every rank must send the same elements in the same order, whatever it computed."""
+    if not params:
         return
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    if comm.group_size(group) == 1 and divisor == 1:
+        return
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     if comm.group_size(group) > 1:
@@ -80,13 +91,17 @@ def _average_coalesced(params: Sequence[torch.nn.Parameter], group, divisor: int
 def allreduce_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
     """Average the gradients over the data x context parallel group (Megatron's dp-cp group:
     context-parallel ranks hold the same weights and other tokens) in one coalesced
-    all-reduce: what DDP does at PP=1, done once after the pipeline schedule.
+    all-reduce: what DDP does at PP=1, done once after the pipeline schedule, and with experts
+    (no DDP); a missing gradient counts as zeros (:func:`_average_coalesced`).
 
     Expert parameters (mixture of experts, marked ``allreduce = False``) are summed over the
     *expert*-data-parallel group instead — the ranks that hold the same experts — and divided
-    by the same dense size ``d`` (Megatron's DDP, its expert buffer): each expert's gradient
-    already holds every token of its expert-parallel group routed to it, so the sum over the
-    expert replicas covers the global batch once, and ``1/d`` makes it the mean's gradient."""
+    by the same dense size ``d`` (Megatron's DDP: its ``expert_gradient_scaling_factor`` is
+    its ``gradient_scaling_factor``, ``1 / d``). Why ``d`` for the experts too: the loss is the
+    mean over the ``d`` replicas' batches, and the gradient an expert collects during backward
+    already holds every token of its expert-parallel group routed to it; the sum over the
+    expert replicas then holds every token of the global batch once, and ``1/d`` makes it the
+    mean's gradient."""
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     size = comm.group_size(group)
     dense = [p for p in params if not is_expert_parameter(p)]

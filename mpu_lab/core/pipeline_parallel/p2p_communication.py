@@ -8,17 +8,19 @@ the buffer itself and no shape has to travel first.
 
 Every call posts its sends and receives as plain ``isend`` / ``irecv`` in Megatron's fixed
 order (``_p2p_ops``: even ranks send first, odd ranks receive first), then waits for all of
-them. Two neighbours that send to and receive from each other in the same call
-(``send_forward_recv_backward`` on one, ``send_backward_recv_forward`` on the other) therefore
-never wait on each other, even where a send completes only once the peer has posted its
-receive (NCCL). ``batch_isend_irecv`` is not used: on gloo it is not reliable.
+them (:func:`mpu_lab.core.comm.exchange.isend_irecv`). Two neighbours that send to and receive
+from each other in the same call (``send_forward_recv_backward`` on one,
+``send_backward_recv_forward`` on the other) therefore never wait on each other, even where a
+send completes only once the peer has posted its receive (NCCL). ``batch_isend_irecv`` is not
+used: on gloo it is not reliable.
 
 Backends: NCCL sends GPU tensors directly. gloo sends CPU tensors; when a rank's tensors are on
 a GPU that it shares with other ranks (then the backend is gloo: NCCL refuses two ranks on
 one GPU, see :func:`mpu_lab.training.initialize.choose_backend`) the message is staged through host
-memory here. Activations travel with tag 0 and gradients with tag 1: with two stages the next
-and the previous rank are the same rank, and gloo tells the two directions apart by the tag
-(NCCL ignores tags and matches in posting order, which ``_p2p_ops`` keeps the same on both).
+memory, as the collectives are (:mod:`mpu_lab.core.comm.staging`). Activations travel with
+tag 0 and gradients with tag 1: with two stages the next and the previous rank are the same
+rank, and gloo tells the two directions apart by the tag (NCCL ignores tags and matches in
+posting order, which ``_p2p_ops`` keeps the same on both).
 """
 from __future__ import annotations
 
@@ -27,51 +29,40 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from mpu_lab.core.utils import get_device
 from mpu_lab.core import parallel_state as ps
+from mpu_lab.core.comm import exchange, staging
+from mpu_lab.core.utils import get_device
 
 ACTIVATION_TAG = 0   # travelling to the next stage
 GRADIENT_TAG = 1     # travelling to the previous stage
 
 
-def _stage_through_host(group) -> bool:
-    return get_device().type == "cuda" and dist.get_backend(group) == "gloo"
-
-
-def _outgoing(tensor: torch.Tensor, shape: Sequence[int], dtype, host: bool) -> torch.Tensor:
+def _outgoing(tensor: torch.Tensor, shape: Sequence[int], dtype, group) -> torch.Tensor:
     if tuple(tensor.shape) != tuple(shape):
         # A wrong shape would not fail on the sender: the receiver would hang or read garbage.
         raise ValueError(f"pipeline p2p: tensor of shape {tuple(tensor.shape)} sent where the "
                          f"peer expects {tuple(shape)} (seq_length, micro_batch_size, hidden_size)")
-    out = tensor.detach().to(dtype).contiguous()
-    return out.cpu() if host else out
+    return staging.to_backend(tensor.detach().to(dtype).contiguous(), group)[0]
 
 
 def _p2p_ops(*, tensor_send_prev: Optional[torch.Tensor], tensor_recv_prev: Optional[torch.Tensor],
              tensor_send_next: Optional[torch.Tensor], tensor_recv_next: Optional[torch.Tensor],
-             group, prev_rank: int, next_rank: int) -> List[dist.Work]:
-    """Post the four possible messages in Megatron's order and return their requests.
+             group, prev_rank: int, next_rank: int) -> List[dist.P2POp]:
+    """The four possible messages in Megatron's order, as torch's ``P2POp`` (Megatron's
+    ``_p2p_ops`` posts them in this order; :func:`~mpu_lab.core.comm.exchange.isend_irecv` does
+    here).
 
     Even pipeline ranks send to the next stage before they receive from the previous one; odd
     ranks do the opposite. So between two neighbours one side's send always meets the other
     side's receive first, and neither blocks the other."""
-    def send_next():
-        return dist.isend(tensor_send_next, next_rank, group, tag=ACTIVATION_TAG)
-
-    def recv_prev():
-        return dist.irecv(tensor_recv_prev, prev_rank, group, tag=ACTIVATION_TAG)
-
-    def send_prev():
-        return dist.isend(tensor_send_prev, prev_rank, group, tag=GRADIENT_TAG)
-
-    def recv_next():
-        return dist.irecv(tensor_recv_next, next_rank, group, tag=GRADIENT_TAG)
-
-    posts = [(tensor_send_next, send_next), (tensor_recv_prev, recv_prev),
-             (tensor_send_prev, send_prev), (tensor_recv_next, recv_next)]
+    posts = [(dist.isend, tensor_send_next, next_rank, ACTIVATION_TAG),
+             (dist.irecv, tensor_recv_prev, prev_rank, ACTIVATION_TAG),
+             (dist.isend, tensor_send_prev, prev_rank, GRADIENT_TAG),
+             (dist.irecv, tensor_recv_next, next_rank, GRADIENT_TAG)]
     if ps.get_pipeline_model_parallel_rank() % 2 == 1:
         posts = [posts[1], posts[0], posts[3], posts[2]]
-    return [post() for tensor, post in posts if tensor is not None]
+    return [dist.P2POp(op, tensor, peer, group, tag) for op, tensor, peer, tag in posts
+            if tensor is not None]
 
 
 def communicate(*, tensor_send_next: Optional[torch.Tensor] = None,
@@ -90,25 +81,23 @@ def communicate(*, tensor_send_next: Optional[torch.Tensor] = None,
     """
     group = ps.get_pipeline_model_parallel_group()
     device = get_device()
-    host = _stage_through_host(group)
-    buffer_device = torch.device("cpu") if host else device
+    buffer_device = staging.backend_device(device, group)     # the CPU where gloo carries a GPU's
     shape = tuple(int(d) for d in tensor_shape)
 
-    send_next = _outgoing(tensor_send_next, shape, dtype, host) if tensor_send_next is not None else None
-    send_prev = _outgoing(tensor_send_prev, shape, dtype, host) if tensor_send_prev is not None else None
+    send_next = _outgoing(tensor_send_next, shape, dtype, group) if tensor_send_next is not None else None
+    send_prev = _outgoing(tensor_send_prev, shape, dtype, group) if tensor_send_prev is not None else None
     tensor_recv_prev = torch.empty(shape, dtype=dtype, device=buffer_device) if recv_prev else None
     tensor_recv_next = torch.empty(shape, dtype=dtype, device=buffer_device) if recv_next else None
-    requests = _p2p_ops(tensor_send_prev=send_prev, tensor_recv_prev=tensor_recv_prev,
-                        tensor_send_next=send_next, tensor_recv_next=tensor_recv_next,
-                        group=group, prev_rank=ps.get_pipeline_model_parallel_prev_rank(),
-                        next_rank=ps.get_pipeline_model_parallel_next_rank())
-    for request in requests:
-        request.wait()
-    if host:
-        tensor_recv_prev = tensor_recv_prev.to(device) if tensor_recv_prev is not None else None
-        tensor_recv_next = tensor_recv_next.to(device) if tensor_recv_next is not None else None
+    ops = _p2p_ops(tensor_send_prev=send_prev, tensor_recv_prev=tensor_recv_prev,
+                   tensor_send_next=send_next, tensor_recv_next=tensor_recv_next,
+                   group=group, prev_rank=ps.get_pipeline_model_parallel_prev_rank(),
+                   next_rank=ps.get_pipeline_model_parallel_next_rank())
+    if ops:
+        exchange.isend_irecv(ops, group)       # posted in _p2p_ops' order, all waited for
     if tensor_recv_prev is not None:
-        tensor_recv_prev.requires_grad_(True)
+        tensor_recv_prev = staging.from_backend(tensor_recv_prev, device).requires_grad_(True)
+    if tensor_recv_next is not None:
+        tensor_recv_next = staging.from_backend(tensor_recv_next, device)
     return tensor_recv_prev, tensor_recv_next
 
 

@@ -118,7 +118,8 @@ class ColumnParallelLinear(torch.nn.Module):
     this rank's block ``[s/t, b, h]`` of the sequence). Output ``[*, output_size]`` when
     ``gather_output`` else this rank's ``[*, output_size / t]``. ``forward`` returns
     ``(output, bias)`` where ``bias`` is ``None`` unless ``skip_bias_add`` (then it is not
-    added, so the caller can fuse it into the next elementwise op).
+    added, so the caller can fuse it into the next elementwise op). ``async_comm``: see
+    :mod:`~mpu_lab.core.tensor_parallel.linear_autograd` (an attribute, the serial switch).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
@@ -126,7 +127,7 @@ class ColumnParallelLinear(torch.nn.Module):
                  stride: int = 1, keep_master_weight_for_test: bool = False,
                  skip_bias_add: bool = False, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None,
-                 gradient_accumulation_fusion: bool = False):
+                 gradient_accumulation_fusion: bool = False, async_comm: bool = True):
         super().__init__()
         self.output_size_per_partition = _per_partition(output_size, "output_size",
                                                         "ColumnParallelLinear", stride)
@@ -137,6 +138,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.async_comm = async_comm
         device = device if device is not None else utils.get_device()
 
         # (output_size / t, input_size): F.linear computes X W^T.
@@ -163,7 +165,7 @@ class ColumnParallelLinear(torch.nn.Module):
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(   # [*, out/t]
             input_, self.weight, bias, self.gradient_accumulation_fusion,
             allreduce_dgrad=tp_size > 1 and not self.sequence_parallel,
-            sequence_parallel=self.sequence_parallel and tp_size > 1)
+            sequence_parallel=self.sequence_parallel and tp_size > 1, async_comm=self.async_comm)
         output = (gather_from_tensor_model_parallel_region(output_parallel)      # [*, out]
                   if self.gather_output else output_parallel)
         return output, (self.bias if self.skip_bias_add else None)

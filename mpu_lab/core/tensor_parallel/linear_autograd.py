@@ -24,7 +24,8 @@ Backward, step by step (``X`` the input, ``W`` the weight shard, ``dY`` the outp
    ``gradient_accumulation_fusion`` it is added straight into ``W.main_grad`` in fp32 (Megatron's
    ``--gradient-accumulation-fusion``; there a fused CUDA kernel does it) and ``W.grad`` stays
    empty.
-6. Wait for the reduction and return ``dX``.
+6. Wait for the reduction and return ``dX``. (``async_comm=False`` waits at steps 1 and 4 at
+   once: lab 07's serial baseline; Megatron's ``--no-async-tensor-model-parallel-allreduce``.)
 """
 from __future__ import annotations
 
@@ -43,12 +44,12 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     parallel layer without sequence parallelism: f's backward). ``sequence_parallel``: ``X`` is
     this rank's ``[s/t, ...]`` block; gather it (dim 0) forward and again in backward, and
     reduce-scatter the input gradient. ``group``: the tensor-parallel group (default: this
-    rank's).
+    rank's). ``async_comm``: overlap backward's collectives with its GEMMs.
     """
 
     @staticmethod
     def forward(ctx, input_, weight, bias, gradient_accumulation_fusion: bool,
-                allreduce_dgrad: bool, sequence_parallel: bool, group=None):
+                allreduce_dgrad: bool, sequence_parallel: bool, group=None, async_comm=True):
         if gradient_accumulation_fusion and not hasattr(weight, "main_grad"):
             raise RuntimeError("gradient_accumulation_fusion=True needs weight.main_grad (an "
                                "fp32 buffer the weight gradient is added to, as Megatron's DDP "
@@ -56,7 +57,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.save_for_backward(input_, weight)    # the block only, under sequence parallelism
         ctx.use_bias = bias is not None
         ctx.fusion, ctx.allreduce_dgrad = gradient_accumulation_fusion, allreduce_dgrad
-        ctx.sequence_parallel, ctx.group = sequence_parallel, group
+        ctx.sequence_parallel, ctx.group, ctx.async_comm = sequence_parallel, group, async_comm
         ctx.bias_dtype = bias.dtype if bias is not None else None
         total_input = comm.all_gather(input_, group=group, dim=0) if sequence_parallel else input_
         # F.linear, as torch.nn.Linear: under torch.autocast (mpu_lab's --fp16 / --bf16) the
@@ -73,6 +74,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         group = ctx.group
         gather = (comm.all_gather_async(input_, group=group, dim=0)    # 1. re-gather, async
                   if ctx.sequence_parallel else None)
+        if gather is not None and not ctx.async_comm:
+            gather.wait()                                                # serial: done first
         grad_input = grad_output.matmul(weight)                          # 2. while it runs
         total_input = input_
         if gather is not None:                                           # 3.
@@ -82,6 +85,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             reduce = comm.reduce_scatter_async(grad_input, group=group, dim=0)
         elif ctx.allreduce_dgrad:
             reduce = comm.all_reduce_async(grad_input, group=group)
+        if reduce is not None and not ctx.async_comm:
+            reduce.wait()                                                # serial: done first
         dy = grad_output.reshape(-1, grad_output.shape[-1])              # 5. dW while it runs
         x = total_input.reshape(-1, total_input.shape[-1])
         if ctx.fusion:
@@ -93,17 +98,17 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if reduce is not None:                                           # 6.
             grad_input = reduce.wait()
         return (grad_input.to(saved_input.dtype), grad_weight, grad_bias,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
         input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         gradient_accumulation_fusion: bool = False, allreduce_dgrad: bool = False,
-        sequence_parallel: bool = False, group=None) -> torch.Tensor:
+        sequence_parallel: bool = False, group=None, async_comm: bool = True) -> torch.Tensor:
     """Megatron's entry point to :class:`LinearWithGradAccumulationAndAsyncCommunication`
-    (same name, same meaning of the flags)."""
+    (same name, same meaning of the flags; ``async_comm``: see the module docstring)."""
     if group is None and (allreduce_dgrad or sequence_parallel):
         group = parallel_state.get_tensor_model_parallel_group()
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         input_, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-        group)
+        group, async_comm)

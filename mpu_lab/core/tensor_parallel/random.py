@@ -27,6 +27,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from mpu_lab.core import parallel_state, utils
+from mpu_lab.core.tensor_parallel.utils import (gather_split_1d_tensor,
+                                               split_tensor_into_1d_equal_chunks)
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 # Megatron's offset between the data-parallel seed and the tensor-parallel seeds.
@@ -141,25 +143,35 @@ model_parallel_cuda_manual_seed = model_parallel_manual_seed
 
 # --------------------------------------------------------------------------- activation checkpointing
 class CheckpointFunction(torch.autograd.Function):
-    """Activation recomputation (Chen et al. 2016; Megatron-LM's ``checkpoint``): forward runs
-    ``run_function`` without keeping its activations and remembers the RNG states (default and
-    tracked); backward reruns it under those states, so the dropout masks are the same."""
+    """Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022 §5): forward runs
+    ``run_function`` without keeping its activations and remembers the RNG states, the
+    tracker's streams too (``torch.utils.checkpoint`` would not); backward reruns it under
+    them, so the dropout masks are the same. ``distribute_saved_activations``: the saved
+    ``args[0]`` keeps only this tensor-parallel rank's 1/t until backward all-gathers it."""
 
     @staticmethod
     def forward(ctx, run_function, distribute_saved_activations, *args):
-        if distribute_saved_activations:
-            raise NotImplementedError("distribute_saved_activations is not supported in mpu_lab")
         ctx.run_function = run_function
+        ctx.distribute_saved_activations = distribute_saved_activations
         ctx.rng_state = _current_state()
         ctx.tracker_states = _RNG_TRACKER.get_states()
         with torch.no_grad():
             outputs = run_function(*args)
+        if distribute_saved_activations:
+            # this rank's chunk of the input; the caller's tensor shrinks until backward
+            ctx.input_0_shape = args[0].shape
+            _set_viewless_tensor_data(args[0], split_tensor_into_1d_equal_chunks(
+                args[0].data, new_buffer=True))
         ctx.save_for_backward(*args)
         return outputs
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        saved = ctx.saved_tensors
+        if ctx.distribute_saved_activations:
+            _set_viewless_tensor_data(saved[0], gather_split_1d_tensor(saved[0].data)
+                                      .view(ctx.input_0_shape))
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in saved]
         now_state, now_tracker = _current_state(), _RNG_TRACKER.get_states()
         _set_state(ctx.rng_state)
         _RNG_TRACKER.set_states(ctx.tracker_states)
@@ -171,12 +183,22 @@ class CheckpointFunction(torch.autograd.Function):
             _RNG_TRACKER.set_states(now_tracker)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
+                 if torch.is_tensor(o) and o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
 
 
+def _set_viewless_tensor_data(tensor: torch.Tensor, data: torch.Tensor) -> None:
+    """Megatron's ``safely_set_viewless_tensor_data`` (a view's storage is its base's)."""
+    if tensor._base is not None:
+        raise ValueError("distribute_saved_activations needs a checkpoint input that is not a "
+                         "view: pass mpu_lab.core.utils.make_viewless_tensor(x)")
+    tensor.data = data
+
+
 def checkpoint(function, distribute_saved_activations: bool, *args):
     """``function(*args)`` without storing its activations; they are recomputed in backward
-    with the same random numbers. ``args`` must be tensors (Megatron's signature)."""
+    with the same random numbers. ``args`` must be tensors (Megatron's signature);
+    ``distribute_saved_activations`` keeps 1/t of ``args[0]`` until backward."""
     return CheckpointFunction.apply(function, distribute_saved_activations, *args)

@@ -23,7 +23,7 @@ only for a fused weight stored part after part: the first Megatron-LM (2019,
 ``mpu/transformer.py``) stored ``[W_Q; W_K; W_V]`` and built ``query_key_value`` with
 ``stride=3``; Megatron-core's SwiGLU MLP builds ``linear_fc1`` (``[W_gate; W_up]``) with
 ``stride=2``. Lab 04 (section 5) shows both layouts. The same head-grouped layout is used by
-:class:`mpu_lab.core.models.gpt.gpt_model.PlainGPT` so a consolidated checkpoint loads into either.
+:class:`mpu_lab.training.plain_gpt.PlainGPT` so a consolidated checkpoint loads into either.
 
 The attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with
 ``is_causal=True`` (``attention_impl="sdpa"``). ``attention_impl="explicit"`` computes the
@@ -38,6 +38,11 @@ and only attention needs the other ranks' tokens. The local ``[s/cp, b, n/t, H]`
 :func:`mpu_lab.core.context_parallel.attention` with ``config.cp_comm_type`` (``"p2p"``, ``"a2a"`` or
 ``"allgather"``), as Megatron-core's ``TEDotProductAttention`` hands them to TransformerEngine;
 the projections around it are unchanged. Dropout inside attention is not supported there.
+
+Selective recomputation (Korthikanti et al. 2022, §5; ``recompute_granularity="selective"``
+with ``"core_attn"`` in ``recompute_modules``): the attention core, from q, k, v to the context
+``Z`` (softmax, attention dropout), keeps only its inputs and runs again in backward: its
+``s x s`` activations are the largest per FLOP (``5as/h`` of the paper's ``34 + 5as/h``).
 """
 from __future__ import annotations
 
@@ -49,7 +54,8 @@ import torch.nn.functional as F
 
 from mpu_lab.core import context_parallel, parallel_state
 from mpu_lab.core.transformer.transformer_config import TransformerConfig
-from mpu_lab.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
+from mpu_lab.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, checkpoint,
+                                          get_rng_tracker)
 
 
 def explicit_causal_attention(q, k, v, dropout_p: float = 0.0):
@@ -112,6 +118,8 @@ class SelfAttention(torch.nn.Module):
         self.attention_dropout = config.attention_dropout
         self.attention_impl = config.attention_impl
         self.cp_size = check_context_parallel_attention(config)
+        self.checkpoint_core_attention = (config.recompute_granularity == "selective"
+                                          and "core_attn" in config.recompute_modules)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, 3 * config.hidden_size, bias=True, gather_output=False,
             init_method=config.init_method(), sequence_parallel=config.sequence_parallel,
@@ -131,19 +139,26 @@ class SelfAttention(torch.nn.Module):
                 return explicit_causal_attention(q, k, v, dropout_p)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
-    def forward(self, hidden_states: torch.Tensor):
-        qkv, _ = self.linear_qkv(hidden_states)                 # [s, b, 3D/t]
-        s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.num_local_heads, 3 * self.head_dim)   # [s, b, n, 3H]
-        q, k, v = torch.split(qkv, self.head_dim, dim=-1)       # each [s, b, n, H]
+    def core_attention(self, q, k, v):
+        """``[s, b, n, H]`` q, k, v -> the context ``[b, n, s, H]`` (``s/cp`` tokens with CP)."""
         if self.cp_size > 1:
             # Context parallelism: this rank's s/cp tokens (chunks r and 2cp-1-r) attend to
             # the whole sequence, the other CP ranks' keys and values brought by cp_comm_type.
             z = context_parallel.attention(q, k, v, comm_type=self.config.cp_comm_type,
                                            causal=True)                  # [s/cp, b, n, H]
-            z = z.permute(1, 2, 0, 3)                                    # [b, n, s/cp, H]
+            return z.permute(1, 2, 0, 3)                                 # [b, n, s/cp, H]
+        return self._core_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)))  # [b, n, s, H]
+
+    def forward(self, hidden_states: torch.Tensor):
+        qkv, _ = self.linear_qkv(hidden_states)                 # [s, b, 3D/t]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.num_local_heads, 3 * self.head_dim)   # [s, b, n, 3H]
+        q, k, v = torch.split(qkv, self.head_dim, dim=-1)       # each [s, b, n, H]
+        if self.checkpoint_core_attention and self.training:
+            # Megatron's _checkpointed_attention_forward: keep q, k, v, recompute the rest
+            z = checkpoint(self.core_attention, False, q, k, v)
         else:
-            z = self._core_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)))  # [b, n, s, H]
+            z = self.core_attention(q, k, v)
         z = z.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)  # [s, b, D/t]
         out, bias = self.linear_proj(z)                         # Out = Z W^O, all-reduced: [s, b, D]
         return out, bias

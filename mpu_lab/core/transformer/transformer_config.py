@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,12 @@ import torch.nn.functional as F
 from mpu_lab.core.utils import divisors
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
+# What this mirror can recompute selectively (Megatron-core also has "layernorm", "moe_act",
+# "mla_up_proj", "moe" and "shared_experts", for layers mpu_lab does not build or with
+# output-discarding checkpoints it leaves out).
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                              "shared_experts")
 
 
 @dataclasses.dataclass
@@ -45,10 +51,55 @@ class TransformerConfig:
     moe_token_dispatcher_type: str = "alltoall"  # or "allgather"
     moe_aux_loss_coeff: float = 0.0
     moe_expert_capacity_factor: Optional[float] = None   # None: no token dropping
+    # activation recomputation (Korthikanti et al. 2022, §5; Megatron-core's fields and rules):
+    # "selective" recomputes recompute_modules in every layer; "full" recomputes whole layers,
+    # "uniform": in groups of recompute_num_layers, "block": only the first
+    # recompute_num_layers layers of each pipeline stage
+    recompute_granularity: Optional[str] = None         # None, "full" or "selective"
+    recompute_method: Optional[str] = None              # None, "uniform" or "block" (full)
+    recompute_num_layers: Optional[int] = None
+    distribute_saved_activations: bool = False          # full: keep 1/t of each saved input
+    recompute_modules: Optional[List[str]] = None       # selective; default ["core_attn"]
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]
+        self.check_recompute()
+
+    def check_recompute(self) -> None:
+        """Megatron-core's checks of the recomputation fields (``TransformerConfig``'s
+        ``__post_init__``), as ``ValueError`` naming the values and the fix."""
+        g, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if g not in (None, "full", "selective"):
+            raise ValueError(f"recompute_granularity must be None, 'full' or 'selective', got {g!r}")
+        if method not in (None, "uniform", "block"):
+            raise ValueError(f"recompute_method must be None, 'uniform' or 'block', got {method!r}")
+        if g == "full" and method is None:
+            raise ValueError("recompute_granularity 'full' needs recompute_method 'uniform' (layers "
+                             "in groups of recompute_num_layers) or 'block' (the first "
+                             "recompute_num_layers layers of each pipeline stage)")
+        if g == "full" and (n is None or n < 1):
+            raise ValueError(f"recompute_granularity 'full' needs recompute_num_layers between 1 "
+                             f"and the layers of a pipeline stage, got {n}")
+        if g == "selective" and n is not None:
+            raise ValueError(f"recompute_granularity 'selective' recomputes every layer: "
+                             f"recompute_num_layers must be None, got {n}")
+        if self.distribute_saved_activations and g != "full":
+            raise ValueError(f"distribute_saved_activations splits the input that full "
+                             f"recomputation saves: it needs recompute_granularity 'full', got {g!r}")
+        if self.distribute_saved_activations and self.sequence_parallel:
+            raise ValueError("distribute_saved_activations must be False with sequence_parallel: "
+                             "the saved input is already split over the tensor-parallel ranks")
+        unknown = sorted(set(self.recompute_modules) - set(MEGATRON_RECOMPUTE_MODULES))
+        if unknown:
+            raise ValueError(f"recompute_modules {unknown} are not Megatron's; choices: "
+                             f"{list(MEGATRON_RECOMPUTE_MODULES)}")
+        unsupported = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
+        if g == "selective" and unsupported:
+            raise ValueError(f"recompute_modules {unsupported} are Megatron-core's but not built "
+                             f"here; mpu_lab recomputes {list(RECOMPUTE_MODULES)}")
 
     # ------------------------------------------------------------------ checks (pure)
     def check(self, tensor_model_parallel_size: int = 1, seq_length: Optional[int] = None) -> None:

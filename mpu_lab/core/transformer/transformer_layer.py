@@ -32,7 +32,7 @@ from mpu_lab.core.transformer.attention import SelfAttention
 from mpu_lab.core.transformer.mlp import MLP
 from mpu_lab.core.transformer.moe import MoELayer
 from mpu_lab.core.transformer.transformer_config import TransformerConfig
-from mpu_lab.core.tensor_parallel import get_rng_tracker
+from mpu_lab.core.tensor_parallel import checkpoint, get_rng_tracker
 
 
 def build_layer_norm(config: TransformerConfig) -> torch.nn.LayerNorm:
@@ -70,6 +70,9 @@ class TransformerLayer(torch.nn.Module):
         # mixture of experts: the MLP's place taken by an MoELayer (Megatron-core's layer spec
         # with num_moe_experts); it returns (output, None), no bias to add
         self.mlp = MoELayer(config) if config.num_moe_experts else MLP(config)
+        # selective recomputation of the dense MLP (Megatron-core's recompute_modules "mlp")
+        self.recompute_mlp = (config.recompute_granularity == "selective"
+                              and "mlp" in config.recompute_modules and not config.num_moe_experts)
 
     def _bias_dropout_add(self, x, bias, residual):
         if bias is not None:
@@ -79,11 +82,19 @@ class TransformerLayer(torch.nn.Module):
                 x = F.dropout(x, p=self.config.hidden_dropout, training=True)
         return residual + x
 
+    def _mlp_with_bias(self, ln):
+        """The MLP with its bias added (a checkpoint returns tensors made inside it only)."""
+        out, bias = self.mlp(ln)
+        return out if bias is None else out + bias
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         ln = self.input_layernorm(hidden_states)
         attn, attn_bias = self.self_attention(ln)
         hidden_states = self._bias_dropout_add(attn, attn_bias, hidden_states)
         ln = self.pre_mlp_layernorm(hidden_states)
-        mlp, mlp_bias = self.mlp(ln)
+        if self.recompute_mlp and self.training:
+            mlp, mlp_bias = checkpoint(self._mlp_with_bias, False, ln), None
+        else:
+            mlp, mlp_bias = self.mlp(ln)
         hidden_states = self._bias_dropout_add(mlp, mlp_bias, hidden_states)
         return hidden_states

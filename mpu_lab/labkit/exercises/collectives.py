@@ -6,18 +6,16 @@ to :func:`mpu_lab.core.comm.all_reduce`, to the collectives it called (none) and
 (2 (n - 1) chunks of 1/n of the array, no more)."""
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from mpu_lab.core import comm, parallel_state
 from mpu_lab.training import initialize
-from mpu_lab.core.comm import exchange
 from mpu_lab.labkit.exercises.common import Verdict, unanswered, verdict
-from mpu_lab.labkit.exercises.data_parallel import watch_collectives
+from mpu_lab.labkit.exercises.c10d_calls import C10dCalls
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
 from mpu_lab.perf.bandwidth import bus_factor
 
@@ -64,43 +62,10 @@ def check_ring_send_bytes(answer: Any, n: int, size_mib: float, rtol: float = 0.
 # The learner writes ``my_ring_all_reduce(x, group)``: this rank's tensor and a process group;
 # it returns the sum of x over the group, built from comm.exchange.send_recv between ring
 # neighbours only. Graded on every rank against mpu_lab.core.comm.all_reduce, by the collectives it
-# called (none may be) and by the bytes it sent.
+# called (none may be) and by the bytes it sent, both seen from outside
+# (:mod:`~mpu_lab.labkit.exercises.c10d_calls`: every c10d collective and message, however
+# the learner called it).
 _P2P_NOTE = "comm.exchange.send_recv"
-
-
-@contextlib.contextmanager
-def count_sent_bytes(sent: List[int]):
-    """Add to ``sent[0]`` the bytes of every tensor sent while active: through
-    :func:`mpu_lab.core.comm.exchange.send_recv` (and ``send_recv_async``), ``dist.send`` and, on
-    gloo, ``dist.isend`` (each message counted once: what ``send_recv`` does inside is not
-    counted again). On NCCL ``dist.isend`` is left alone: its batched form checks the
-    function's identity."""
-    depth = [0]
-    saved: Dict[tuple, Callable] = {}
-
-    def wrap(module, name: str):
-        original = getattr(module, name)
-        saved[(module, name)] = original
-
-        def call(tensor, *args, **kwargs):
-            if depth[0] == 0:
-                sent[0] += tensor.numel() * tensor.element_size()
-            depth[0] += 1
-            try:
-                return original(tensor, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-        setattr(module, name, call)
-
-    try:
-        wrap(exchange, "send_recv_async")
-        wrap(dist, "send")
-        if dist.get_backend() == "gloo":
-            wrap(dist, "isend")
-        yield sent
-    finally:
-        for (module, name), original in saved.items():
-            setattr(module, name, original)
 
 
 def ring_inputs(shape, seed: int, rank: int, device=None) -> torch.Tensor:
@@ -123,10 +88,9 @@ def run_ring_case(learner: Callable, case: Case) -> Outcome:
     shape = tuple(case.params["shape"]) if "shape" in case.params else (case.params["per_rank"] * n,)
     x = ring_inputs(shape, case.params["seed"], dist.get_rank(), initialize.get_device())
     expected = comm.all_reduce(x.clone(), group)
-    seen: List[str] = []
-    sent = [0]
-    with watch_collectives(seen), count_sent_bytes(sent):
+    with C10dCalls() as calls:
         got = learner(x.clone(), group)
+    seen, sent = calls.collectives(), calls.sent_bytes()
     where = f"group rank {me} of {n}:"
     out = compare(f"{where} the sum", expected, got)
     if not out.ok:
@@ -136,10 +100,10 @@ def run_ring_case(learner: Callable, case: Case) -> Outcome:
                        f"none: only {_P2P_NOTE} between ring neighbours", ", ".join(seen))
     chunk = math.ceil(x.numel() / n)
     ring = 2 * (n - 1) * chunk * x.element_size()
-    if sent[0] != ring:
+    if sent != ring:
         return Outcome(False, f"{where} the bytes this rank sent (the values were right)",
                        f"{ring} = 2 x ({n} - 1) chunks of {chunk} numbers of "
-                       f"{x.element_size()} bytes, through {_P2P_NOTE}", f"{sent[0]}")
+                       f"{x.element_size()} bytes, through {_P2P_NOTE}", f"{sent}")
     return Outcome(True)
 
 

@@ -6,7 +6,6 @@ live world and compared on every rank with the plain step (all-reduce the gradie
 everything)."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from mpu_lab.core import comm, parallel_state
 from mpu_lab.training import initialize
 from mpu_lab.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from mpu_lab.labkit.exercises.c10d_calls import C10dCall, C10dCalls
 from mpu_lab.labkit.exercises.common import Verdict, unanswered, verdict
 from mpu_lab.labkit.exercises.grader import Case, Exercise, Outcome, compare
 from mpu_lab.perf.cost_model import bytes_per_parameter_terms
@@ -79,57 +79,10 @@ def check_optimizer_state_gb(answer: Any, num_params: float, d: int,
 # it returns the parameters after one plain-SGD step on the gradient averaged over the group,
 # computed the distributed optimizer's way. Graded on every rank against the plain step
 # (mpu_lab.core.comm's all-reduce, then the update of every element), and by the collectives it
-# called: a reduce-scatter and an all-gather, never an all-reduce.
+# called, seen from outside (:mod:`~mpu_lab.labkit.exercises.c10d_calls`): a reduce-scatter
+# and an all-gather, never an all-reduce.
 _REDUCE_SCATTER = "reduce-scatter"
 _ALL_GATHER = "all-gather"
-# torch.distributed's and mpu_lab.core.comm's collectives, by what they do
-_DIST_CALLS = {"all_reduce": "all-reduce", "reduce_scatter_tensor": _REDUCE_SCATTER,
-               "reduce_scatter": _REDUCE_SCATTER, "all_gather_into_tensor": _ALL_GATHER,
-               "all_gather": _ALL_GATHER, "broadcast": "broadcast", "reduce": "reduce",
-               "all_to_all_single": "all-to-all", "all_to_all": "all-to-all",
-               "gather": "gather", "scatter": "scatter"}
-_COMM_CALLS = {"all_reduce": "all-reduce", "reduce_scatter": _REDUCE_SCATTER,
-               "all_gather": _ALL_GATHER, "broadcast": "broadcast",
-               "all_reduce_async": "all-reduce", "reduce_scatter_async": _REDUCE_SCATTER,
-               "all_gather_async": _ALL_GATHER}
-
-
-@contextlib.contextmanager
-def watch_collectives(seen: List[str]):
-    """Note in ``seen`` each collective called while active, by what it does (``"all-reduce"``,
-    ``"reduce-scatter"``...), whether through ``torch.distributed`` or :mod:`mpu_lab.core.comm`.
-    A call of ``mpu_lab.core.comm`` is noted once, as itself (on gloo its reduce-scatter runs an
-    all-reduce inside, which is not the learner's call)."""
-    depth = [0]
-    saved: Dict[tuple, Callable] = {}
-
-    def wrap(module, name: str, what: str):
-        original = getattr(module, name)
-        saved[(module, name)] = original
-
-        def call(*args, **kwargs):
-            if depth[0] == 0:
-                seen.append(what)
-            depth[0] += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-        setattr(module, name, call)
-
-    try:
-        for name, what in _DIST_CALLS.items():
-            if hasattr(dist, name):
-                wrap(dist, name, what)
-        for name, what in _COMM_CALLS.items():
-            if hasattr(comm, name):
-                wrap(comm, name, what)
-        yield seen
-    finally:
-        for (module, name), original in saved.items():
-            setattr(module, name, original)
-
-
 def step_inputs(n: int, seed: int, rank: int, device=None):
     """``(param, grad)`` of a case: the same ``n`` parameters on every rank (from ``seed``),
     a gradient that differs per rank (from ``seed`` and the global ``rank``)."""
@@ -158,9 +111,9 @@ def run_distributed_step_case(learner: Callable, case: Case) -> Outcome:
     n, lr, seed = case.params["n"], case.params["lr"], case.params["seed"]
     param, grad = step_inputs(n, seed, rank, device)
     expected = plain_step(param.clone(), grad.clone(), lr, group)
-    seen: List[str] = []
-    with watch_collectives(seen):
+    with C10dCalls() as calls:
         got = learner(param.clone(), grad.clone(), lr, group)
+    seen = calls.collectives()
     where = f"data-parallel rank {parallel_state.get_data_parallel_rank()} of {d}:"
     out = compare(f"{where} the updated parameters", expected, got)
     if not out.ok:
@@ -234,52 +187,39 @@ def hook_batches(sizes: Sequence[int], d: int, micro_batches: int, seed: int):
              for _ in range(micro_batches)] for _ in range(d)]
 
 
-class _AllReduceLog:
-    """While open: every ``dist.all_reduce`` (and ``mpu_lab.core.comm``'s) call, with the bucket
-    its tensor is (or None), whether it was asynchronous, whether backward was running and
-    how many gradients each of the bucket's parameters had then (the harness's own count)."""
+class _BucketAllReduces:
+    """Every all-reduce while the hook runs, seen from outside (:class:`C10dCalls`): the bucket
+    its tensor is (or of which it is a copy: ``mpu_lab.core.comm`` reduces a copy), whether it
+    was asynchronous, whether backward was running and how many gradients each of the bucket's
+    parameters had then (the harness's own count)."""
 
     def __init__(self, buckets: List[Bucket], counts: Dict[int, int], running: List[bool]):
         self.buckets, self.counts, self.running = buckets, counts, running
         self.calls: List[Dict[str, Any]] = []
-        self._saved: List[tuple] = []
 
-    def _bucket(self, tensor) -> Optional[Bucket]:
+    def _bucket(self, tensor: torch.Tensor):
+        """``(bucket, is a copy)``, or ``(None, False)``: the tensor is no bucket's grad_data."""
         for b in self.buckets:
-            if torch.is_tensor(tensor) and tensor.data_ptr() == b.grad_data.data_ptr() \
-                    and tensor.numel() == b.numel:
-                return b
-        return None
+            if tensor.numel() == b.numel and tensor.data_ptr() == b.grad_data.data_ptr():
+                return b, False
+        for b in self.buckets:
+            if tensor.numel() == b.numel and torch.equal(tensor.to(b.grad_data), b.grad_data):
+                return b, True
+        return None, False
 
-    def _note(self, tensor, is_async: bool) -> None:
-        b = self._bucket(tensor)
+    def note(self, call: C10dCall) -> None:
+        """:class:`C10dCalls`'s ``on_call``: runs as the all-reduce is dispatched."""
+        if call.what != "all-reduce":
+            return
+        tensor = call.tensors[0]
+        b, copy = self._bucket(tensor)
         self.calls.append(dict(
-            bucket=None if b is None else b.index, is_async=is_async,
-            numel=tensor.numel() if torch.is_tensor(tensor) else None,
-            in_backward=self.running[0],
+            bucket=None if b is None else b.index, copy=copy, is_async=call.is_async,
+            numel=tensor.numel(), in_backward=self.running[0],
             counts=[] if b is None else [self.counts[id(p)] for p in b.params]))
 
-    def __enter__(self):
-        original = dist.all_reduce
 
-        def all_reduce(tensor, *args, **kwargs):
-            self._note(tensor, bool(kwargs.get("async_op", args[2] if len(args) > 2 else False)))
-            return original(tensor, *args, **kwargs)
-
-        def all_reduce_async(tensor, group=None, *args, **kwargs):
-            self._note(tensor, True)
-            return comm_async(tensor, group, *args, **kwargs)
-        comm_async = comm.all_reduce_async
-        self._saved = [(dist, "all_reduce", original), (comm, "all_reduce_async", comm_async)]
-        dist.all_reduce, comm.all_reduce_async = all_reduce, all_reduce_async
-        return self
-
-    def __exit__(self, *exc):
-        for module, name, fn in self._saved:
-            setattr(module, name, fn)
-
-
-def _hook_verdict(log: _AllReduceLog, state: BucketState, m: int, where: str) -> Outcome:
+def _hook_verdict(log: _BucketAllReduces, state: BucketState, m: int, where: str) -> Outcome:
     """What the hook's all-reduces say before the values are compared."""
     expected = (f"one asynchronous all-reduce per bucket, on bucket.grad_data, started during "
                 f"backward once all its parameters had their {m} gradient(s), in bucket order "
@@ -289,7 +229,11 @@ def _hook_verdict(log: _AllReduceLog, state: BucketState, m: int, where: str) ->
             return Outcome(False, f"{where} the all-reduces your hook started", expected,
                            f"an all-reduce of {c['numel']} elements, which is not a bucket's "
                            f"grad_data")
-        if not c["is_async"]:
+        if c["copy"]:
+            return Outcome(False, f"{where} the all-reduces your hook started", expected,
+                           f"an all-reduce of a copy of bucket {c['bucket']}'s grad_data (what "
+                           f"mpu_lab.core.comm reduces): the sum never reaches the bucket")
+        if c["is_async"] is False:
             return Outcome(False, f"{where} the all-reduces your hook started", expected,
                            f"bucket {c['bucket']}'s all-reduce with async_op=False: backward "
                            f"stood still until it was done")
@@ -342,8 +286,9 @@ def run_bucket_hook_case(learner: Callable, case: Case) -> Outcome:
     handles = [p.register_post_accumulate_grad_hook(count) for p in buffer.params]
     handles += [p.register_post_accumulate_grad_hook(lambda p: learner(p, state))
                 for p in buffer.params]
+    log = _BucketAllReduces(buffer.buckets, counts, running)
     try:
-        with _AllReduceLog(buffer.buckets, counts, running) as log:
+        with C10dCalls(on_call=log.note):
             for x, y in data[me]:
                 running[0] = True
                 (torch.nn.functional.mse_loss(model(x), y) / m).backward()

@@ -14,7 +14,6 @@ import string
 import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
-from unittest import mock
 
 import torch
 
@@ -233,8 +232,8 @@ EXCHANGE = Exercise(
 
 # --------------------------------------------------------------------------- after the attempt
 # Megatron-core's own order, read from its code by running it: _p2p_ops (pipeline_parallel/
-# p2p_communication.py) with torch.distributed's isend/irecv replaced by recorders, next to the
-# learner's my_exchange run the same way (its dist.send/recv recorded, nothing sent).
+# p2p_communication.py) run as a copy whose globals name a recorder as torch.distributed, next to
+# the learner's my_exchange run the same way (its dist.send/recv recorded, nothing sent).
 P2P_OPS_URL = ("https://github.com/NVIDIA/Megatron-LM/blob/core_v0.19.2/megatron/core/"
                "pipeline_parallel/p2p_communication.py#L55")
 
@@ -297,11 +296,15 @@ def megatron_calls(stage: int, num_stages: int) -> List[str]:
     group = types.SimpleNamespace(rank=lambda: stage, size=lambda: num_stages)
     prev = torch.zeros(1) if stage > 0 else None   # cpu: recorded calls only, nothing is sent
     after = torch.zeros(1) if stage < num_stages - 1 else None   # cpu: as prev
-    with mock.patch.object(torch.distributed, "isend", recorder.isend), \
-            mock.patch.object(torch.distributed, "irecv", recorder.irecv):
-        p2p_communication._p2p_ops(tensor_send_prev=prev, tensor_recv_prev=prev,
-                                   tensor_send_next=after, tensor_recv_next=after, group=group,
-                                   prev_pipeline_rank=stage - 1, next_pipeline_rank=stage + 1)
+    # Its own copy of _p2p_ops, whose ``torch.distributed`` is the recorder (torch itself is
+    # left alone, as in learner_calls).
+    fn = p2p_communication._p2p_ops
+    recorded = types.FunctionType(fn.__code__, dict(fn.__globals__, torch=types.SimpleNamespace(
+        distributed=recorder)), fn.__name__, fn.__defaults__, fn.__closure__)
+    recorded.__kwdefaults__ = fn.__kwdefaults__
+    recorded(tensor_send_prev=prev, tensor_recv_prev=prev, tensor_send_next=after,
+             tensor_recv_next=after, group=group, prev_pipeline_rank=stage - 1,
+             next_pipeline_rank=stage + 1)
     return recorder.calls
 
 

@@ -29,6 +29,7 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpu_lab.training import initialize
 from mpu_lab.core import parallel_state
@@ -153,33 +154,36 @@ def split_mismatches(everyone) -> List[str]:
     return problems
 
 
+class _SplitCheck(TorchDispatchMode):
+    """Sees each c10d all-to-all (``c10d.alltoall_base_``: ``all_to_all_single`` however it is
+    called) before it runs, and compares the split sizes of every rank of its group."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(getattr(func, "_overloadpacket", "")) == "c10d.alltoall_base_":
+            output, input_, group, output_split_sizes, input_split_sizes = args[:5]
+            group = dist.ProcessGroup.unbox(group)
+            mine = ([int(v) for v in input_split_sizes] or None,     # []: equal splits
+                    [int(v) for v in output_split_sizes] or None,
+                    int(input_.size(0)) if input_.dim() else 1,
+                    int(output.size(0)) if output.dim() else 1)
+            everyone = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, mine, group=group)    # not seen: the mode is off
+            problems = split_mismatches(everyone)
+            if problems:
+                raise ValueError("all_to_all_single's split sizes disagree: "
+                                 + "; ".join(problems[:3]))
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def checked_all_to_all():
-    """While inside, ``dist.all_to_all_single`` first compares every rank's split sizes (one
+    """While inside, every ``all_to_all_single`` first compares every rank's split sizes (one
     ``all_gather_object`` over the group) and, where they disagree, raises the same
     ``ValueError`` on every rank, naming the ranks and the counts. Without it a learner's
-    mismatched splits can kill a gloo rank outright."""
-    real = dist.all_to_all_single
-
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
-                          group=None, async_op=False):
-        mine = (None if input_split_sizes is None else [int(v) for v in input_split_sizes],
-                None if output_split_sizes is None else [int(v) for v in output_split_sizes],
-                int(input.size(0)) if input.dim() else 1,
-                int(output.size(0)) if output.dim() else 1)
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        problems = split_mismatches(everyone)
-        if problems:
-            raise ValueError("all_to_all_single's split sizes disagree: " + "; ".join(problems[:3]))
-        return real(output, input, output_split_sizes, input_split_sizes, group=group,
-                    async_op=async_op)
-
-    dist.all_to_all_single = all_to_all_single
-    try:
+    mismatched splits can kill a gloo rank outright. From outside, with a dispatch mode that
+    sees the c10d op (nothing in ``torch.distributed`` is replaced)."""
+    with _SplitCheck():
         yield
-    finally:
-        dist.all_to_all_single = real
 
 
 def _names(rows) -> str:

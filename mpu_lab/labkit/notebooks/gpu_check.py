@@ -11,7 +11,7 @@ machine profile, then the throughput and bandwidth benchmarks, as one table.
    or the CPU, where there are fewer than two): the best busbw per collective.
 
 The table is printed and written as markdown to ``DIR/gpu_check.md`` with the device name,
-torch version and date, ready to paste into the README.
+torch version and date, ready to paste into docs/TESTING.md.
 
 On a machine lent for a short while: ``--jobs N`` runs N labs at once (their ranks then share
 the GPUs, so a lab's seconds are wall time under that sharing; the benchmarks still run alone,

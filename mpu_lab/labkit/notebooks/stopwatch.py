@@ -16,8 +16,16 @@ the learners' files and prints the median per lab with
 ``python -m mpu_lab.labkit.notebooks sizes --times FILE [FILE ...]``.
 
 The file is ``~/.mpu_lab/lab_times.json`` (``MPU_LAB_TIMES`` names another).
-``MPU_LAB_STOPWATCH=0`` turns recording off: ``regenerate`` and the test suite set it, so a
-papermill or nbval run is never taken for a learner's sitting.
+
+Only a person is timed. A notebook run by papermill, nbclient (``jupyter execute``,
+``nbconvert --execute``) or nbval is no learner's sitting, whatever the environment says: the
+kernel tells them apart by the request that runs the cell (:func:`run_by_executor`). Jupyter's
+``execute_request`` carries ``allow_stdin``, whether the frontend can answer ``input()``: a
+person's frontend (JupyterLab, Notebook, VS Code, a console) can; a batch executor sends
+``False`` (nbclient sets its client's ``allow_stdin = False``, nbval executes with
+``allow_stdin=False``), which is why ``input()`` fails under papermill. Outside a kernel (a
+terminal IPython) the person is at the prompt. ``MPU_LAB_STOPWATCH=0`` turns recording off as
+well (``regenerate`` and the test suite set it).
 """
 from __future__ import annotations
 
@@ -44,8 +52,31 @@ def log_path() -> pathlib.Path:
     return pathlib.Path(os.environ.get(TIMES_ENV) or pathlib.Path.home() / ".mpu_lab" / "lab_times.json")
 
 
-def enabled() -> bool:
-    return os.environ.get(OFF_ENV, "1") != "0"
+def enabled(ipython=None) -> bool:
+    """Recording is on: not turned off (``MPU_LAB_STOPWATCH=0``) and the cell now running was
+    sent by a person's frontend (:func:`run_by_executor`)."""
+    return os.environ.get(OFF_ENV, "1") != "0" and not run_by_executor(ipython)
+
+
+def _ipython():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+def run_by_executor(ipython=None) -> bool:
+    """Whether the cell now running in this kernel was sent by a batch executor (papermill,
+    nbclient, nbval) rather than a person's frontend: its ``execute_request`` does not allow
+    ``input()`` (``allow_stdin`` false; Jupyter's messaging protocol). False outside a kernel
+    (no IPython, or a terminal IPython: a person at the prompt)."""
+    ipython = _ipython() if ipython is None else ipython
+    get_parent = getattr(getattr(ipython, "kernel", None), "get_parent", None)
+    if get_parent is None:
+        return False
+    request = get_parent() or {}          # the message of the request being handled
+    return not (request.get("content") or {}).get("allow_stdin", False)
 
 
 def core_cells(notebook: pathlib.Path) -> List[str]:
@@ -111,16 +142,12 @@ def _read(path: pathlib.Path) -> Dict[str, Dict[str, object]]:
 
 def start(notebook: str, lab_dir: pathlib.Path, ipython=None) -> Optional[Sitting]:
     """Start a sitting with ``lab_dir/notebook.ipynb`` in this IPython kernel (none outside
-    IPython, or with recording off). Running the resolve cell again starts a new sitting."""
+    IPython, with recording off, or in a notebook an executor runs: :func:`enabled`). Running
+    the resolve cell again starts a new sitting."""
     global _current
-    if ipython is None:
-        try:
-            from IPython import get_ipython
-        except ImportError:
-            return None
-        ipython = get_ipython()
+    ipython = _ipython() if ipython is None else ipython
     path = lab_dir / f"{notebook}.ipynb"
-    if ipython is None or not enabled() or not path.exists():
+    if ipython is None or not enabled(ipython) or not path.exists():
         return None
     if _current is not None:
         try:

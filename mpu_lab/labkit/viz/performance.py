@@ -17,7 +17,7 @@ from mpu_lab.labkit.viz.style import group_colors, new_figure, styled
 from mpu_lab.perf.breakdown import categories
 
 
-# One colour per step-time category (mpu_lab.perf.step_timer.CATEGORY_ORDER): computation green,
+# One colour per step-time category (mpu_lab.perf.breakdown.CATEGORY_ORDER): computation green,
 # tensor-parallel collectives blues, data-parallel orange, pipeline p2p red, the rest greys.
 BREAKDOWN_COLORS = {
     "compute": "#55a868", "tp all_reduce": "#1f4e79", "tp all_gather": "#4c72b0",

@@ -33,7 +33,8 @@ from the marker's is reported by name before anything is read (DCP itself keeps 
 checksums: a flipped byte in a tensor would load silently). The parent folder gets Megatron's
 ``latest_checkpointed_iteration.txt``.
 
-A rank killed mid-save (the reliability tests) is injected from outside, by the lab kit
+A rank killed mid-save (the reliability tests) comes from outside, from the lab kit: a DCP
+``FileSystemWriter`` subclass passed as ``save_checkpoint``'s ``storage_writer``
 (:func:`mpu_lab.labkit.faults.kill_in_save`, ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION``).
 
 What is saved: ``model.<name>`` (parameters), ``optimizer.<name>.{exp_avg,exp_avg_sq,step}``

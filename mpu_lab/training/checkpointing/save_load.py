@@ -28,9 +28,13 @@ from mpu_lab.training.checkpointing.state_dict import (
 from mpu_lab.core.tensor_parallel import get_rng_tracker
 
 
-def save_checkpoint(save_dir, state) -> pathlib.Path:
+def save_checkpoint(save_dir, state, storage_writer=None) -> pathlib.Path:
     """Save ``state`` (a :class:`mpu_lab.training.TrainState`) as
-    ``save_dir/iter_XXXXXXX``. Collective: every rank calls it. Returns the folder."""
+    ``save_dir/iter_XXXXXXX``. Collective: every rank calls it. Returns the folder.
+
+    ``storage_writer``: the ``torch.distributed.checkpoint`` ``StorageWriter`` that writes the
+    files, as ``dcp.save`` takes it (DCP points it at the folder with ``reset``); None: DCP's
+    ``FileSystemWriter``."""
     import torch.distributed.checkpoint as dcp   # heavy (about a second): only when saving
     it = state.iteration
     d = iteration_dir(save_dir, it)
@@ -60,7 +64,7 @@ def save_checkpoint(save_dir, state) -> pathlib.Path:
     sd["scheduler"] = json.dumps(state.scheduler.state_dict())
     sd["iteration"] = it
     sd["args"] = json.dumps(jsonable_args(state.args))
-    dcp.save(sd, checkpoint_id=str(d))
+    dcp.save(sd, checkpoint_id=str(d), storage_writer=storage_writer)
     dist.barrier()
 
     if rank == 0:

@@ -7,6 +7,11 @@
   naming them; a step that sums instead of averaging, one that divides by the world's size
   instead of the group's, and one that does not pad fail naming the rank and the input; the
   stub has no answer yet.
+* ``BUCKET_HOOK`` (the hook that starts a bucket's all-reduce once it is ready), its all-reduces
+  seen from outside (torch's CommDebugMode, :mod:`mpu_lab.labkit.exercises.c10d_calls`): the
+  solution passes; a bucket started before its micro-batches are in, a synchronous all-reduce,
+  one all-reduce per parameter and an all-reduce of a copy of the bucket (``comm``'s) each fail
+  naming what was wrong; the stub has no answer yet.
 * The predictions: the optimizer-state bytes per rank and the ring all-reduce's bytes against
   values worked by hand (12 bytes per parameter over d ranks; 2 (d - 1) / d of the array).
 """
@@ -221,6 +226,12 @@ def my_grad_ready_hook(param, state):
                                                    async_op=True)
 '''
 
+# mpu_lab.core.comm's all-reduce reduces a copy of the bucket and returns it: nothing lands in
+# grad_data
+HOOK_COMM_COPY = HOOK.replace("dist.all_reduce(bucket.grad_data, group=state.group,\n"
+                              "                                                      async_op=True)",
+                              "comm.all_reduce_async(bucket.grad_data, state.group)")
+
 
 def _grade_hook(source, world, as_notebook):
     return grade(as_notebook(source)["my_grad_ready_hook"], data_parallel.BUCKET_HOOK, world)
@@ -262,6 +273,17 @@ def test_one_all_reduce_per_parameter_fails_naming_the_tensor(grading_world, as_
     out = capsys.readouterr().out
     assert "which is not a bucket's grad_data" in out, out
     assert grading_world.run("x = torch.ones(1); dist.all_reduce(x); x.item()") == [4.0] * 4
+
+
+def test_reducing_a_copy_of_the_bucket_fails_naming_it(grading_world, as_notebook, capsys):
+    assert "comm.all_reduce_async(bucket.grad_data, state.group)" in HOOK_COMM_COPY
+    assert not _grade_hook(HOOK_COMM_COPY, grading_world, as_notebook)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: rank 0, input 'one bucket, 1 micro-batch': data-parallel "
+                          "rank 0 of 2: the all-reduces your hook started expected one "
+                          "asynchronous all-reduce per bucket"), out
+    assert ("got an all-reduce of a copy of bucket 0's grad_data (what mpu_lab.core.comm "
+            "reduces): the sum never reaches the bucket.") in out, out
 
 
 def test_the_hook_stub_has_no_answer_yet(grading_world, as_notebook, capsys):

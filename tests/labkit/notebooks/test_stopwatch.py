@@ -1,8 +1,12 @@
 """The learner's stopwatch (mpu_lab.labkit.notebooks.stopwatch): sittings timed with a clock we
 set by hand, recorded from a real IPython shell's post_run_cell events, and the medians an
-instructor prints from several learners' files, each worked by hand."""
+instructor prints from several learners' files, each worked by hand; and only people are timed:
+a notebook run by papermill, nbclient or nbval records nothing, whatever the environment says."""
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -132,3 +136,109 @@ def test_start_here_shows_your_own_time_only_while_the_stopwatch_is_on(tmp_path,
     monkeypatch.setenv(stopwatch.OFF_ENV, "0")      # nbval: Start_Here's stored table holds
     sizing.print_lab_sizes([lab])
     assert "yours" not in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- people only
+class _Kernel:
+    """What ``stopwatch`` asks of an ipykernel: the request now being handled."""
+
+    def __init__(self, allow_stdin):
+        self.allow_stdin = allow_stdin
+
+    def get_parent(self):
+        return {"msg_type": "execute_request", "content": {"code": "...",
+                                                          "allow_stdin": self.allow_stdin}}
+
+
+class _KernelShell:
+    """A real shell's events, with the kernel a frontend's request would show."""
+
+    def __init__(self, shell, allow_stdin):
+        self.events, self.kernel = shell.events, _Kernel(allow_stdin)
+
+
+@pytest.mark.parametrize("allow_stdin,recorded", [(True, True), (False, False)],
+                         ids=["a-person's-frontend", "an-executor"])
+def test_a_kernel_records_the_cells_a_person_sends_and_not_an_executors(
+        tmp_path, monkeypatch, shell, allow_stdin, recorded):
+    _lab(tmp_path)
+    log = tmp_path / "times.json"
+    monkeypatch.setenv(stopwatch.TIMES_ENV, str(log))
+    monkeypatch.setenv(stopwatch.OFF_ENV, "1")      # on, as far as the environment goes
+    ipython = _KernelShell(shell, allow_stdin)
+    assert (stopwatch.start("05_demo", tmp_path, ipython=ipython) is not None) == recorded
+    assert stopwatch.run_by_executor(ipython) == (not recorded)
+    shell.run_cell("x = 1")
+    assert log.exists() == recorded
+
+
+def _caller(folder: pathlib.Path) -> pathlib.Path:
+    """A notebook whose first cell starts a sitting with ``folder/05_demo.ipynb`` (as a lab's
+    resolve cell does) and whose second is one of that lab's core cells."""
+    _lab(folder)
+    nb = new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                               "language": "python"}})
+    start = f"sitting = stopwatch.start('05_demo', pathlib.Path({str(folder)!r}))"
+    nb.cells = [new_code_cell("import pathlib\nfrom mpu_lab.labkit.notebooks import stopwatch\n"
+                              + start),
+                new_code_cell("x = 1")]
+    path = folder / "caller.ipynb"
+    nbformat.write(nb, str(path))
+    return path
+
+
+@pytest.fixture
+def times_on(tmp_path, monkeypatch):
+    """The stopwatch's file in ``tmp_path`` and the environment saying "on", as a learner's
+    shell has it: only the kernel's own test may keep an executor's run off the record."""
+    log = tmp_path / "times.json"
+    monkeypatch.setenv(stopwatch.TIMES_ENV, str(log))
+    monkeypatch.setenv(stopwatch.OFF_ENV, "1")
+    return log
+
+
+def test_a_papermill_run_records_nothing(tmp_path, times_on):
+    nb = _caller(tmp_path)
+    subprocess.run([sys.executable, "-m", "papermill", "--log-level", "ERROR", str(nb),
+                    str(tmp_path / "out.ipynb")], check=True, cwd=tmp_path, timeout=300)
+    assert nbformat.read(str(tmp_path / "out.ipynb"), as_version=4).cells[1].execution_count
+    assert not times_on.exists()
+
+
+@pytest.mark.slow
+def test_an_nbclient_run_records_nothing(tmp_path, times_on):
+    from nbclient import NotebookClient
+    nb = nbformat.read(str(_caller(tmp_path)), as_version=4)
+    NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert nb.cells[1].execution_count == 2
+    assert not times_on.exists()
+
+
+@pytest.mark.slow
+def test_an_nbval_run_records_nothing(tmp_path, times_on):
+    # nbval without this project's pytest plugin (which would turn the stopwatch off)
+    nb = _caller(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--nbval-lax", "-c", os.devnull, "--rootdir", str(tmp_path), str(nb)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout + proc.stderr
+    assert not times_on.exists()
+
+
+@pytest.mark.slow
+def test_a_kernel_driven_like_a_persons_frontend_records(tmp_path, times_on):
+    # the positive control of the three above: the same kernel and cells, sent by a client
+    # that answers input() as JupyterLab does (allow_stdin=True)
+    from jupyter_client.manager import start_new_kernel
+    nb = nbformat.read(str(_caller(tmp_path)), as_version=4)
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    try:
+        for cell in nb.cells:
+            reply = kc.execute_interactive(cell.source, allow_stdin=True, timeout=120,
+                                           output_hook=lambda msg: None)
+            assert reply["content"]["status"] == "ok", reply["content"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    sitting, = json.loads(times_on.read_text())["sittings"].values()
+    assert (sitting["lab"], sitting["reached"], sitting["done"]) == ("05_demo", 0, False)

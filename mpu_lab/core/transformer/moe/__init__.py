@@ -9,7 +9,7 @@ Mixture-of-Experts Layer"; Lepikhin et al. 2020, "GShard"; Fedus et al. 2021, "S
 Transformers"; Megatron-core's ``transformer/moe/README.md``.
 """
 from mpu_lab.core.transformer.moe.experts import ExpertMLP, SequentialMLP
-from mpu_lab.core.transformer.moe.moe_layer import MoELayer, finish_grad_sync, is_expert_parameter
+from mpu_lab.core.transformer.moe.moe_layer import MoELayer, is_expert_parameter
 from mpu_lab.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler, apply_router_token_dropping, get_capacity, permute, sort_chunks_by_idxs,
     switch_load_balancing_loss_func, topk_routing_with_score_function, unpermute)

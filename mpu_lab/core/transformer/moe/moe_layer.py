@@ -13,18 +13,16 @@ Parameter names are Megatron-core's: ``router.weight`` ``[E, h]``,
 ``experts.local_experts.{i}.linear_fc1.weight`` (``[F/etp, h]``) and ``...linear_fc2.weight``
 (``[h, F/etp]``), local expert ``i`` being global expert ``ep_rank * E / ep + i``.
 
-:func:`finish_grad_sync` averages the gradients over the data-parallel replicas as Megatron's
-DDP does with experts: the dense parameters over the data-parallel group, the expert
-parameters (``allreduce = False``) over the *expert*-data-parallel group, both divided by the
-dense data-parallel size.
+:func:`is_expert_parameter` is Megatron's mark of an expert parameter (``allreduce = False``):
+its gradient is averaged over the *expert*-data-parallel group, not the data-parallel one
+(:func:`mpu_lab.core.distributed.allreduce_data_parallel_grads`, or the expert buffer of
+:class:`~mpu_lab.core.distributed.DistributedDataParallel`).
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 
-from mpu_lab.core import comm, parallel_state
+from mpu_lab.core import parallel_state
 from mpu_lab.core.transformer.moe.experts import SequentialMLP
 from mpu_lab.core.transformer.moe.router import TopKRouter
 from mpu_lab.core.transformer.moe.token_dispatcher import (
@@ -76,35 +74,3 @@ class MoELayer(torch.nn.Module):
 def is_expert_parameter(param: torch.nn.Parameter) -> bool:
     """Megatron's test: an expert-parallel parameter carries ``allreduce = False``."""
     return not getattr(param, "allreduce", True)
-
-
-def _average(params, group, divisor: int) -> None:
-    params = [p for p in params if p.grad is not None]
-    if not params:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    if comm.group_size(group) > 1:
-        flat = comm.all_reduce(flat, group=group)
-    flat = flat / divisor
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
-        offset += p.grad.numel()
-
-
-def finish_grad_sync(params: Iterable[torch.nn.Parameter]) -> None:
-    """Average ``params``' gradients over the data-parallel replicas, as Megatron's DDP does
-    (its ``gradient_scaling_factor`` and ``expert_gradient_scaling_factor``): dense parameters
-    summed over the data-parallel group, expert parameters over the expert-data-parallel group
-    (the ranks that hold the same experts), each divided by the data-parallel size ``d``.
-
-    Why ``d`` for the experts too: the loss is the mean over the ``d`` replicas' batches, and
-    the gradient an expert collects during backward already holds every token of its
-    expert-parallel group that was routed to it; the sum over the expert-data-parallel group
-    then holds every token of the global batch, once."""
-    params = list(params)
-    d = parallel_state.get_data_parallel_world_size()
-    _average([p for p in params if not is_expert_parameter(p)],
-             parallel_state.get_data_parallel_group(), d)
-    _average([p for p in params if is_expert_parameter(p)],
-             parallel_state.get_expert_data_parallel_group(), d)
