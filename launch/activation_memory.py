@@ -2,11 +2,11 @@
 parallelism, against Korthikanti et al. 2022 (lab 07).
 
     torchrun --standalone --nproc-per-node 2 launch/activation_memory.py --tp 2 \
-        --seq 128 --batch 2 --hidden 64 --heads 8 [--attention explicit sdpa]
+        --seq 128 --batch 2 --hidden 64 --heads 8 --attention explicit sdpa
 
 Every rank builds one ``TransformerLayer`` (dropout 0, fp32), runs its forward on its
 part of a batch and counts, through ``torch.autograd.graph.saved_tensors_hooks``, the bytes
-autograd keeps for backward (:mod:`mpu_lab.perf.activation_memory`). Rank 0 prints the table; every
+autograd keeps for backward (:mod:`mpu_lab.perf.saved_activations`). Rank 0 prints the table; every
 rank reports ``{"tp": t, "rows": [...]}``: for each ``--attention`` implementation a row
 without and one with SP, each holding the measured bytes, this package's terms and the
 paper's. From a notebook::
@@ -19,7 +19,7 @@ from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state
 from mpu_lab.core.transformer import TransformerConfig
-from mpu_lab.perf import activation_memory as memory
+from mpu_lab.perf import saved_activations
 
 
 def parse(argv):
@@ -44,11 +44,11 @@ def main(argv=None):
                       sequence_parallel=True).check(a.tp, a.seq)
     initialize.init()
     parallel_state.initialize_model_parallel(a.tp)
-    rows = [memory.measured_row(a.seq, a.batch, a.hidden, a.heads, sp, impl, a.activation)
+    rows = [saved_activations.measured_row(a.seq, a.batch, a.hidden, a.heads, sp, impl, a.activation)
             for impl in a.attention for sp in (False, True)]
     per_rank = launcher.gather_lines(" ".join(str(r["measured"]) for r in rows))
     if per_rank is not None and not a.quiet:
-        print(memory.format_comparison(rows, a.seq, a.batch, a.hidden, a.heads))
+        print(saved_activations.format_comparison(rows, a.seq, a.batch, a.hidden, a.heads))
         print("bytes measured on each rank (in the rows' order): "
               + "; ".join(f"rank {i}: {line}" for i, line in enumerate(per_rank)))
     launcher.report({"tp": a.tp, "rows": rows})

@@ -5,8 +5,8 @@ the lab shows about it is measured here, from outside:
 
 * :func:`activation_memory_rows` (runs on every rank): the activations one transformer layer
   keeps for backward, measured with autograd's saved-tensor hooks
-  (:class:`mpu_lab.perf.activation_memory.SavedTensors`) at several sequence lengths, without
-  CP and with it, next to the formula (:func:`mpu_lab.perf.activation_memory.mpu_lab_terms`
+  (:class:`mpu_lab.perf.saved_activations.SavedTensors`) at several sequence lengths, without
+  CP and with it, next to the formula (:func:`mpu_lab.perf.saved_activations.mpu_lab_terms`
   at ``s/cp``);
 * :func:`ring_schedule`, :func:`running_lse`: the ring step by step, block pair by block pair
   (the mirror's :func:`~mpu_lab.core.context_parallel.ring_attention.block_pair`), and the running
@@ -36,7 +36,7 @@ from mpu_lab.core.context_parallel.block_attention import block_forward, merge
 from mpu_lab.core.context_parallel.ring_attention import block_pair
 from mpu_lab.core.transformer import TransformerConfig
 from mpu_lab.core.transformer.transformer_layer import TransformerLayer
-from mpu_lab.perf.activation_memory import SavedTensors, mpu_lab_terms
+from mpu_lab.perf.saved_activations import SavedTensors, mpu_lab_terms
 from mpu_lab.perf.comm_counts import CollectiveLog
 from mpu_lab.perf.cost_model import cp_comm_bytes_per_layer
 

@@ -10,9 +10,9 @@
   :class:`~mpu_lab.core.distributed.param_and_grad_buffer.ParamAndGradBuffer` for a toy model: reverse order, buckets, padding to a multiple of d, each rank's shard;
   :func:`print_started_in_backward` — from :mod:`mpu_lab.perf.dp_overlap`'s run, which bucket
   reductions started during backward (``--overlap-grad-reduce``);
-* :func:`print_bytes_per_parameter` — from :mod:`mpu_lab.perf.memory`'s rows, the measured
+* :func:`print_bytes_per_parameter` — from :mod:`mpu_lab.perf.memory_breakdown`'s rows, the measured
   bytes per parameter of weights, gradients and optimizer states, next to mpu_lab's fp32 figure
-  (:func:`mpu_lab.perf.memory.mpu_lab_bytes_per_parameter`); :func:`print_megatron_bytes` —
+  (:func:`mpu_lab.perf.memory_breakdown.mpu_lab_bytes_per_parameter`); :func:`print_megatron_bytes` —
   Megatron-core's table (:func:`mpu_lab.perf.cost_model.bytes_per_parameter`) next to it;
 * :func:`timing_ranks`, :func:`print_overlap_verdict` — the overlap lesson sized to the
   machine (no more ranks than cores, each pinned) and what its measurement shows;
@@ -37,7 +37,7 @@ from mpu_lab.labkit.viz.rank_groups import format_groups
 from mpu_lab.perf import explore
 from mpu_lab.perf.dp_overlap import overlap_saving
 from mpu_lab.perf.cost_model import bytes_per_parameter_terms, format_bytes_per_parameter
-from mpu_lab.perf.memory import format_memory_table, mpu_lab_bytes_per_parameter
+from mpu_lab.perf.memory_breakdown import format_memory_table, mpu_lab_bytes_per_parameter
 from mpu_lab.perf.rank_clock import cores_note, usable_cores
 
 
@@ -210,7 +210,7 @@ def _rank_label(ranks: Sequence[int]) -> str:
 
 
 def print_memory_table(rows: Sequence[dict]) -> None:
-    """:func:`mpu_lab.perf.memory.format_memory_table` with the ranks whose printed figures are
+    """:func:`mpu_lab.perf.memory_breakdown.format_memory_table` with the ranks whose printed figures are
     the same merged into one line ("0-3"): the data-parallel replicas."""
     by_key: Dict[tuple, Dict[int, list]] = {}
     for r in rows:
@@ -230,7 +230,7 @@ def print_memory_table(rows: Sequence[dict]) -> None:
 
 
 def print_bytes_per_parameter(rows: Sequence[dict]) -> None:
-    """From :func:`mpu_lab.perf.memory.run_memory_breakdown` rows: per configuration and
+    """From :func:`mpu_lab.perf.memory_breakdown.run_memory_breakdown` rows: per configuration and
     optimizer, rank 0's measured bytes of parameters, gradients and optimizer states, per
     parameter (the parameter count is the fp32 parameter bytes / 4)."""
     cells: Dict[tuple, Dict[str, int]] = {}

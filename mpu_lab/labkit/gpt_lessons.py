@@ -7,7 +7,7 @@
   Megatron-core's table (its distributed-optimizer guide: fp16 parameters and gradients with
   fp32 main copies of both in the optimizer, :func:`mpu_lab.perf.cost_model.bytes_per_parameter`)
   against mpu_lab's ``torch.autocast`` over fp32 parameters, measured on a live AdamW and tied to
-  :func:`mpu_lab.perf.memory.mpu_lab_bytes_per_parameter`;
+  :func:`mpu_lab.perf.memory_breakdown.mpu_lab_bytes_per_parameter`;
 * :func:`print_padding_table`, :func:`padding_demo_tp`, :func:`repad_effect`,
   :func:`print_repad_effect`, :func:`print_resume_check` — what a checkpoint loaded with
   another vocabulary padding gets (:mod:`mpu_lab.training.checkpointing.vocab_padding`): the rows kept,
@@ -32,7 +32,7 @@ from mpu_lab.core.models.gpt import pad_vocab_size
 from mpu_lab.core.optimizer import build_optimizer
 from mpu_lab.perf.cost_model import (
     bytes_per_parameter, bytes_per_parameter_terms, format_bytes_per_parameter)
-from mpu_lab.perf.memory import mpu_lab_bytes_per_parameter
+from mpu_lab.perf.memory_breakdown import mpu_lab_bytes_per_parameter
 
 
 # --------------------------------------------------------------------------- loss bounds
@@ -73,7 +73,7 @@ def precision_bytes() -> Dict[str, Dict[str, int]]:
     ``mpu_lab``: measured on a parameter after one AdamW step
     (:func:`mpu_lab.core.optimizer.build_optimizer`) whose forward ran under
     ``torch.autocast(float16)``, as ``--fp16`` does; its total is
-    :func:`~mpu_lab.perf.memory.mpu_lab_bytes_per_parameter` (checked here)."""
+    :func:`~mpu_lab.perf.memory_breakdown.mpu_lab_bytes_per_parameter` (checked here)."""
     terms = bytes_per_parameter_terms("fp16", "fp16")
     megatron = {f"fp16 {k}": v for k, v in terms["replicated"].items()}
     megatron.update(terms["sharded"])
@@ -91,7 +91,7 @@ def precision_bytes() -> Dict[str, Dict[str, int]]:
             "Adam m": state["exp_avg"].element_size(),
             "Adam v": state["exp_avg_sq"].element_size()}
     if sum(ours.values()) != mpu_lab_bytes_per_parameter():
-        raise RuntimeError(f"measured {ours} but mpu_lab.perf.memory counts "
+        raise RuntimeError(f"measured {ours} but mpu_lab.perf.memory_breakdown counts "
                            f"{mpu_lab_bytes_per_parameter():g} bytes per parameter")
     return {"megatron": megatron, "mpu_lab": ours}
 

@@ -10,7 +10,7 @@
   a callback of the training loop, ``--breakdown``).
 - :mod:`mpu_lab.perf.utilisation` — how busy each rank is over time.
 - :mod:`mpu_lab.perf.runs` — a profiled training run next to the cost model's prediction.
-- :mod:`mpu_lab.perf.activation_memory` — what one layer's autograd keeps, against the paper.
+- :mod:`mpu_lab.perf.saved_activations` — what one layer's autograd keeps, against the paper.
 - :mod:`mpu_lab.perf.comm_counts` — collectives per layer and pass, counted from outside the
   model with torch's ``CommDebugMode``.
 - :mod:`mpu_lab.perf.comm_timing` — collectives timed from outside the mirror, through

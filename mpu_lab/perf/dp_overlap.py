@@ -54,7 +54,8 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from mpu_lab import launcher, training
-from mpu_lab.perf import dp_overlap_model, kernel_timeline
+from mpu_lab.perf import kernel_timeline
+from mpu_lab.perf.cost_model import dp_overlap as overlap_model
 
 # name -> (train_gpt.py flags, overlap on). Without either flag train_gpt.py uses torch DDP, so
 # "all-reduce" is built with --overlap-grad-reduce and the wrapper's overlap_grad_reduce off.
@@ -302,7 +303,7 @@ def format_volume_table(result: DPOverlapResult) -> str:
 def sweep_rows(results: Dict[int, DPOverlapResult]) -> List[dict]:
     """``{bucket size: run_dp_overlap(...) with the two all-reduce modes}`` -> one row per
     size: buckets, the measured exposed communication without and with overlap (median over
-    steps, mean over ranks, s), and the overlap model's (:mod:`mpu_lab.perf.dp_overlap_model`)
+    steps, mean over ranks, s), and the overlap model's (:mod:`mpu_lab.perf.cost_model.dp_overlap`)
     for the same buckets, with this machine's channel fitted to the runs without overlap and
     the measured backward."""
     rows = []
@@ -315,9 +316,9 @@ def sweep_rows(results: Dict[int, DPOverlapResult]) -> List[dict]:
                          backward_s=mean("all-reduce", "backward_ms"),
                          exposed_off_s=mean("all-reduce", "exposed_ms"),
                          exposed_on_s=mean("all-reduce + overlap", "exposed_ms")))
-    channel = dp_overlap_model.fit_channel(rows, rows[0]["d"]) if len(rows) > 1 else None
+    channel = overlap_model.fit_channel(rows, rows[0]["d"]) if len(rows) > 1 else None
     for r in rows:
-        r["model_on_s"] = None if channel is None else dp_overlap_model.bucket_timeline(
+        r["model_on_s"] = None if channel is None else overlap_model.bucket_timeline(
             r["bucket_bytes"], r["backward_s"], r["d"], channel["alpha_s"], channel["busbw"],
             overlap=True).exposed_s
         r["channel"] = channel

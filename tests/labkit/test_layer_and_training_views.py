@@ -5,7 +5,7 @@ from matplotlib.figure import Figure
 
 from mpu_lab import launcher
 from mpu_lab.labkit import exercises, gpt_runs, viz
-from mpu_lab.perf import activation_memory as memory
+from mpu_lab.perf import saved_activations
 
 
 
@@ -38,12 +38,12 @@ def test_layer_diagram_has_the_attention_and_the_mlp_panel(tp, sp):
 
 
 def test_memory_picture_stacks_both_accountings_and_marks_the_measurement():
-    rows = [memory.compare(128, 2, 64, 8, t, sp,
-                           memory.total(memory.mpu_lab_terms(128, 2, 64, 8, t, sp)))
+    rows = [saved_activations.compare(128, 2, 64, 8, t, sp,
+                           saved_activations.total(saved_activations.mpu_lab_terms(128, 2, 64, 8, t, sp)))
             for t, sp in ((1, False), (2, False), (2, True))]
     fig = viz.plot_activation_memory(rows, 128, 2, 64)
     labels = fig.axes[0].get_legend_handles_labels()[1]
-    assert "measured (saved-tensor hooks)" in labels and memory.MASKS in labels
+    assert "measured (saved-tensor hooks)" in labels and saved_activations.MASKS in labels
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()][0].startswith("TP=1")
 
 

@@ -6,7 +6,8 @@ import pytest
 
 from mpu_lab.labkit.viz.dp_overlap import plot_dp_timeline
 from mpu_lab.labkit import dp_lessons
-from mpu_lab.perf import dp_overlap, dp_overlap_model, rank_clock
+from mpu_lab.perf import dp_overlap, rank_clock
+from mpu_lab.perf.cost_model import dp_overlap as overlap_model
 
 D = 4
 BUCKET_SIZE = 5000
@@ -185,7 +186,7 @@ def test_sweep_rows_fit_the_channel_and_run_the_model_worked_by_hand():
     assert rows[1]["model_on_s"] == pytest.approx(18e-3)      # one bucket: nothing to overlap
     table = dp_overlap.format_sweep(rows)
     assert "alpha 1000 us per ring step, bus bandwidth 0.00 GB/s" in table
-    assert dp_overlap_model.fit_channel(rows, 2)["alpha_s"] == pytest.approx(1e-3)
+    assert overlap_model.fit_channel(rows, 2)["alpha_s"] == pytest.approx(1e-3)
 
 
 def test_the_overlap_verdict_says_plainly_what_the_cpu_showed(capsys):

@@ -1,11 +1,11 @@
-"""Memory accounting of a training run (mpu_lab.perf.memory, launch/memory_breakdown.py) against
+"""Memory accounting of a training run (mpu_lab.perf.memory_breakdown, launch/memory_breakdown.py) against
 counts worked by hand for the tiny GPT: parameters, gradients, AdamW's and the distributed
 optimizer's states, and one micro-batch's activations. One torchrun job of 4 ranks for the
 whole file (every configuration re-initialises the groups inside it)."""
 import pytest
 
-from mpu_lab.perf import memory
-from mpu_lab.perf.activation_memory import mpu_lab_terms, total
+from mpu_lab.perf import memory_breakdown
+from mpu_lab.perf.saved_activations import mpu_lab_terms, total
 
 # the shape, by hand: V = 512 is already a multiple of 128 x t for t in (1, 2): no padding
 L, H, A, S, V, MICRO, GLOBAL = 4, 64, 4, 32, 512, 2, 8
@@ -15,7 +15,7 @@ SB = S * MICRO
 
 @pytest.fixture(scope="module")
 def rows():
-    return memory.run_memory_breakdown(
+    return memory_breakdown.run_memory_breakdown(
         CONFIGS, 4, (False, True), num_layers=L, hidden_size=H, num_attention_heads=A,
         seq_length=S, vocab_size=V, micro_batch_size=MICRO, global_batch_size=GLOBAL)
 
@@ -52,8 +52,8 @@ def by(rows, **match):
 
 
 def test_every_rank_configuration_and_term_is_reported(rows):
-    assert len(rows) == len(CONFIGS) * 2 * 4 * len(memory.TERMS)
-    table = memory.format_memory_table(rows).splitlines()
+    assert len(rows) == len(CONFIGS) * 2 * 4 * len(memory_breakdown.TERMS)
+    table = memory_breakdown.format_memory_table(rows).splitlines()
     assert len(table) == 2 + len(CONFIGS) * 2 * 4
     assert table[2].split()[:5] == ["t=1", "p=1", "d=4", "AdamW", "0"]
 
@@ -150,11 +150,11 @@ def test_prediction_is_the_papers_count_at_4_4_8_bytes(rows):
 
 def test_bad_configurations_fail_before_any_process_starts():
     with pytest.raises(ValueError, match=r"\(2, 2, 2\).*4 ranks.*got 8"):
-        memory.run_memory_breakdown([(2, 2, 2)], 4)
+        memory_breakdown.run_memory_breakdown([(2, 2, 2)], 4)
     with pytest.raises(ValueError, match="sets .*--tensor-model-parallel-size.* itself"):
-        memory.run_memory_breakdown([(1, 1, 4)], 4, tensor_model_parallel_size=2)
+        memory_breakdown.run_memory_breakdown([(1, 1, 4)], 4, tensor_model_parallel_size=2)
     with pytest.raises(ValueError, match="once each"):
-        memory.run_memory_breakdown([(1, 1, 4)], 4, (True, True))
+        memory_breakdown.run_memory_breakdown([(1, 1, 4)], 4, (True, True))
 
 
 def test_the_stacked_bar_and_the_saving_table_show_the_measured_bytes(rows, capsys):

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 from matplotlib.figure import Figure
 
 from mpu_lab.labkit.viz.performance import BREAKDOWN_COLORS
-from mpu_lab.perf.dp_overlap_model import StepTimeline
+from mpu_lab.perf.cost_model.dp_overlap import StepTimeline
 from mpu_lab.labkit.viz.style import new_figure, styled
 
 _COMPUTE, _COMM = BREAKDOWN_COLORS["compute"], BREAKDOWN_COLORS["dp all_reduce"]
@@ -106,7 +106,7 @@ def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = 
 
 @styled
 def plot_predicted_dp_timeline(timelines, title: str = "") -> Figure:
-    """:func:`mpu_lab.perf.dp_overlap_model.predict_dgx_h100`'s two steps, one panel each
+    """:func:`mpu_lab.perf.cost_model.dp_overlap.predict_dgx_h100`'s two steps, one panel each
     (without, with overlap), labelled PREDICTED: backward (green) and the buckets'
     all-reduces one after another on the communication channel (orange, alternate shades),
     in ms from backward's start; the dotted line is backward's end."""

@@ -2,7 +2,7 @@
 
 :func:`plot_transformer_layer` draws ``f`` and ``g`` (or the sequence-parallel all-gather and
 reduce-scatter) around both blocks of a layer; :func:`plot_activation_memory` puts
-Korthikanti et al.'s terms next to this package's, measured (:mod:`mpu_lab.perf.activation_memory`).
+Korthikanti et al.'s terms next to this package's, measured (:mod:`mpu_lab.perf.saved_activations`).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 
 from mpu_lab.labkit.viz.style import draw_arrow, draw_block, new_figure, rank_colors, styled
-from mpu_lab.perf.activation_memory import config_name
+from mpu_lab.perf.saved_activations import config_name
 from mpu_lab.perf.cost_model.activations import CATEGORIES, total
 
 
@@ -106,7 +106,7 @@ _CATEGORY_COLORS = ("#c44e52", "#4c72b0", "#dd8452", "#8172b3", "#937860")
 def plot_activation_memory(rows: Sequence[dict], s: int, b: int, h: int) -> Figure:
     """Activation bytes per layer on one rank, in units of ``s b h``: for each configuration
     the paper's terms (16-bit, hatched) next to this package's (fp32, dropout 0), stacked by
-    kind, and a black bar at the measured total (:mod:`mpu_lab.perf.activation_memory`)."""
+    kind, and a black bar at the measured total (:mod:`mpu_lab.perf.saved_activations`)."""
     sbh = s * b * h
     fig = new_figure(10.5, 4.2)
     ax = fig.add_subplot()

@@ -1,6 +1,6 @@
 """Lab 03: where a rank's memory goes — measured next to predicted, term by term.
 
-The rows come from :func:`mpu_lab.perf.memory.run_memory_breakdown` (dicts with ``config``,
+The rows come from :func:`mpu_lab.perf.memory_breakdown.run_memory_breakdown` (dicts with ``config``,
 ``optimizer``, ``rank``, ``term``, ``measured``, ``predicted``): :func:`plot_memory_breakdown`
 draws one pair of stacked bars per configuration and optimizer (measured solid, predicted
 hatched), :func:`print_optimizer_saving` prints what the distributed optimizer saves.
@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from mpu_lab.labkit.viz.style import new_figure, styled
-from mpu_lab.perf.memory import TERMS
+from mpu_lab.perf.memory_breakdown import TERMS
 
 TERM_COLORS = {"parameters": "#4c72b0", "gradients": "#55a868", "optimizer": "#c44e52",
                "activations": "#dd8452"}

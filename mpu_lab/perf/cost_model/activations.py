@@ -16,7 +16,7 @@ and the dropouts outside the blocks are replicated on every rank (the ``10``). S
 parallelism (§4.2.2) splits those along the sequence, so everything is ``/t`` (Table 2).
 
 One source of truth: :func:`layer_activation_terms` lists the terms (with keyword switches for
-what an implementation does differently: :mod:`mpu_lab.perf.activation_memory` measures this
+what an implementation does differently: :mod:`mpu_lab.perf.saved_activations` measures this
 package's layer against them); :func:`paper_terms` are the paper's;
 :func:`activation_memory_per_layer` is their sum, Table 2's closed form.
 """
@@ -58,7 +58,7 @@ def layer_activation_terms(s: int, b: int, h: int, a: int, t: int = 1,
 
     The defaults are the paper's accounting (16-bit values, dropout, explicit softmax); the
     sum is :func:`activation_memory_per_layer` exactly. The keyword switches describe an
-    implementation: see :mod:`mpu_lab.perf.activation_memory` and its ``mpu_lab_terms``.
+    implementation: see :mod:`mpu_lab.perf.saved_activations` and its ``mpu_lab_terms``.
     Raises ValueError when ``t`` does not divide a split tensor.
     """
     return _terms(s, b, h, a, t, sequence_parallel, _div, bytes_per_value=bytes_per_value,

@@ -6,7 +6,7 @@ import torch
 
 from mpu_lab.perf.cost_model import DGX_A100_80GB, ModelShape
 from mpu_lab.perf import explorer
-from mpu_lab.perf import memory as perf_memory
+from mpu_lab.perf import memory_breakdown as perf_memory
 from mpu_lab.perf.cost_model import bytes_per_parameter, bytes_per_parameter_terms, \
     format_bytes_per_parameter
 

@@ -1,9 +1,9 @@
-"""The overlap model of bucketed data parallelism (mpu_lab.perf.dp_overlap_model) against
+"""The overlap model of bucketed data parallelism (mpu_lab.perf.cost_model.dp_overlap) against
 timelines worked by hand, the DGX H100 prediction against its arithmetic, and the channel fit
 against the channel that made the numbers."""
 import pytest
 
-from mpu_lab.perf import dp_overlap_model as M
+from mpu_lab.perf.cost_model import dp_overlap as M
 from mpu_lab.perf.cost_model import DGX_H100
 from mpu_lab.perf.cost_model.counts import parameter_count
 

@@ -1,10 +1,10 @@
 """Activation memory per layer: Korthikanti et al. 2022's formulas (mpu_lab.perf), their terms,
-and what autograd really keeps for one TransformerLayer (mpu_lab.perf.activation_memory)."""
+and what autograd really keeps for one TransformerLayer (mpu_lab.perf.saved_activations)."""
 import pytest
 import torch
 
 from mpu_lab.launcher import run
-from mpu_lab.perf import activation_memory as memory
+from mpu_lab.perf import saved_activations
 from mpu_lab.perf.cost_model import activation_memory_per_layer
 
 # GPT-3 175B as in the paper's Table 3: a = 96 heads, h = 12288, s = 2048, t = 8.
@@ -51,30 +51,30 @@ def test_papers_terms_add_up_to_its_formula(t, sp):
             table2 = s * b * h * (34 + 5 * a * s / h) / t
         else:                 # s b h (10 + 24 / t + 5 a s / (h t))
             table2 = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-        terms = memory.paper_terms(**shape, t=t, sequence_parallel=sp)
-        assert memory.total(terms) == pytest.approx(table2, rel=1e-12)
+        terms = saved_activations.paper_terms(**shape, t=t, sequence_parallel=sp)
+        assert saved_activations.total(terms) == pytest.approx(table2, rel=1e-12)
         assert activation_memory_per_layer(**shape, t=t, sp=sp) == pytest.approx(table2, rel=1e-12)
 
 
 def test_terms_refuse_a_split_that_does_not_divide():
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 3"):
-        memory.paper_terms(s=128, b=2, h=64, a=8, t=3)
+        saved_activations.paper_terms(s=128, b=2, h=64, a=8, t=3)
 
 
 def test_mpu_lab_terms_are_the_papers_in_fp32_without_dropout_plus_bookkeeping():
     s, b, h, a = SMALL.values()
     sbh = s * b * h
-    ours = memory.total(memory.mpu_lab_terms(s, b, h, a))
+    ours = saved_activations.total(saved_activations.mpu_lab_terms(s, b, h, a))
     # 4-byte values, no masks, no separate dropout output: 2 x sbh (32 + 2as/h)
     assert ours == 2 * sbh * (32 + 2 * a * s // h) + 16 * s * b + s * s
     # SP splits what TP leaves replicated, worked by hand for fp32 without dropout: the two
     # LayerNorm inputs (2 x 4sbh), the two column-parallel inputs (2 x 4sbh: Megatron's linear
     # keeps the [s/t, b, h] block) and the LayerNorm statistics (2 x 2 x 4sb): all / t
     t = 2
-    sp = memory.total(memory.mpu_lab_terms(s, b, h, a, t, True))
-    tp = memory.total(memory.mpu_lab_terms(s, b, h, a, t, False))
+    sp = saved_activations.total(saved_activations.mpu_lab_terms(s, b, h, a, t, True))
+    tp = saved_activations.total(saved_activations.mpu_lab_terms(s, b, h, a, t, False))
     assert tp - sp == (16 * sbh + 16 * s * b) * (t - 1) // t
-    megatron_like = memory.total(memory.layer_activation_terms(
+    megatron_like = saved_activations.total(saved_activations.layer_activation_terms(
         s, b, h, a, t, True, bytes_per_value=4, dropout=False, layernorm_stats=True,
         causal_mask=True))
     assert sp == megatron_like
@@ -84,7 +84,7 @@ def test_mpu_lab_terms_are_the_papers_in_fp32_without_dropout_plus_bookkeeping()
 def test_saved_tensors_counts_each_storage_once_and_leaves_out_the_weights():
     w = torch.nn.Parameter(torch.randn(8, 8))
     x = torch.randn(4, 8, requires_grad=True)
-    with memory.SavedTensors(exclude=[w]) as saved:
+    with saved_activations.SavedTensors(exclude=[w]) as saved:
         y = x @ w              # saves x (and w, excluded)
         z = (x.view(2, 16) * 2).sum() + torch.tanh(y).sum()   # tanh saves its output
     assert saved.bytes == x.numel() * 4 + y.numel() * 4
@@ -96,13 +96,13 @@ def test_saved_tensors_counts_each_storage_once_and_leaves_out_the_weights():
 @pytest.mark.parametrize("attention", ["explicit", "sdpa"])
 @pytest.mark.parametrize("activation", ["gelu", "relu"])
 def test_measured_bytes_at_tp1_equal_the_mpu_lab_terms_exactly(world, attention, activation):
-    row = memory.measured_row(**SMALL, attention_impl=attention, activation=activation)
+    row = saved_activations.measured_row(**SMALL, attention_impl=attention, activation=activation)
     assert row["measured"] == row["model"]
 
 
 def test_sdpa_keeps_no_s_by_s_tensor(world):
-    explicit = memory.measured_row(**SMALL)
-    sdpa = memory.measured_row(**SMALL, attention_impl="sdpa")
+    explicit = saved_activations.measured_row(**SMALL)
+    sdpa = saved_activations.measured_row(**SMALL, attention_impl="sdpa")
     s, b, h, a = SMALL.values()
     assert explicit["measured"] - sdpa["measured"] == 4 * a * s * s * b + s * s - 4 * a * s * b
     assert all(shape[-1] != s or len(shape) < 2 or shape[-2] != s for _, shape, _ in sdpa["saved"])
@@ -113,10 +113,10 @@ def test_tp2_job_measures_the_mpu_lab_terms_and_the_papers_ratios(world):
     rows = run("activation_memory.py", ["--tp", 2, "--attention", "explicit", "sdpa", "--quiet"],
                nproc=2, show="none", timeout_s=180).results
     assert rows[0] == rows[1]                      # both ranks keep the same bytes
-    tp1 = memory.measured_row(**SMALL)
+    tp1 = saved_activations.measured_row(**SMALL)
     tp2, tp2_sp, sdpa, sdpa_sp = rows[0]["rows"]
     for row in (tp2, tp2_sp, sdpa, sdpa_sp):
-        assert row["measured"] == row["model"], memory.config_name(row)
+        assert row["measured"] == row["model"], saved_activations.config_name(row)
     s, b, h, a = SMALL.values()
     sbh = s * b * h
     # TP=2 keeps (16 + 48/2) sbh + 4as^2b/2 (+ LayerNorm statistics and the causal mask)

@@ -24,7 +24,7 @@ The names lab 03 calls (stable):
   bytes per parameter) and a 4-byte ``step`` counter per parameter tensor (per shard with the
   distributed optimizer, whose states cover this rank's shards only);
 * *activations*: what autograd saves during one micro-batch's forward through the rank's model
-  chunk (:class:`~mpu_lab.perf.activation_memory.SavedTensors`, parameters left out) times the
+  chunk (:class:`~mpu_lab.perf.saved_activations.SavedTensors`, parameters left out) times the
   micro-batches in flight: 1 at PP = 1, ``min(p - r, m)`` on stage r under 1F1B, ``m`` under
   GPipe (Narayanan et al. 2021 §2.2). On CUDA :class:`PhasePeaks` adds
   ``torch.cuda.max_memory_allocated`` by phase of the first step.
@@ -44,7 +44,7 @@ from mpu_lab's GPT (Narayanan et al. 2021 §5.1, Korthikanti et al. 2022 Table 2
   LayerNorm statistics and the causal mask left out; the ``5as/h`` scores are left out as
   ``flash_attention`` when the GPT's attention is SDPA (its default); the embedding, output
   layer, logits and loss are not counted at all
-  (:func:`~mpu_lab.perf.activation_memory.mpu_lab_terms` matches a layer byte for byte).
+  (:func:`~mpu_lab.perf.saved_activations.mpu_lab_terms` matches a layer byte for byte).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ import torch
 from mpu_lab.training import initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state
-from mpu_lab.perf.activation_memory import SavedTensors
+from mpu_lab.perf.saved_activations import SavedTensors
 from mpu_lab.perf.cost_model.counts import memory_per_gpu, parameters_per_gpu
 from mpu_lab.perf.cost_model.inputs import ModelShape, ParallelConfig
 from mpu_lab.perf.cost_model.optimizer_state import DTYPE_BYTES, bytes_per_parameter
