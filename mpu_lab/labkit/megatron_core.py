@@ -293,7 +293,7 @@ def compare_linear(kind: str, input_size: int = 64, output_size: int = 32, seq: 
     if kind not in ("column", "row"):
         raise ValueError(f"kind must be 'column' or 'row', got {kind!r}")
     _, mtp, ModelParallelConfig = _megatron()
-    device = initialize.get_device()
+    device = get_device()
     init = torch.nn.init.xavier_normal_
     t = ps.get_tensor_model_parallel_world_size()
     config = ModelParallelConfig(tensor_model_parallel_size=t, sequence_parallel=sequence_parallel,
@@ -349,7 +349,7 @@ def compare_mappings(seq: int = 8, batch: int = 2, hidden: int = 16,
     Returns ``{name: {"forward": max|diff|, "backward": max|diff|}}``.
     """
     _, mtp, _ = _megatron()
-    device = initialize.get_device()
+    device = get_device()
     out = {}
     for i, (name, fn_name) in enumerate(MAPPINGS.items()):
         torch.manual_seed(seed + 1000 * i + dist.get_rank())
