@@ -230,6 +230,7 @@ def write_markdown(path: str, table: str) -> None:
         text = f"{head}{MARKERS[0]}\n{table}{MARKERS[1]}{tail}"
     else:
         text = table
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
 
@@ -273,6 +274,7 @@ def main(argv=None):
         print(published_runs.format_published_comparison(
             published_runs.published_runs_comparison()))
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return rows

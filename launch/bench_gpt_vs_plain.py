@@ -22,6 +22,7 @@ weighted sum (PaLM, appendix B). Peak: dense bf16 of the device (H100/H200 SXM 9
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -179,6 +180,7 @@ def main(argv=None):
             print(f"{k:<16} MFU {100 * result['mfu'][k]:5.1f} %  "
                   f"({fpt / 1e6:.0f} MFLOP/token, peak {peak:.0f} TFLOP/s bf16)")
     if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
     launcher.report(result)

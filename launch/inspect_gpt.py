@@ -1,7 +1,7 @@
 """Show the lecture's shape table and count the collectives of one GPT training step.
 
     torchrun --standalone --nproc-per-node 2 launch/inspect_gpt.py --tp 2 --batch 2 --seq 8 \
-        --hidden 16 --heads 4 [--sequence-parallel]
+        --hidden 16 --heads 4          # add --sequence-parallel for Megatron-LM's SP
 
 Each rank reports ``{"shape_table": [...], "collectives": [...], "per_layer": {...}}``; from a
 notebook::

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from typing import Any, Dict, List
@@ -55,6 +56,7 @@ def consolidate(path, out_file=None, include_optimizer: bool = False) -> Dict[st
         dcp.load(sd, checkpoint_id=str(d), no_dist=True)
     out = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
     if out_file is not None:
+        os.makedirs(os.path.dirname(os.fspath(out_file)) or ".", exist_ok=True)
         torch.save(out, out_file)
     return out
 

@@ -1,0 +1,314 @@
+"""Every command a learner is shown runs on a fresh clone (issue 37).
+
+The commands are read from where a learner reads them: README.md's code blocks and the
+docstring of every ``launch/*.py`` (the command line at its top). Each ``torchrun ...`` and
+``python launch/...`` line (with its ``\\`` continuations, leading ``VAR=value`` settings and
+trailing ``# comment``) runs as written, in a folder that looks like a fresh clone as far as
+output paths go: an empty temporary working directory with ``launch`` linked to the
+repository's ``launch/``, so ``runs/...``, ``--save``, ``--metrics-file``, figure and profile
+outputs land there, in folders that do not exist yet and that the script has to create. Every
+output path the command names must exist afterwards.
+
+"At toy sizes": :data:`TOY` says, command by command, what is appended to the command (flags
+the script already has; with argparse the last value of a flag wins) or how many ranks it gets
+instead, and why. A command not in :data:`TOY` fails :func:`test_every_command_has_a_row`:
+a new example gets a row, and a stale row is an error too. ``torchrun`` runs as ``python -m
+torch.distributed.run`` and ``python`` as this interpreter (the same programs, in the
+environment under test).
+"""
+import ast
+import importlib.util
+import os
+import pathlib
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import pytest
+
+from mpu_lab.launcher import LAUNCH_DIR, prechecks
+
+REPO = LAUNCH_DIR.parent
+# a command: optional VAR=value settings, then torchrun ... launch/x.py or python launch/x.py
+COMMAND = re.compile(r"^(?:[A-Z][A-Z0-9_]*=\S*\s+)*"
+                     r"(?:torchrun\s.*\blaunch/\w+\.py\b|python3?\s+launch/\w+\.py\b)")
+# flags whose value is a path the command writes (the folder must be created by the script)
+OUTPUT_FLAGS = ("--metrics-file", "--save", "--out", "--json", "--markdown", "--profile-dir",
+                "--breakdown-profile")
+# torchrun's variables must not leak in from a test that set them
+CLEAN_ENV = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                          "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+TIMEOUT_S = 300
+
+
+def commands_in(text: str) -> List[str]:
+    """The command lines of ``text``, continuations joined, comments dropped, one space
+    between words."""
+    found, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if COMMAND.match(line):
+            while line.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line[:-1].rstrip() + " " + lines[i].strip()
+            found.append(" ".join(shlex.split(line, comments=True)))
+        i += 1
+    return found
+
+
+def readme_code(text: str) -> str:
+    """README.md's code blocks (fenced, or indented by four spaces), prose left out."""
+    kept, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif fenced or line.startswith("    ") or not line.strip():
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def launch_docstring(path: pathlib.Path) -> str:
+    return ast.get_docstring(ast.parse(path.read_text())) or ""
+
+
+def documented_commands() -> Dict[str, str]:
+    """``{where: command}``, where = ``README:n`` or ``<script>:n`` (n-th command there, from
+    1). A command shown in two places runs once, under its first name."""
+    places = [("README", readme_code((REPO / "README.md").read_text()))]
+    places += [(p.name, launch_docstring(p)) for p in sorted(LAUNCH_DIR.glob("*.py"))]
+    out: Dict[str, str] = {}
+    for name, text in places:
+        for n, command in enumerate(commands_in(text), 1):
+            if command not in out.values():
+                out[f"{name}:{n}"] = command
+    return out
+
+
+class Toy(NamedTuple):
+    """How a documented command runs here: ``append`` goes after it; ``nproc`` replaces its
+    ``--nproc-per-node``; ``outputs`` are paths it writes by default (besides those its
+    :data:`OUTPUT_FLAGS` name); ``skip`` is a reason not to run it at all, and ``parse`` the
+    script's argument parser that its flags, as written, must then pass."""
+    why: str
+    append: Tuple[str, ...] = ()
+    nproc: Optional[int] = None
+    outputs: Tuple[str, ...] = ()
+    skip: Optional[str] = None
+    parse: Optional[str] = None
+
+
+AS_WRITTEN = "as written: small already"
+COST_SAME = ("a minute even at toy size, and at toy size (its --configs, sizes and --iters "
+             "overridden) the same run as bench_cost_model.py:3 without --published")
+TINY_GPT = ("--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+            "--seq-length", "16", "--micro-batch-size", "2")
+TINY_VS_PLAIN = TINY_GPT + ("--vocab-size", "64", "--rounds", "2", "--steps", "1",
+                            "--warmup", "1")
+TINY_COST = TINY_GPT + ("--configs", "dp2", "--iters", "6", "--tries", "1")
+TINY_UTIL = ("--nproc", "2", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-length",
+             "16", "--global-batch", "4", "--microbatches", "2", "--steps", "2")
+TRAIN_2 = ("--train-iters", "2", "--log-interval", "1")
+# the flags as written are checked for the ranks the command shows by
+# test_the_flags_as_written_pass_the_scripts_precheck (the scripts with a PRECHECK)
+FOUR_RANKS = "4 of its 8 ranks (its flags as written are pre-checked for 8)"
+
+# where: what changes, and why. Keep a row per documented command (checked below).
+TOY: Dict[str, Toy] = {
+    "README:1": Toy("as written: Megatron's test layouts (tp=4 x pp=2, tp=2 x pp=4) need 8 "
+                    "ranks; same as collectives.py:1"),
+    "README:2": Toy("2 of its 50 iterations, each logged (the metrics file must be written)",
+                    TRAIN_2),
+    "activation_memory.py:1": Toy(AS_WRITTEN),
+    "bench_bandwidth.py:1": Toy("4 KiB..64 KiB, 2 timed calls per size, 2 ranks: sizes, "
+                                "counts and world are the benchmark's, any of them runs",
+                                ("--max-bytes", "64K", "--iters", "2", "--warmup", "1"), nproc=2),
+    "bench_bandwidth.py:2": Toy("1 MiB only (its 1 GiB rows take minutes on gloo), 2 timed "
+                                "calls, 2 ranks: any world size runs it",
+                                ("--max-bytes", "1M", "--iters", "2", "--warmup", "1"), nproc=2),
+    "bench_cost_model.py:1": Toy("not run; its flags parse", skip=COST_SAME, parse="parse_args"),
+    "bench_cost_model.py:2": Toy("not run; its flags parse", skip=COST_SAME, parse="parse_args"),
+    "bench_cost_model.py:3": Toy("one configuration (dp2) of a one-layer width-32 GPT, 6 "
+                                 "iterations (4 warm-up), one try: a configuration is 4 "
+                                 "torchrun jobs, about a minute even so", TINY_COST),
+    "bench_cost_model.py:4": Toy(AS_WRITTEN + " (one calibration job)"),
+    "bench_gpt_vs_plain.py:1": Toy("a one-layer width-32 GPT, 2 rounds of 1 step: a minute "
+                                   "and more at its CPU preset", TINY_VS_PLAIN),
+    "bench_gpt_vs_plain.py:2": Toy("the GPU preset (GPT-2 small) with every size overridden, "
+                                   "on the CPU: checks the preset path, not the figures",
+                                   TINY_VS_PLAIN),
+    "bench_gpt_vs_plain.py:3": Toy("as bench_gpt_vs_plain.py:1, under torchrun",
+                                   TINY_VS_PLAIN),
+    "bench_startup.py:1": Toy("one world of 2 ranks, once: 2, 4 and 8 ranks twice take a "
+                              "minute", ("--ranks", "2", "--repeats", "1")),
+    "bench_startup.py:2": Toy("its 2 and 4 ranks once instead of twice", ("--repeats", "1")),
+    "bench_startup.py:3": Toy("2 ranks: any world size runs it", nproc=2),
+    "collectives.py:2": Toy("as written: 8 ranks for the layouts (TEST_* switches chosen)"),
+    "dp_overlap.py:1": Toy("1 timed step of a one-layer width-32 GPT at DP = 2 (its flags as "
+                           "written are pre-checked for 4 ranks)",
+                           ("--steps", "1", "--num-layers", "1", "--hidden-size", "32",
+                            "--seq-length", "32"), nproc=2),
+    "inspect_gpt.py:1": Toy(AS_WRITTEN),
+    "linear_options.py:1": Toy(AS_WRITTEN),
+    "linear_options.py:2": Toy(AS_WRITTEN),
+    "linear_overlap.py:1": Toy("2 steps at sequence 64, width 64",
+                               ("--seq", "64", "--hidden", "64", "--steps", "2")),
+    "megatron_core_ddp.py:1": Toy("1 Adam step per mode", ("--steps", "1")),
+    "megatron_core_moe.py:1": Toy("2 ranks, EP = 2 with both dispatchers: importing "
+                                  "Megatron-core on 4 ranks is most of its 20 s",
+                                  ("--cases", "ep2/alltoall/top2", "ep2/allgather/top1"),
+                                  nproc=2),
+    "megatron_core_schedules.py:1": Toy(AS_WRITTEN),
+    "megatron_core_side_by_side.py:1": Toy("2 ranks (TP = the world size): importing "
+                                           "Megatron-core on 4 ranks is most of its 20 s",
+                                           nproc=2),
+    "memory_breakdown.py:1": Toy("one of its four configurations (TP 2 x DP 2), both "
+                                 "optimizers", ("--configs", "2,1,2")),
+    "parallel_linear.py:1": Toy(AS_WRITTEN),
+    "pipeline_bubble.py:1": Toy("1 timed iteration per micro-batch count",
+                                ("--iterations", "1")),
+    "rank_groups.py:1": Toy("as written: its --pp defaults to 2, so 8 ranks give the data-"
+                            "parallel groups of the example"),
+    "rank_groups.py:2": Toy("as written: at --pp 2, 8 ranks are the fewest that fit "
+                            "--tp 2 --ep 2"),
+    "train_gpt.py:1": Toy("2 of its 300 iterations (its --metrics-file and --save must be "
+                          "written), TP 2 x DP 1 on 2 of its 4 ranks (pre-checked for 4)",
+                          TRAIN_2, nproc=2),
+    "train_gpt.py:2": Toy("2 iterations; " + FOUR_RANKS + " (DP 1)", TRAIN_2, nproc=4),
+    "train_gpt.py:3": Toy("2 iterations; " + FOUR_RANKS + " (DP 1)", TRAIN_2, nproc=4),
+    "train_gpt.py:4": Toy("2 iterations", TRAIN_2),
+    "train_gpt.py:5": Toy("2 iterations", TRAIN_2),
+    "utilisation.py:1": Toy("2 ranks (its CPU default on 2 cores), a two-layer width-32 GPT, "
+                            "2 steps per run", TINY_UTIL, outputs=("runs/utilisation",)),
+    "utilisation.py:2": Toy("the 8-GPU command at utilisation.py:1's toy size and 2 ranks: "
+                            "its bf16 and its --out folder on the CPU", TINY_UTIL),
+}
+
+
+def script_and_flags(command: str) -> Tuple[str, List[str], Optional[int]]:
+    """``(script name, its flags, torchrun's --nproc-per-node or None)`` of ``command`` as
+    written."""
+    words = shlex.split(command)
+    at = next(i for i, w in enumerate(words) if re.fullmatch(r"launch/\w+\.py", w))
+    nproc = int(words[words.index("--nproc-per-node") + 1]) if "--nproc-per-node" in words \
+        else None
+    return words[at].split("/")[1], words[at + 1:], nproc
+
+
+def as_run(command: str, toy: Toy) -> Tuple[List[str], Dict[str, str]]:
+    """The argv and environment ``command`` runs with here, after ``toy``'s changes."""
+    words, env = shlex.split(command), dict(CLEAN_ENV)
+    while re.fullmatch(r"[A-Z][A-Z0-9_]*=\S*", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    if toy.nproc is not None:
+        words[words.index("--nproc-per-node") + 1] = str(toy.nproc)
+    program = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],
+               "python": [sys.executable], "python3": [sys.executable]}[words[0]]
+    return program + words[1:] + list(toy.append), env
+
+
+def output_paths(argv: Sequence[str], toy: Toy) -> List[str]:
+    """The paths a run of ``argv`` writes: the last value of each output flag, and the
+    defaults ``toy`` names."""
+    named = {}
+    for flag, value in zip(argv, argv[1:]):
+        if flag in OUTPUT_FLAGS:
+            named[flag] = value
+    return [*named.values(), *toy.outputs]
+
+
+def fresh_clone(folder: pathlib.Path) -> pathlib.Path:
+    """An empty working directory with ``launch/`` linked in: no runs/, no checkpoints/."""
+    (folder / "launch").symlink_to(LAUNCH_DIR, target_is_directory=True)
+    return folder
+
+
+def run_in(argv: Sequence[str], env: Dict[str, str], cwd: pathlib.Path):
+    """Run ``argv`` in its own session; on timeout kill that whole session (torchrun and its
+    ranks), so nothing outlives the test."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(argv)} ran past {TIMEOUT_S} s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+COMMANDS = documented_commands()
+
+
+def test_every_command_has_a_row():
+    assert len(COMMANDS) >= 30
+    assert sorted(COMMANDS) == sorted(TOY), (
+        f"documented commands without a row in TOY: {sorted(set(COMMANDS) - set(TOY))}; "
+        f"rows for no command: {sorted(set(TOY) - set(COMMANDS))}")
+
+
+def test_every_launch_script_shows_its_command_line():
+    for path in sorted(LAUNCH_DIR.glob("*.py")):
+        commands = commands_in(launch_docstring(path))
+        assert commands, f"launch/{path.name}: no command line in its docstring"
+        assert all(f"launch/{path.name}" in c for c in commands), (path.name, commands)
+
+
+def test_the_readme_shows_a_torchrun_command():
+    readme = commands_in(readme_code((REPO / "README.md").read_text()))
+    assert any(c.startswith("torchrun ") and "launch/train_gpt.py" in c for c in readme)
+
+
+def test_a_reduction_keeps_the_command_and_only_appends():
+    argv, env = as_run("TEST_COPY=1 torchrun --standalone --nproc-per-node 8 "
+                       "launch/collectives.py --test all", Toy("", ("--x", "1"), nproc=2))
+    assert argv == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "2", "launch/collectives.py", "--test", "all", "--x", "1"]
+    assert env["TEST_COPY"] == "1" and "RANK" not in env
+    assert output_paths(["--out", "a", "--save", "b", "--out", "c"], Toy("")) == ["c", "b"]
+
+
+@pytest.mark.parametrize("where", sorted(w for w, c in COMMANDS.items() if c.split()[0] != "python"
+                                         and prechecks.precheck_spec(
+                                             LAUNCH_DIR / script_and_flags(c)[0])))
+def test_the_flags_as_written_pass_the_scripts_precheck(where, tmp_path):
+    """The launcher's pre-check of the script (pure, no process) accepts the command's flags
+    for the number of ranks it shows, also where the run below uses fewer."""
+    script, flags, nproc = script_and_flags(COMMANDS[where])
+    prechecks.precheck(LAUNCH_DIR / script, flags, nproc, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("where", sorted(w for w in COMMANDS if w in TOY and TOY[w].parse))
+def test_a_command_not_run_parses_as_written(where):
+    script, flags, _ = script_and_flags(COMMANDS[where])
+    spec = importlib.util.spec_from_file_location(f"_doc_{script[:-3]}", LAUNCH_DIR / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = getattr(module, TOY[where].parse)(flags)
+    assert args is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", sorted(COMMANDS))
+def test_the_documented_command_runs_on_a_fresh_clone(where, tmp_path):
+    if where not in TOY:
+        pytest.fail(f"{where}: no row in TOY for {COMMANDS[where]!r}")
+    toy = TOY[where]
+    if toy.skip:
+        pytest.skip(toy.skip)
+    cwd = fresh_clone(tmp_path)
+    argv, env = as_run(COMMANDS[where], toy)
+    outputs = output_paths(argv, toy)
+    assert not any((cwd / p).exists() for p in outputs)
+    start = time.monotonic()
+    code, out = run_in(argv, env, cwd)
+    took = time.monotonic() - start
+    assert code == 0, f"{where}: {COMMANDS[where]}\nexit {code} after {took:.0f} s:\n{out[-4000:]}"
+    assert "Traceback" not in out, out[-4000:]
+    missing = [p for p in outputs if not (cwd / p).exists()]
+    assert not missing, f"{where} did not write {missing}:\n{out[-2000:]}"
