@@ -2,14 +2,17 @@
 parallelism, against Korthikanti et al. 2022 (lab 07).
 
     torchrun --standalone --nproc-per-node 2 launch/activation_memory.py --tp 2 \
-        --seq 128 --batch 2 --hidden 64 --heads 8 --attention explicit sdpa
+        --seq 128 --batch 2 --hidden 64 --heads 8 --attention explicit sdpa --recompute
 
 Every rank builds one ``TransformerLayer`` (dropout 0, fp32), runs its forward on its
 part of a batch and counts, through ``torch.autograd.graph.saved_tensors_hooks``, the bytes
 autograd keeps for backward (:mod:`mpu_lab.perf.saved_activations`). Rank 0 prints the table; every
 rank reports ``{"tp": t, "rows": [...]}``: for each ``--attention`` implementation a row
 without and one with SP, each holding the measured bytes, this package's terms and the
-paper's. From a notebook::
+paper's. ``--recompute`` adds, with dropout 0.1, a row per recompute mode (none, selective,
+full) without and with SP for each implementation (:mod:`mpu_lab.perf.recompute`: measured,
+derived for fp32 on this device, the paper's bf16 formula) under ``"recompute_rows"``, and the
+FLOPs of one step per mode on this rank under ``"flops_rows"``. From a notebook::
 
     job = mpu_lab.launcher.run("activation_memory.py", ["--tp", 2], nproc=2, show="none")
 """
@@ -19,7 +22,7 @@ from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state
 from mpu_lab.core.transformer import TransformerConfig
-from mpu_lab.perf import saved_activations
+from mpu_lab.perf import recompute, saved_activations
 
 
 def parse(argv):
@@ -32,8 +35,24 @@ def parse(argv):
     p.add_argument("--attention", choices=["explicit", "sdpa"], nargs="+", default=["explicit"],
                    help="explicit softmax (keeps the s x s scores) and/or SDPA")
     p.add_argument("--activation", choices=["gelu", "relu"], default="gelu")
+    p.add_argument("--recompute", action="store_true",
+                   help="also measure none / selective / full recomputation with dropout 0.1")
     p.add_argument("--quiet", action="store_true", help="report only, print nothing")
     return p.parse_args(argv)
+
+
+def _recompute_rows(a):
+    """Saved bytes per recompute mode with dropout on, and FLOPs per step (rank 0 prints)."""
+    rows = [recompute.saved_bytes_row(a.seq, a.batch, a.hidden, a.heads, mode, sp, impl)
+            for impl in a.attention for sp in (False, True) for mode in recompute.MODES]
+    flops = [recompute.flops_row(a.seq, a.batch, a.hidden, a.heads, mode)
+             for mode in recompute.MODES]
+    if parallel_state.get_tensor_model_parallel_rank() == 0 and not a.quiet:
+        print(recompute.format_saved_bytes(rows, a.seq, a.batch, a.hidden, a.heads))
+        print(recompute.format_flops(flops, a.seq, a.batch, a.hidden, a.heads))
+    for row in rows:
+        row.pop("terms")
+    return {"recompute_rows": rows, "flops_rows": flops}
 
 
 @launcher.entrypoint
@@ -51,7 +70,10 @@ def main(argv=None):
         print(saved_activations.format_comparison(rows, a.seq, a.batch, a.hidden, a.heads))
         print("bytes measured on each rank (in the rows' order): "
               + "; ".join(f"rank {i}: {line}" for i, line in enumerate(per_rank)))
-    launcher.report({"tp": a.tp, "rows": rows})
+    report = {"tp": a.tp, "rows": rows}
+    if a.recompute:
+        report.update(_recompute_rows(a))
+    launcher.report(report)
     initialize.shutdown()
 
 

@@ -33,7 +33,7 @@ from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state as ps
 from mpu_lab.core import tensor_parallel as tp
-from mpu_lab.labkit.collective_layouts import COLLECTIVE_LAYOUTS
+from mpu_lab.megatron_reference.collective_layouts import COLLECTIVE_LAYOUTS
 from mpu_lab.core.tensor_parallel import mappings
 
 WORLD = 8  # both layouts have tp * pp = 8

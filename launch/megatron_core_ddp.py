@@ -4,7 +4,7 @@ same MLP and data, against a single-process reference (lab 03).
     torchrun --standalone --nproc-per-node 2 launch/megatron_core_ddp.py --steps 3
 
 Every rank makes mpu_lab's groups (pure data parallelism over the world), then Megatron-core's
-parallel state on the same world, and runs :func:`mpu_lab.labkit.megatron_core_ddp.compare_ddp`
+parallel state on the same world, and runs :func:`mpu_lab.megatron_reference.ddp.compare_ddp`
 for each mode (all-reduce and distributed optimizer, overlap off and on). Each rank reports
 max |library - reference| of the gradients and of the parameters after each Adam step.
 
@@ -12,15 +12,15 @@ Megatron-core is optional: where it cannot be imported every rank reports
 ``{"skipped": "<how to install what is missing>"}`` and the job exits 0. From a notebook::
 
     job = mpu_lab.launcher.run("megatron_core_ddp.py", [], nproc=2)
-    print(mpu_lab.labkit.megatron_core_ddp.format_ddp_results(job.results))
+    print(mpu_lab.labkit.data_parallel.megatron_core.format_ddp_results(job.results))
 """
 
 from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state as ps
-from mpu_lab.labkit import megatron_core as mc
-from mpu_lab.labkit import megatron_core_cpu as mcc
-from mpu_lab.labkit import megatron_core_ddp as mcd
+from mpu_lab.megatron_reference import runtime as mc
+from mpu_lab.megatron_reference import cpu as mcc
+from mpu_lab.megatron_reference import ddp as mcd
 
 
 @launcher.entrypoint

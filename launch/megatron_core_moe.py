@@ -3,8 +3,8 @@
     torchrun --standalone --nproc-per-node 4 launch/megatron_core_moe.py --cases ep2/alltoall/top2 ep4/allgather/top1
 
 Every rank runs each case of ``--cases`` (``[tpT-]epE[-etpX]/alltoall|allgather/topK``,
-:func:`mpu_lab.labkit.megatron_core_moe.parse_case`) through both libraries' MoE layers on the
-CPU (:func:`mpu_lab.labkit.megatron_core_moe.compare_case`) and reports the largest
+:func:`mpu_lab.megatron_reference.moe.parse_case`) through both libraries' MoE layers on the
+CPU (:func:`mpu_lab.megatron_reference.moe.compare_case`) and reports the largest
 differences of outputs and gradients.
 
 Megatron-core is optional: where it cannot be imported every rank reports
@@ -12,16 +12,16 @@ Megatron-core is optional: where it cannot be imported every rank reports
 
 From a notebook::
 
-    from mpu_lab.labkit import megatron_core_moe as mcm
-    print(mcm.format_results(mcm.run_side_by_side(["ep2/alltoall/top2"])))
+    from mpu_lab.labkit.mixture_of_experts import megatron_core
+    print(megatron_core.format_results(megatron_core.run_side_by_side(["ep2/alltoall/top2"])))
 """
 import os
 
 from mpu_lab.training import flag_errors, initialize
 from mpu_lab import launcher
-from mpu_lab.labkit import megatron_core as mc
-from mpu_lab.labkit import megatron_core_cpu as mcc
-from mpu_lab.labkit import megatron_core_moe as mcm
+from mpu_lab.megatron_reference import runtime as mc
+from mpu_lab.megatron_reference import cpu as mcc
+from mpu_lab.megatron_reference import moe as mcm
 
 
 @launcher.entrypoint

@@ -3,9 +3,9 @@
     torchrun --standalone --nproc-per-node 2 launch/megatron_core_schedules.py --cases 1f1b interleaved
 
 Every rank is one pipeline stage on the CPU (gloo). For each case of
-:data:`mpu_lab.labkit.megatron_core_schedules.CASES` the ranks run one iteration of the toy
+:data:`mpu_lab.megatron_reference.schedules.CASES` the ranks run one iteration of the toy
 tied-embedding model through Megatron-core's schedule, through mpu_lab's, and as the
-single-process twin (:func:`mpu_lab.labkit.megatron_core_schedules.compare_case`), and report
+single-process twin (:func:`mpu_lab.megatron_reference.schedules.compare_case`), and report
 the largest differences of their stage gradients. ``interleaved-batched`` is Megatron-core's
 default batched p2p, which gives wrong gradients on gloo at two stages (it is reported, not
 raised).
@@ -15,16 +15,16 @@ Megatron-core is optional: where it cannot be imported every rank reports
 
 From a notebook::
 
-    from mpu_lab.labkit import megatron_core_schedules as mcs
-    print(mcs.format_results(mcs.run_side_by_side(["1f1b", "interleaved"])))
+    from mpu_lab.labkit.pipeline_parallel import megatron_core
+    print(megatron_core.format_results(megatron_core.run_side_by_side(["1f1b", "interleaved"])))
 """
 import argparse
 
 from mpu_lab.training import initialize
 from mpu_lab import launcher
-from mpu_lab.labkit import megatron_core as mc
-from mpu_lab.labkit import megatron_core_cpu as mcc
-from mpu_lab.labkit import megatron_core_schedules as mcs
+from mpu_lab.megatron_reference import runtime as mc
+from mpu_lab.megatron_reference import cpu as mcc
+from mpu_lab.megatron_reference import schedules as mcs
 
 
 @launcher.entrypoint

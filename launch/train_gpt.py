@@ -39,7 +39,7 @@ stage computes them and sends them to the others). With ``--record-timeline`` ea
 reports its last iteration's forward/backward records under ``"timeline"``::
 
     from mpu_lab.perf.pipeline_timeline import measured_bubble, pipeline_records
-    from mpu_lab.labkit.viz import plot_gantt
+    from mpu_lab.labkit.pipeline_parallel.viz import plot_gantt
     tl = pipeline_records(job.results)
     plot_gantt(tl["records"], time_unit="ms")
     measured_bubble(tl["records"], tl["num_microbatches"], tl["num_model_chunks"])
@@ -60,13 +60,13 @@ Chrome trace per rank to DIR.
 
 Debugging (lab 14): ``--inject-fault KIND[:RANK[:ITERATION]]`` makes one rank misbehave on
 purpose (hang, skip-collective, mismatched-shape, wrong-group, crash, pp-deadlock, divergence,
-fp16-overflow; ``mpu_lab.labkit.faults.FAULT_KINDS`` says what each does). The flag and the
-injection come from the lab kit (``faults.add_fault_args``; ``faults.inject``, callbacks the
+fp16-overflow; ``mpu_lab.training.faults.FAULT_KINDS`` says what each does). The flag and the
+injection come from ``mpu_lab.training.faults`` (``add_fault_args``; ``inject``, callbacks the
 training loop calls at its hook points); ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION`` kills a rank in
 the middle of a checkpoint save (``faults.kill_in_save``, the checkpoint writer the loop is
 given). ``--dense-twin`` has rank 0 train the dense TP=1 twin
 from the run's initial weights too and report its losses, for
-``mpu_lab.labkit.twin_check.compare_with_dense_twin``::
+``mpu_lab.labkit.debugging.twin_check.compare_with_dense_twin``::
 
     job = mpu_lab.launcher.run("train_gpt.py", ["--inject-fault", "divergence:1:3",
                                "--dense-twin", "--train-iters", "6", "--log-interval", "1"], nproc=2)
@@ -86,11 +86,12 @@ import sys
 
 from mpu_lab.training import initialize
 from mpu_lab import launcher, training
-from mpu_lab.labkit import faults
+from mpu_lab.training import faults
 from mpu_lab.perf import breakdown, pipeline_timeline
+from mpu_lab.training.pipeline_timeline_file import PipelineTimelineFile
 
 # Checked by the launcher before torchrun starts (read from this source, not imported).
-PRECHECK = "mpu_lab.labkit.faults:check_launch_args"
+PRECHECK = "mpu_lab.training.faults:check_launch_args"
 
 
 def _dump_stacks_on_abort():
@@ -117,6 +118,8 @@ def main(argv=None):
     timer = breakdown.step_timer_for(args)       # --breakdown[-barrier|-profile], else None
     if timer is not None:
         callbacks.append(timer)
+    if args.timeline_file:                       # --timeline-file: the last iteration's actions
+        callbacks.append(PipelineTimelineFile(args.timeline_file))
     weights = training.dense_twin_weights(state) if args.dense_twin else None
     recorder = pipeline_timeline.ScheduleRecorder(   # --record-timeline: hooks on the chunks
         state.model_chunks, args.num_micro_batches, args.pipeline_schedule) \

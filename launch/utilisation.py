@@ -14,8 +14,9 @@ jobs itself (``mpu_lab.perf.bad_vs_good``). Without GPUs each job gets at most o
 usable core (fewer cores than ``--nproc``: it says so and runs fewer ranks), every rank pinned
 to its own core with one thread, and each rank's busy and idle time is read from its own CPU
 clock; with GPUs NVML's utilisation is sampled. It prints the step times, the busy and idle
-time per rank, the step breakdown per rank, saves the pictures as PNGs under ``--out``, and
-ends with the line
+time per rank, the step breakdown per rank, saves the runs (utilisation samples and
+breakdowns) as ``bad_vs_good.json`` under ``--out`` for lab 12's pictures
+(:func:`mpu_lab.perf.bad_vs_good.load_runs`), and ends with the line
 
     speed-up over the bad configuration: remedy R.RR x, good G.GG x
 
@@ -62,8 +63,7 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # imported here, after the argument check: torch and matplotlib take seconds to load
     import torch
-    from mpu_lab.labkit import viz
-    from mpu_lab.labkit.gpt_runs import precision_flags
+    from mpu_lab.perf.runs import precision_flags
     from mpu_lab.perf import bad_vs_good
     from mpu_lab.perf.breakdown import format_breakdown
     from mpu_lab.perf.rank_clock import usable_cores
@@ -88,13 +88,9 @@ def main(argv=None):
         print(f"\n{label}\n{format_breakdown(run.reports)}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [viz.save_figure(viz.plot_utilisation({k: r.utilisation for k, r in runs.items()},
-                                                  f"Busy per rank, {n} ranks"),
-                             out / "utilisation_bad_vs_good.png"),
-             viz.save_figure(viz.plot_step_breakdown({k: r.reports for k, r in runs.items()},
-                                                     "Milliseconds per step, by rank"),
-                             out / "step_breakdown_bad_vs_good.png")]
-    print("\nsaved " + ", ".join(map(str, paths)))
+    path = bad_vs_good.save_runs(runs, out / "bad_vs_good.json")
+    print(f"\nsaved {path} (lab 12 draws it: mpu_lab.labkit.performance.viz.plot_utilisation, "
+          "plot_step_breakdown of mpu_lab.perf.bad_vs_good.load_runs)")
     print(bad_vs_good.speedup_line(runs))
 
 

@@ -1,5 +1,6 @@
 """Shared fixtures for the package tests."""
 import os
+import re
 
 import pytest
 
@@ -62,7 +63,7 @@ _GRADING = {}   # the grading world while its unit runs
 @pytest.fixture
 def grading_world():
     """One 4-rank playground world (tp = 2, pp = 1, so dp = 2; a 4 s collective timeout) for
-    every write-the-code grader test (tests/labkit/exercises/test_graders_lab*.py, one unit:
+    every write-the-code grader test (tests/labkit/<lab>/test_<lab>_exercises.py, one unit:
     see SHARED_JOBS):
     started by the unit's first test, stopped after its last (pytest_runtest_teardown below),
     so no engine outlives the unit into tests that count this process's children."""
@@ -107,14 +108,14 @@ EXPECTED_SECONDS = {
     "labs/06_tp_mappings.ipynb": 100, "labs/11_train_gpt.ipynb": 90,
     "labs/14_debugging.ipynb": 90, "labs/04_column_parallel.ipynb": 90, "8-rank job": 85,
     "4-rank job": 130, "labs/01_rank_groups.ipynb": 70, "labs/05_row_parallel.ipynb": 70,
-    "tests/labkit/test_faults.py": 60, "labs/07_parallel_transformer.ipynb": 60,
+    "tests/training/test_faults.py": 60, "labs/07_parallel_transformer.ipynb": 60,
     "labs/09_pipeline_parallel.ipynb": 120, "tests/labkit/playground/test_playground.py": 75,
-    "tests/launcher/test_launch.py": 40, "tests/labkit/test_layer_and_training_views.py": 18,
+    "tests/launcher/test_launch.py": 40, "tests/labkit/train_gpt/test_train_gpt_runs.py": 18,
     "tests/checkpointing/test_reshard_vocab_padding.py": 15, "tests/labs/test_performance_content.py": 13,
     "tests/perf/cost_model/test_cost_model.py": 9, "Start_Here.ipynb": 9,
     "labs/02_collectives.ipynb": 130,
     "labs/03_data_parallel.ipynb": 200,   # 425 s under nbval on the loaded 2-core machine
-    "tests/labkit/test_megatron_core_ddp.py": 40, "labs/13_scaling.ipynb": 65, "tests/perf/test_memory_accounting.py": 45,
+    "tests/megatron_reference/test_megatron_ddp.py": 40, "labs/13_scaling.ipynb": 65, "tests/perf/test_memory_accounting.py": 45,
     "tests/perf/test_dp_overlap.py": 30,
     "tests/context_parallel/test_context_parallel_mp.py": 35,
     "tests/models/moe/test_moe_mp.py": 170,
@@ -122,7 +123,10 @@ EXPECTED_SECONDS = {
     "labs/08_context_parallel.ipynb": 90,   # 172 s under nbval on the loaded 2-core machine
     "tests/models/moe/test_gpt_moe_mp.py": 60,
     "labs/10_mixture_of_experts.ipynb": 150,   # 212 s under nbval on the loaded 2-core machine
-    "tests/labkit/test_megatron_core_moe.py": 50,
+    "tests/megatron_reference/test_megatron_moe.py": 50,
+    "tests/pipeline_parallel/test_zero_bubble_mp.py": 45,
+    "tests/distributed/fsdp/test_megatron_fsdp_mp.py": 75,
+    "tests/labkit/capstone/test_capstone_mp.py": 60,
 }
 
 
@@ -134,12 +138,13 @@ SHARED_JOBS = {"tests/tensor_parallel/test_tensor_parallel_mp.py": "8-rank job",
                "tests/pipeline_parallel/test_pipeline_mp.py": "4-rank job",
                "tests/perf/test_perf_measure.py": "4-rank job",
                "tests/optimizer/test_distrib_optimizer.py": "4-rank job"}
-GRADER_TESTS = "tests/labkit/exercises/test_graders_"       # every lab's grader tests: one world
+# every lab's grader tests, tests/labkit/<lab>/test_<lab>_exercises.py: one world
+GRADER_TESTS = re.compile(r"tests/labkit/(\w+)/test_\1_exercises\.py")
 
 
 def _unit(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
-    if path.startswith(GRADER_TESTS):
+    if GRADER_TESTS.fullmatch(path):
         return "grading world"
     return SHARED_JOBS.get(path, path)
 
@@ -152,7 +157,7 @@ def _unit(nodeid: str) -> str:
 # `pytest.mark.slow` in its file where the test starts the job itself. Notebooks are slow.
 SLOW_FIXTURES = {
     "eight_rank_job", "grading_world",                   # the other two shared worlds
-    "tests/labkit/test_faults.py::fault_jobs",           # eight faulty train_gpt.py jobs
+    "tests/training/test_faults.py::fault_jobs",           # eight faulty train_gpt.py jobs
     "tests/perf/test_kernel_timeline.py::pp2_results", # a profiled PP=2 job
     "tests/perf/test_memory_accounting.py::rows",      # 4-rank jobs at three layouts
     "tests/perf/test_dp_overlap.py::result",           # DP jobs with and without overlap

@@ -162,11 +162,46 @@ def test_bottom_layers_import_nothing_of_mpu_lab_above_them(graph):
 
 def test_the_megatron_mirror_imports_neither_the_lab_kit_nor_perf_nor_the_launcher(graph):
     edges = import_graph(graph)
-    above = ("mpu_lab.labkit", "mpu_lab.perf", "mpu_lab.launcher")
+    above = ("mpu_lab.labkit", "mpu_lab.megatron_reference", "mpu_lab.perf", "mpu_lab.launcher")
     for module, imported in edges.items():
         if module.startswith(MIRROR):
             bad = sorted(i for i in imported if i.startswith(above))
             assert not bad, f"{module} imports {bad}"
+
+
+def lab_kit_imports(source: str):
+    """(line, module) of every import of ``mpu_lab.labkit`` in ``source``, function-local ones
+    included; a docstring that shows a notebook's import is not an import."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found += [(node.lineno, n) for n in names
+                  if n == "mpu_lab.labkit" or n.startswith("mpu_lab.labkit.")][:1]
+    return found
+
+
+def test_launch_scripts_never_import_the_lab_kit():
+    # launch/ sits under the lab kit (docs/ARCHITECTURE.md): a script imports core, training,
+    # perf, the launcher and megatron_reference; the lab kit draws what the scripts report.
+    found = {p.name: lab_kit_imports(p.read_text()) for p in sorted(ROOT.glob("launch/*.py"))}
+    assert {name: hits for name, hits in found.items() if hits} == {}
+
+
+def test_the_launch_check_finds_every_form_of_a_lab_kit_import():
+    planted = ('"""From a notebook::\n\n    from mpu_lab.labkit import viz\n"""\n'
+               "from mpu_lab import labkit\n"
+               "from mpu_lab.labkit import profiles\n"
+               "import mpu_lab.labkit.grader as grader\n"
+               "def main():\n    from mpu_lab.labkit.train_gpt.runs import precision_flags\n"
+               "from mpu_lab.perf import runs\n")
+    assert sorted(lab_kit_imports(planted)) == [
+        (5, "mpu_lab.labkit"), (6, "mpu_lab.labkit"), (7, "mpu_lab.labkit.grader"),
+        (9, "mpu_lab.labkit.train_gpt.runs")]
 
 
 def test_no_module_is_over_450_lines():
@@ -312,11 +347,11 @@ def test_the_private_name_check_sees_both_forms(tmp_path):
     source = tmp_path / "sample.py"
     source.write_text("from mpu_lab.launcher.diagnosis import _hidden, diagnose\n"
                       "from mpu_lab.launcher import runner\n"
-                      "import mpu_lab.labkit.megatron_core as mc\n"
+                      "import mpu_lab.megatron_reference.runtime as mc\n"
                       "runner._step()\nmc.Filter._inner\ndiagnose._cache\nself._fine\n")
     assert private_names_used(source) == [
         (1, "mpu_lab.launcher.diagnosis", "_hidden"), (4, "mpu_lab.launcher.runner", "_step"),
-        (5, "mpu_lab.labkit.megatron_core", "_inner"), (6, "mpu_lab.launcher.diagnosis", "_cache")]
+        (5, "mpu_lab.megatron_reference.runtime", "_inner"), (6, "mpu_lab.launcher.diagnosis", "_cache")]
 
 
 # The modules a learner opens to study Megatron (docs/ARCHITECTURE.md, "reading path"), and the

@@ -84,7 +84,7 @@ ALLOWED: Dict[Tuple[str, str], str] = {
         "times this machine's CPU for the cost model's CPU cluster (cpu_cluster)",
     ("mpu_lab/perf/calibrate.py", "calibrate_memory_bandwidth"):
         "times this machine's CPU for the cost model's CPU cluster (cpu_cluster)",
-    ("mpu_lab/labkit/viz/splits.py", "shard_shapes"):
+    ("mpu_lab/labkit/column_parallel/viz.py", "shard_shapes"):
         "a notebook-side picture helper: reads only the shapes of torch.split's pieces",
 }
 

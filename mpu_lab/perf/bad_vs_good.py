@@ -23,6 +23,8 @@ cost model's compute time per micro-batch fed to the 1F1B simulator
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -32,6 +34,7 @@ from mpu_lab.perf.rank_clock import cores_note, usable_cores
 from mpu_lab.perf.runs import ProfiledRun, profile_training, training_flags
 from mpu_lab.perf.step_time import TrainConfig
 from mpu_lab.perf.pipeline_simulation import LogicalTimeline
+from mpu_lab.perf.utilisation import Utilisation
 
 __all__ = ["ROLES", "timing_ranks", "bad_vs_good_configs", "run_bad_vs_good", "role_of",
            "fastest_step_s", "mean_step_s", "speedups", "speedup_line", "format_steps", "format_busy_idle",
@@ -162,6 +165,29 @@ def format_steps(runs: Dict[str, ProfiledRun]) -> str:
         lines.append(f"{label}: fastest step {fastest_step_s(run) * 1e3:.0f} ms, mean "
                      f"{mean_step_s(run) * 1e3:.0f} ms over {steps} timed steps")
     return "\n".join(lines)
+
+
+def save_runs(runs: Dict[str, ProfiledRun], path) -> str:
+    """Write the measured runs as JSON (every field of each :class:`ProfiledRun`), for the
+    pictures of lab 12 to be drawn later from the file (:func:`load_runs`). Returns the path."""
+    with open(path, "w") as f:
+        json.dump({label: dataclasses.asdict(run) for label, run in runs.items()}, f)
+    return str(path)
+
+
+def load_runs(path) -> Dict[str, ProfiledRun]:
+    """The runs :func:`save_runs` wrote, as :class:`ProfiledRun` s again (JSON's string keys of
+    the per-rank tables turned back into ranks)."""
+    with open(path) as f:
+        raw = json.load(f)
+    runs = {}
+    for label, run in raw.items():
+        u = run["utilisation"]
+        for table in ("values", "cpu_seconds", "pinned"):
+            u[table] = {int(rank): v for rank, v in u[table].items()}
+        u["window"] = tuple(u["window"]) if u["window"] is not None else None
+        runs[label] = ProfiledRun(**dict(run, utilisation=Utilisation(**u)))
+    return runs
 
 
 def schedule_busy_share(tc: TrainConfig) -> float:

@@ -8,7 +8,7 @@ What lab 03 calls (one torchrun job of ``launch/dp_overlap.py``)::
     print(format_overlap_table(result))    # backward and exposed communication, per rank
     print(format_volume_table(result))     # bytes per step: counted vs formula
     print(format_saving(result))           # step and exposed communication, overlap off / on
-    viz.plot_dp_timeline(result)           # mpu_lab.labkit.viz.dp_overlap
+    viz.plot_dp_timeline(result)           # mpu_lab.labkit.data_parallel.viz
     # run_dp_overlap(..., profile=True): lab 12's traces of the same steps
     viz.plot_kernel_timeline(kernel_timelines(result))
 

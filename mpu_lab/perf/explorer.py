@@ -35,12 +35,13 @@ from mpu_lab.perf.cost_model import (Cluster, IterationPrediction, ModelShape, P
                                      bytes_per_parameter_terms, canonical_dtype,
                                      group_crosses_nodes,
                                      predict_iteration)
-from mpu_lab.perf.cost_model import (DGX_H100, GPT3_175B, MIXTRAL_8X7B,
-                                     rank_context_parallel, rank_expert_parallel)
 from mpu_lab.perf.cost_model import predict as predict_module
+from mpu_lab.perf.cost_model.predict import pick_recompute, recompute_label  # noqa: F401
+from mpu_lab.perf.explorer_examples import long_sequence_example, moe_example  # noqa: F401
 from mpu_lab.core.utils import divisors
 
 __all__ = ["Candidate", "Exploration", "enumerate_configs", "explore", "diagnose",
+           "RECOMPUTE_CHOICES", "recompute_label", "pick_recompute",
            "DEFAULT_THRESHOLDS", "not_modelled", "long_sequence_example", "moe_example"]
 
 # When a share of the iteration counts as "bad" (plain-language flags).
@@ -56,6 +57,10 @@ def not_modelled() -> List[str]:
         raise RuntimeError("mpu_lab.perf.cost_model.predict's docstring lost its "
                            "'Not modelled:' line")
     return [" ".join(item.split()) for item in found.group(1).split(",")]
+
+
+# explore(recompute=...): one mode, or "auto", the fastest that fits for each split
+RECOMPUTE_CHOICES = RECOMPUTE_MODES + ("auto",)
 
 
 def _switch(configs: Sequence[ParallelConfig], attr: str) -> str:
@@ -175,6 +180,7 @@ class Candidate:
         """Flat, rounded dict (for plotting, DataFrames, JSON)."""
         c, pr = self.config, self.prediction
         rec = dict(t=c.tp, p=c.pp, d=c.dp, b=c.b, m=c.m, v=c.v, sp=c.sequence_parallel,
+                   recompute=recompute_label(c),
                    time_s=round(pr.total_s, 4), tflops_per_gpu=round(pr.model_tflops_per_gpu, 1),
                    mfu=round(pr.mfu, 3), memory_gb=round(pr.memory_gb, 1), fits=pr.fits,
                    flags=self.short_flags())
@@ -223,8 +229,11 @@ class Exploration:
         """A fixed-width text table of the ranking (rounded, deterministic)."""
         rows = self.fitting() if only_fitting else self.candidates
         rows = rows[:top] if top else rows
-        head = (f"{'#':>3} {'t':>3}{'p':>4}{'d':>5}{'b':>3}{'m':>6}{'v':>3}{'time s':>9}"
-                f"{'TFLOP/s':>9}{'MFU':>6}{'mem GB':>8}  flags")
+        # a recompute column only where the candidates differ in it (explore(recompute="auto"))
+        mixed = len({recompute_label(c.config) for c in self.candidates}) > 1
+        head = (f"{'#':>3} {'t':>3}{'p':>4}{'d':>5}{'b':>3}{'m':>6}{'v':>3}"
+                + (f"{'recompute':>11}" if mixed else "")
+                + f"{'time s':>9}{'TFLOP/s':>9}{'MFU':>6}{'mem GB':>8}  flags")
         lines = [f"{self.model.name or 'model'} on {self.num_gpus} GPUs ({self.cluster.name}), "
                  f"global batch {self.global_batch_size}; TFLOP/s and MFU count model FLOPs "
                  f"(the 72 form, no recomputation)", head, "-" * (len(head) + 12)]
@@ -232,7 +241,8 @@ class Exploration:
             rank = self.candidates.index(c) + 1
             r = c.record()
             lines.append(f"{rank:>3} {r['t']:>3}{r['p']:>4}{r['d']:>5}{r['b']:>3}{r['m']:>6}"
-                         f"{r['v']:>3}{r['time_s']:>9.3f}{r['tflops_per_gpu']:>9.1f}"
+                         f"{r['v']:>3}" + (f"{r['recompute']:>11}" if mixed else "")
+                         + f"{r['time_s']:>9.3f}{r['tflops_per_gpu']:>9.1f}"
                          f"{r['mfu']:>6.2f}{r['memory_gb']:>8.1f}  {r['flags']}")
         return "\n".join(lines)
 
@@ -269,7 +279,7 @@ class Exploration:
         cl, model = self.cluster, self.model
         sp = ("on wherever t > 1" if all(c.sequence_parallel == (c.tp > 1) for c in cfgs)
               else _switch(cfgs, "sequence_parallel"))
-        recompute = ", ".join(sorted({c.recompute for c in cfgs}))
+        recompute = ", ".join(sorted({recompute_label(c) for c in cfgs}))
         vs = sorted({c.v for c in cfgs})
         overlaps = {name: _switch(cfgs, attr) for name, attr in (
             ("data-parallel gradient all-reduce", "overlap_grad_reduce"),
@@ -370,16 +380,22 @@ def explore(model: ModelShape, cluster: Cluster, num_gpus: int, global_batch_siz
     mixed precision of Narayanan et al. 2021): the width of the weights, activations and
     gradients (the gradients' sets the data-parallel all-reduce's bytes) and Megatron's bytes
     per parameter for weights, gradients and Adam (20 for fp16/fp16, 18 for bf16/fp32, 16 for
-    fp32/fp32), which decide what fits. Raises ValueError for bad inputs, for more GPUs than
-    ``cluster.num_nodes`` provides, and when no configuration is valid (naming the constraint
-    that rules them all out)."""
+    fp32/fp32), which decide what fits. ``recompute``: one of ``"none"``, ``"selective"``,
+    ``"full"`` for every split, or ``"auto"``: for each split the fastest recomputation that
+    fits (:func:`pick_recompute`, Megatron's block method included). Raises ValueError for bad
+    inputs, for more GPUs than ``cluster.num_nodes`` provides, and when no configuration is
+    valid (naming the constraint that rules them all out)."""
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {recompute!r}")
     bytes_per_parameter(params_dtype, grads_dtype)            # a pair Megatron trains with
     terms = bytes_per_parameter_terms(params_dtype, grads_dtype)["replicated"]
     if cluster.num_gpus is not None and num_gpus > cluster.num_gpus:
         raise ValueError(f"num_gpus {num_gpus} is more than the cluster's {cluster.num_gpus} "
                          f"({cluster.num_nodes} nodes x {cluster.gpus_per_node})")
+    auto = recompute == "auto"
     configs = enumerate_configs(model, num_gpus, global_batch_size, micro_batch_sizes,
-                                virtual_stages, sequence_parallel, recompute, **options)
+                                virtual_stages, sequence_parallel,
+                                "none" if auto else recompute, **options)
     if not configs:
         raise ValueError(
             f"no valid (t, p, d, b) for {num_gpus} GPUs and global batch {global_batch_size}: "
@@ -388,54 +404,13 @@ def explore(model: ModelShape, cluster: Cluster, num_gpus: int, global_batch_siz
             f"{tuple(micro_batch_sizes)}")
     cands = []
     for cfg in configs:
-        pred = predict_iteration(model, cfg, cluster, dtype_bytes=terms["param"],
-                                 grad_bytes=terms["grad"])
-        cands.append(Candidate(cfg, pred, diagnose(pred, thresholds)))
+        if auto:
+            pred = pick_recompute(model, cfg, cluster, terms["param"], terms["grad"])
+        else:
+            pred = predict_iteration(model, cfg, cluster, dtype_bytes=terms["param"],
+                                     grad_bytes=terms["grad"])
+        cands.append(Candidate(pred.config, pred, diagnose(pred, thresholds)))
     cands.sort(key=lambda c: (not c.fits, round(c.prediction.total_s, 9), c.config.tp,
                               c.config.pp, c.config.b, c.config.v))
     return Exploration(model, cluster, num_gpus, global_batch_size, cands,
                        canonical_dtype(params_dtype), canonical_dtype(grads_dtype))
-
-
-def _scaling_table(title: str, rows, key: str, top: int) -> str:
-    head = f"{'#':>3}{'t':>4}{'p':>4}{'d':>5}{key:>4}{'time s':>9}{'mem GB':>8}  fits"
-    lines = [title, head, "-" * len(head)]
-    for i, r in enumerate(rows[:top]):
-        c = r.config
-        lines.append(f"{i + 1:>3}{c.tp:>4}{c.pp:>4}{c.dp:>5}{getattr(r, key):>4}"
-                     f"{r.total_s:>9.3f}{r.memory_gb:>8.1f}  {'yes' if r.fits else 'no'}")
-    return "\n".join(lines)
-
-
-def long_sequence_example(num_gpus: int = 512, global_batch_size: int = 64,
-                          seq_length: int = 32768, cps: Sequence[int] = (1, 2, 4, 8),
-                          cluster: Optional[Cluster] = None, top: int = 10) -> dict:
-    """GPT-3 175B at a 32k sequence on DGX H100s, where context parallelism is what makes it
-    fit: every (t, p, d, cp) ranked by :func:`~mpu_lab.perf.cost_model.rank_context_parallel`
-    (selective recomputation, SP, the distributed optimizer, t inside a node, p2p ring).
-    Table 2's activations (Korthikanti et al. 2022) of one micro-batch stage, ``34·s·b·h·L/t``
-    bytes over the in-flight micro-batches, are 164 GB at t = 8 whatever p is; cp divides
-    them. Returns ``model``, ``ranking`` (fitting first, then by time), ``verdict``
-    (cp → "fits" / "does not fit": whether some (t, p, d) with that cp fits) and ``table``."""
-    model = dataclasses.replace(GPT3_175B, seq_length=seq_length,
-                                name=f"GPT-3 175B at s = {seq_length:,}")
-    cluster = cluster or DGX_H100
-    ranked = rank_context_parallel(model, cluster, num_gpus, global_batch_size, cps)
-    verdict = {cp: "fits" if any(r.fits and r.cp == cp for r in ranked) else "does not fit"
-               for cp in cps}
-    title = (f"{model.name} on {num_gpus} GPUs ({cluster.name}), batch {global_batch_size}; "
-             + ", ".join(f"cp={cp}: {v}" for cp, v in verdict.items()))
-    return dict(model=model, ranking=ranked, verdict=verdict,
-                table=_scaling_table(title, ranked, "cp", top))
-
-
-def moe_example(num_gpus: int = 64, global_batch_size: int = 256,
-                cluster: Optional[Cluster] = None, top: int = 10) -> dict:
-    """Mixtral 8x7B (Jiang et al. 2024) on DGX H100s: every (t, p, d, ep) ranked by
-    :func:`~mpu_lab.perf.cost_model.rank_expert_parallel` (selective recomputation, SP, the
-    distributed optimizer, t inside a node). Returns ``model``, ``ranking``, ``table``."""
-    cluster = cluster or DGX_H100
-    ranked = rank_expert_parallel(MIXTRAL_8X7B, cluster, num_gpus, global_batch_size)
-    title = (f"{MIXTRAL_8X7B.name} on {num_gpus} GPUs ({cluster.name}), batch "
-             f"{global_batch_size} of {MIXTRAL_8X7B.s} tokens")
-    return dict(model=MIXTRAL_8X7B, ranking=ranked, table=_scaling_table(title, ranked, "ep", top))

@@ -11,7 +11,7 @@ The names lab 03 calls (stable):
   several ``(t, p, d)``; a row is a dict ``config, tp, pp, dp, optimizer, rank, term, measured,
   predicted, note``;
 * :func:`format_memory_table` ``(rows) -> str``; the picture is
-  ``mpu_lab.labkit.viz.memory.plot_memory_breakdown(rows)``.
+  ``mpu_lab.labkit.data_parallel.viz.plot_memory_breakdown(rows)``.
 
 **Measured** (every storage counted once, ``untyped_storage().nbytes()``):
 
@@ -56,6 +56,7 @@ import torch
 from mpu_lab.training import initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state
+from mpu_lab.core.pipeline_parallel import canonical_schedule
 from mpu_lab.perf.saved_activations import SavedTensors
 from mpu_lab.perf.cost_model.counts import memory_per_gpu, parameters_per_gpu
 from mpu_lab.perf.cost_model.inputs import ModelShape, ParallelConfig
@@ -100,8 +101,8 @@ def microbatches_in_flight(args, pipeline_rank: int) -> int:
     """Micro-batches whose activations pipeline stage ``pipeline_rank`` holds at its peak:
     1 without pipelining, ``min(p - r, m)`` under 1F1B, ``m`` under GPipe. The interleaved
     schedule is not modelled here (ValueError)."""
-    p, m, schedule = args.pipeline_model_parallel_size, args.num_micro_batches, \
-        args.pipeline_schedule
+    p, m = args.pipeline_model_parallel_size, args.num_micro_batches
+    schedule = canonical_schedule(args.pipeline_schedule) if args.pipeline_schedule else None
     if p == 1 or schedule in ("1f1b", "gpipe"):
         return 1 if p == 1 else min(p - pipeline_rank, m) if schedule == "1f1b" else m
     raise ValueError(f"memory accounting models the 1f1b and gpipe schedules, not "
@@ -222,7 +223,8 @@ def predict_rank(args, pipeline_rank: int, distributed_optimizer: bool) -> Dict[
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
         dp=args.data_parallel_size, micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size, sequence_parallel=args.sequence_parallel,
-        schedule="gpipe" if args.pipeline_schedule == "gpipe" else "1f1b",
+        schedule="gpipe" if args.pipeline_schedule and canonical_schedule(
+            args.pipeline_schedule) == "gpipe" else "1f1b",
         flash_attention=model_config(args).attention_impl == "sdpa",
         distributed_optimizer=distributed_optimizer)
     first = memory_per_gpu(model, cfg, dtype_bytes=DTYPE_BYTES[MPU_LAB_PARAMS_DTYPE],

@@ -15,7 +15,7 @@
 
 A real run's clock is read from outside the mirror: :mod:`mpu_lab.perf.pipeline_timeline`
 records each rank's forwards and backwards with hooks and measures its bubble, and
-:mod:`mpu_lab.labkit.viz.pipeline` draws either timeline as a Gantt chart.
+:mod:`mpu_lab.labkit.pipeline_parallel.viz` draws either timeline as a Gantt chart.
 """
 from __future__ import annotations
 

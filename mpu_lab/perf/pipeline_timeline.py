@@ -148,7 +148,7 @@ def pipeline_records(reports: Sequence[Optional[Dict]], data_parallel_rank: int 
     rank's result holds ``"timeline"`` (:meth:`ScheduleRecorder.report`); a report may also be
     that dict itself. Returns ``dict(records, num_microbatches, num_model_chunks, schedule,
     ranks, peak_in_flight)`` with ``records[k]`` the records of pipeline stage ``k`` (ready for
-    ``mpu_lab.labkit.viz.plot_gantt`` and :func:`measured_bubble`), ``ranks[k]`` its global
+    ``mpu_lab.labkit.pipeline_parallel.viz.plot_gantt`` and :func:`measured_bubble`), ``ranks[k]`` its global
     rank and ``peak_in_flight[k]`` its most activations held.
     """
     stages = {}

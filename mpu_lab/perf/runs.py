@@ -24,7 +24,8 @@ from mpu_lab.perf.cost_model import predict_iteration
 from mpu_lab.perf.utilisation import Utilisation, run_with_utilisation
 from mpu_lab.perf.breakdown import COMPUTE
 
-__all__ = ["ProfiledRun", "training_flags", "format_utilisation", "profile_training",
+__all__ = ["ProfiledRun", "PRECISIONS", "precision_flags", "training_flags", "format_utilisation",
+           "profile_training",
            "measured_vs_predicted", "format_measured_vs_predicted", "compare_with_model"]
 
 
@@ -53,6 +54,18 @@ class ProfiledRun:
     @property
     def on_gpu(self) -> bool:
         return any(r.get("device", "cpu").startswith("cuda") for r in self.reports)
+
+
+# ``launch/train_gpt.py``'s flags for each training precision (Megatron-LM's ``--bf16``, ``--fp16``).
+PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
+
+
+def precision_flags(dtype: str) -> List[str]:
+    """``train_gpt.py`` flags of a ``dtype``: ``fp32`` none, ``bf16`` ``--bf16``, ``fp16``
+    ``--fp16``."""
+    if dtype not in PRECISIONS:
+        raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
+    return list(PRECISIONS[dtype])
 
 
 def training_flags(tc) -> List[str]:

@@ -5,7 +5,7 @@
   clock (``"clock"``: busy and idle seconds per rank, :mod:`mpu_lab.perf.rank_clock`), each
   worker optionally pinned to a core of its own; GPU utilisation through NVML where there is
   a GPU; :func:`run_with_utilisation` wraps :func:`mpu_lab.launcher.run` in
-  one. :func:`mpu_lab.labkit.viz.plot_utilisation` draws the result as one row per rank.
+  one. :func:`mpu_lab.labkit.performance.viz.plot_utilisation` draws the result as one row per rank.
 * :func:`schedule_utilisation` — what a perfect machine would show for a pipeline schedule
   (the 1F1B and GPipe schedules of Narayanan et al. 2021 §2.2, simulated by
   :mod:`mpu_lab.perf.pipeline_simulation`).

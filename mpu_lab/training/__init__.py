@@ -11,7 +11,7 @@ resharding), :mod:`~mpu_lab.training.datasets` and the single-process twin
 (:mod:`~mpu_lab.training.plain_gpt`, :mod:`~mpu_lab.training.dense_twin`). The gradient
 reductions are the mirror's (``core/distributed/finalize_model_grads.py``); AdamW, clipping
 and the fp16 loss scale are in ``mpu_lab/core/optimizer/``. Lab 14's injected
-faults (``--inject-fault``) live in the lab kit (:mod:`mpu_lab.labkit.faults`) and enter as
+faults (``--inject-fault``) live beside the loop (:mod:`mpu_lab.training.faults`) and enter as
 callbacks of the loop (:class:`~mpu_lab.training.training.Callback`) and a checkpoint writer:
 the loop has no fault branch.
 

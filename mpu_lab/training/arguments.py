@@ -34,6 +34,7 @@ from mpu_lab.training.parallel_args import (add_context_parallel_args, add_paral
                                             check_pipeline_args)
 from mpu_lab.training.recompute_args import (add_recompute_args, check_recompute_args,
                                              recompute_config_fields)
+from mpu_lab.training.fsdp_args import add_megatron_fsdp_args, check_megatron_fsdp_args
 from mpu_lab.training.moe_args import (add_moe_args, check_moe_args, expert_tensor_parallel_size,
                                        moe_config_fields)
 
@@ -124,12 +125,12 @@ def _add_debugging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dense-twin", action="store_true",
                    help="rank 0 also trains the dense TP=1 twin from the run's initial weights "
                         "and reports its per-iteration losses under \"dense_losses\" "
-                        "(mpu_lab.labkit.twin_check.compare_with_dense_twin)")
+                        "(mpu_lab.labkit.debugging.twin_check.compare_with_dense_twin)")
 
 
 # In the order of the help text.
 ARGUMENT_GROUPS = (add_parallelism_args, add_context_parallel_args, add_moe_args,
-                   _add_data_parallel_args,
+                   _add_data_parallel_args, add_megatron_fsdp_args,
                    add_network_size_args, add_recompute_args, _add_data_args, _add_training_args,
                    _add_mixed_precision_args, _add_logging_and_checkpointing_args,
                    _add_debugging_args)
@@ -139,7 +140,7 @@ def build_parser(extra_args_provider: Optional[Callable[[argparse.ArgumentParser
                  ) -> argparse.ArgumentParser:
     """The parser of ``launch/train_gpt.py``, one argument group at a time (as Megatron's
     ``parse_args``); ``extra_args_provider(parser)`` adds more (Megatron's own hook: lab 14's
-    ``--inject-fault`` comes in this way, from :mod:`mpu_lab.labkit.faults`)."""
+    ``--inject-fault`` comes in this way, from :mod:`mpu_lab.training.faults`)."""
     p = flag_errors.ArgumentParser(
         prog="train_gpt.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Train a small GPT with tensor/sequence/context/pipeline/data parallelism "
@@ -165,7 +166,7 @@ def check_launch_args(argv: Sequence[str], world_size: int, cwd=None,
     starts: parse, :func:`validate_args`, and a ``--load`` checkpoint's files against the sums
     recorded at save (:func:`mpu_lab.training.checkpointing.verify_checkpoint`). Relative paths are
     taken from ``cwd``, the job's working folder, when given. The script's ``PRECHECK``
-    (:func:`mpu_lab.labkit.faults.check_launch_args`) runs it with the fault flag added."""
+    (:func:`mpu_lab.training.faults.check_launch_args`) runs it with the fault flag added."""
     args = parse_args(argv, extra_args_provider)
     if cwd is not None:
         for name in ("data_path", "load"):
@@ -233,6 +234,7 @@ def _validate(args, world_size: int, check_load: bool) -> argparse.Namespace:
     check_moe_args(args, world_size, model_config(args))
     _fill_batch_sizes(args, world_size, dp)
     check_pipeline_args(args)
+    check_megatron_fsdp_args(args)
     _check_optimizer_and_schedule(args)
     _check_data_parallel_options(args, dp * args.context_parallel_size)
     _check_save_interval(args)

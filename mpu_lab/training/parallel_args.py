@@ -13,6 +13,7 @@ import argparse
 
 from mpu_lab.core.context_parallel import COMM_TYPES
 from mpu_lab.core.pipeline_parallel import canonical_schedule, validate_pipeline_args
+from mpu_lab.core.pipeline_parallel.partition import TORCH_NAMES, V_SCHEDULES, torch_schedule_name
 from mpu_lab.core.utils import divisors
 from mpu_lab.training.flag_errors import NPROC, FlagError, join_or, multiples_near
 
@@ -22,14 +23,24 @@ def add_parallelism_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-schedule", default=None, metavar="{gpipe,1f1b,interleaved}",
-                   help="pipeline schedule (PP > 1): all-forward-all-backward (GPipe; alias afab), "
-                        "1F1B (alias pipedream-flush), or interleaved 1F1B over virtual stages; "
-                        "default as Megatron: interleaved when "
-                        "--num-layers-per-virtual-pipeline-stage is given, else 1f1b")
+    g.add_argument("--pipeline-schedule", default=None,
+                   metavar="{" + ",".join(PIPELINE_SCHEDULES) + "}",
+                   help="pipeline schedule (PP > 1), torch's names, any case: GPipe (all forwards, "
+                        "then all backwards; alias afab), 1F1B (alias pipedream-flush), "
+                        "Interleaved1F1B over virtual stages (alias interleaved), ZBH1 (zero "
+                        "bubble, the backward split into input and weight gradients), "
+                        "ZBVZeroBubble (two chunks per rank in a V: L divisible by 2 x PP), "
+                        "DualPipeV (the same V, a forward paired with another micro-batch's "
+                        "backward; micro-batches >= 2 x PP); "
+                        "default as Megatron: Interleaved1F1B when "
+                        "--num-layers-per-virtual-pipeline-stage is given, else 1F1B")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="layers per model chunk for the interleaved schedule (Megatron's flag): "
                         "v = num_layers / PP / this")
+    g.add_argument("--timeline-file", default=None, metavar="PATH",
+                   help="write the actions each pipeline rank ran in the last iteration, in "
+                        "order, as JSON {\"<rank>\": [[kind, microbatch, chunk], ...]} (kind F, "
+                        "B, W, or BW for an unsplit backward); PP > 1; folder created")
     g.add_argument("--sequence-parallel", action="store_true")
 
 
@@ -47,6 +58,9 @@ def add_context_parallel_args(p: argparse.ArgumentParser) -> None:
 
 TP, CP, PP = ("--tensor-model-parallel-size", "--context-parallel-size",
               "--pipeline-model-parallel-size")
+# What --pipeline-schedule offers (torch's names).
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBH1", "ZBVZeroBubble", "DualPipeV")
+SCHEDULE = "--pipeline-schedule"
 
 
 def check_parallel_sizes(args, world_size: int) -> int:
@@ -122,7 +136,9 @@ def check_pipeline_args(args) -> None:
     nlv_flag = "--num-layers-per-virtual-pipeline-stage"
     if p == 1:
         given = [f for f, v in (("--pipeline-schedule", args.pipeline_schedule),
-                                (nlv_flag, nlv)) if v is not None]
+                                (nlv_flag, nlv),
+                                ("--timeline-file", getattr(args, "timeline_file", None)))
+                 if v is not None]
         if given:
             raise ValueError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} "
                              f"{PP} > 1, got 1 (one stage runs its micro-batches one after the "
@@ -140,10 +156,8 @@ def check_pipeline_args(args) -> None:
                             f"stage (--num-layers {layers} / {PP} {p})",
                             {nlv_flag: divisors(per_stage)})
         v = per_stage // nlv
-    try:
-        schedule = canonical_schedule(args.pipeline_schedule) if args.pipeline_schedule else None
-    except ValueError as exc:
-        raise ValueError(f"--pipeline-schedule {args.pipeline_schedule}: {exc}") from None
+    schedule = _schedule_of(args)
+    _check_zero_bubble(args, schedule, p, per_stage)
     if schedule == "interleaved" and v == 1:
         raise FlagError(f"--pipeline-schedule interleaved needs 2 or more model chunks per "
                         f"stage: give {nlv_flag} (v = the {per_stage} layers per stage / it)",
@@ -173,5 +187,48 @@ def check_pipeline_args(args) -> None:
             f"--pipeline-schedule {args.pipeline_schedule}, micro-batches per step = "
             f"--global-batch-size {args.global_batch_size} / (--micro-batch-size "
             f"{args.micro_batch_size} x DP {dp}) = {m}]") from None
-    args.pipeline_schedule = pipe["schedule"]
+    args.pipeline_schedule = torch_schedule_name(pipe["schedule"])   # printed and stored
     args.virtual_pipeline_model_parallel_size = pipe["virtual_pipeline_model_parallel_size"]
+
+
+def _schedule_of(args):
+    """The canonical name of ``--pipeline-schedule`` (None when not given); refuses unknown
+    names in flag names."""
+    given = args.pipeline_schedule
+    if given is None:
+        return None
+    try:
+        return canonical_schedule(given)
+    except ValueError:
+        raise FlagError(f"{SCHEDULE} {given} is not a pipeline schedule; choose one of "
+                        f"{', '.join(PIPELINE_SCHEDULES)} (any case)",
+                        {SCHEDULE: list(PIPELINE_SCHEDULES)}) from None
+
+
+def _check_zero_bubble(args, schedule, p: int, per_stage: int) -> None:
+    """What the zero-bubble schedules need: a V cuts the ``L`` layers into ``2 x PP`` chunks;
+    DualPipeV runs at least ``2 x PP`` micro-batches (torch's rule); the deferred weight gradients reach the gradient buffer after the backward hooks that
+    ``--overlap-grad-reduce`` and Megatron FSDP start their reductions from."""
+    if schedule not in ("zbh1",) + V_SCHEDULES:
+        return
+    name, layers = TORCH_NAMES[schedule], args.num_layers
+    if schedule in V_SCHEDULES and layers % (2 * p):
+        raise FlagError(f"{SCHEDULE} {name} cuts the model into 2 x {PP} {p} = {2 * p} chunks "
+                        f"of equal size (two per rank, in a V), and --num-layers {layers} is "
+                        f"not divisible by {2 * p}",
+                        {"--num-layers": multiples_near(layers, 2 * p),
+                         PP: [d for d in divisors(layers // 2) if d > 1] if layers % 2 == 0
+                         else [], SCHEDULE: ["1F1B", "ZBH1"]})
+    m, dp, mbs = args.num_micro_batches, args.data_parallel_size, args.micro_batch_size
+    if schedule == "dualpipev" and m < 2 * p:
+        raise FlagError(f"{SCHEDULE} DualPipeV needs at least 2 x {PP} {p} = {2 * p} "
+                        f"micro-batches per step (one per stage), and --global-batch-size "
+                        f"{args.global_batch_size} / (--micro-batch-size {mbs} x DP {dp}) = {m}",
+                        {"--global-batch-size": [mbs * dp * 2 * p * k for k in (1, 2)],
+                         SCHEDULE: ["ZBVZeroBubble", "ZBH1"]})
+    for flag in ("overlap_grad_reduce", "use_megatron_fsdp"):
+        if getattr(args, flag, False):
+            option = "--" + flag.replace("_", "-")
+            raise FlagError(f"{SCHEDULE} {name} with {option}: the schedule computes weight "
+                            f"gradients after the backward hooks that {option} reduces from",
+                            {option: [False], SCHEDULE: ["1F1B"]})

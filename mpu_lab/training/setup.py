@@ -21,7 +21,8 @@ from mpu_lab.training import checkpointing, datasets, initialize
 from mpu_lab.core import parallel_state
 from mpu_lab.core.context_parallel import get_batch_on_this_cp_rank
 from mpu_lab.core.distributed.distributed_data_parallel import DistributedDataParallel
-from mpu_lab.core.models.gpt.gpt_model import build_model_chunks
+from mpu_lab.core.distributed.fsdp import (FullyShardedDataParallel, FullyShardedOptimizer,
+                                           unsharded_parameters)
 from mpu_lab.core.transformer.moe import is_expert_parameter
 from mpu_lab.core.distributed.finalize_model_grads import sequence_parallel_params
 from mpu_lab.core.optimizer import DistributedOptimizer, DynamicLossScaler, build_optimizer
@@ -29,8 +30,10 @@ from mpu_lab.core.pipeline_parallel import (
     model_chunks_of, shared_embedding_or_output_weight, sync_embedding_weights)
 from mpu_lab.core.tensor_parallel import broadcast_data, model_parallel_manual_seed
 from mpu_lab.training.arguments import model_config, vocab_padding_message
+from mpu_lab.training.fsdp_args import sharding_strategy
 from mpu_lab.core.distributed.finalize_model_grads import ddp_allreduce_hook
 from mpu_lab.training.optimizer_param_scheduler import OptimizerParamScheduler, build_scheduler
+from mpu_lab.training.pipeline_v_chunks import build_model_chunks_for_schedule
 
 
 @dataclasses.dataclass
@@ -61,8 +64,9 @@ def get_model(args: argparse.Namespace) -> torch.nn.Module:
     ``ModuleList`` of its ``v`` chunks with virtual stages, holding the same weights as the
     PP=1 model (:func:`~mpu_lab.core.models.gpt.build_model_chunks`), the tied embedding copies made
     equal over the embedding group. Groups and seeds must be set."""
-    chunks = build_model_chunks(model_config(args), args.padded_vocab_size,
-                                args.max_position_embeddings)
+    chunks = build_model_chunks_for_schedule(   # ZBVZeroBubble, DualPipeV: two chunks in a V
+        model_config(args), args.padded_vocab_size, args.max_position_embeddings,
+        getattr(args, "pipeline_schedule", None))
     if args.pipeline_model_parallel_size > 1:
         sync_embedding_weights(chunks)
     return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
@@ -91,7 +95,9 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
     # the schedule (allreduce_data_parallel_grads), as Megatron's own DDP does in
     # finish_grad_sync.
     ddp_chunks: List[DistributedDataParallel] = []
-    if getattr(args, "use_distributed_optimizer", False) or getattr(args, "overlap_grad_reduce", False):
+    if sharding_strategy(args):     # --use-megatron-fsdp (PP=1, no experts)
+        ddp_chunks = wrap_megatron_fsdp(model, args)
+    elif getattr(args, "use_distributed_optimizer", False) or getattr(args, "overlap_grad_reduce", False):
         ddp_chunks = wrap_megatron_ddp(model_chunks_of(model), args)
     elif dp_cp > 1 and args.pipeline_model_parallel_size == 1 and not has_experts(args):
         # (with experts no torch DDP: it would average the expert gradients over the dense
@@ -100,7 +106,9 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
         ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
                         process_group=group)   # GPTModel has no buffers to sync
         ddp_model.register_comm_hook((group, dp_cp), ddp_allreduce_hook)
-    if ddp_chunks and args.use_distributed_optimizer:
+    if sharding_strategy(args):
+        optimizer = megatron_fsdp_optimizer(ddp_chunks, model, args)
+    elif ddp_chunks and args.use_distributed_optimizer:
         optimizer = DistributedOptimizer(ddp_chunks, args)
     else:
         optimizer = build_optimizer(model, args)
@@ -113,11 +121,14 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
                        ddp_chunks=ddp_chunks)
     if dist.get_rank() == 0 and args.padded_vocab_size != args.vocab_size:
         log(vocab_padding_message(args))
+    if dist.get_rank() == 0 and args.pipeline_model_parallel_size > 1 and not args.quiet:
+        log(f"> pipeline schedule: {args.pipeline_schedule}")   # torch's name, any spelling given
     if args.load:
-        info = checkpointing.load_checkpoint(
-            args.load, model, optimizer=None if args.no_load_optim else optimizer,
-            scheduler=None if args.no_load_optim else scheduler, load_rng=not args.no_load_rng,
-            args=args)
+        with unsharded_parameters(ddp_chunks):      # ZeRO-3: whole parameters to load into
+            info = checkpointing.load_checkpoint(
+                args.load, model, optimizer=None if args.no_load_optim else optimizer,
+                scheduler=None if args.no_load_optim else scheduler, load_rng=not args.no_load_rng,
+                args=args)
         state.iteration = info["iteration"]
         if dist.get_rank() == 0:
             log(f"> loaded {info['path']} (iteration {info['iteration']}, saved at TP="
@@ -177,6 +188,35 @@ def wrap_megatron_ddp(chunks: List[torch.nn.Module], args: argparse.Namespace
             chunk, parallel_state.get_expert_data_parallel_group(), params=experts,
             gradient_scaling_factor=1.0 / dp_cp, **options))
     return wrapped
+
+
+def wrap_megatron_fsdp(model: torch.nn.Module, args: argparse.Namespace) -> List[torch.nn.Module]:
+    """``--use-megatron-fsdp`` (Megatron-LM's ``get_model`` wraps the model in Megatron-core's
+    ``FullyShardedDataParallel``), over the data x context parallel group: ``no_shard`` and
+    ``optim`` are Megatron's data parallelism (``optim``: reduce-scatter for the distributed
+    optimizer), ``optim_grads`` and ``optim_grads_params`` Megatron-FSDP's per-layer units."""
+    strategy = sharding_strategy(args)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if strategy in ("optim_grads", "optim_grads_params"):
+        return [FullyShardedDataParallel(model, group, strategy)]
+    dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    return [DistributedDataParallel(
+        model, group, late_params=late_params(model), overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=strategy == "optim", num_micro_batches=args.num_micro_batches,
+        bucket_size=args.ddp_bucket_size or max(40_000_000, 1_000_000 * dp_cp))]
+
+
+def megatron_fsdp_optimizer(chunks: List[torch.nn.Module], model: torch.nn.Module,
+                            args: argparse.Namespace):
+    """The optimizer of :func:`wrap_megatron_fsdp`'s ``chunks``: AdamW on every parameter
+    (``no_shard``), on this rank's shards (``optim``: the distributed optimizer; the FSDP
+    strategies: :class:`~mpu_lab.core.distributed.fsdp.FullyShardedOptimizer`)."""
+    strategy = sharding_strategy(args)
+    if strategy == "optim":
+        return DistributedOptimizer(chunks, args)
+    if strategy == "no_shard":
+        return build_optimizer(model, args)
+    return FullyShardedOptimizer(chunks, args)
 
 
 def get_batch(state: TrainState, iteration: int, micro_batch: int) -> Dict[str, torch.Tensor]:

@@ -33,8 +33,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from mpu_lab.training import checkpointing, initialize
 from mpu_lab.core import comm, parallel_state
 from mpu_lab.core.optimizer import DistributedOptimizer, clip_grad_norm
+from mpu_lab.core.distributed.fsdp import FullyShardedOptimizer
+from mpu_lab.training.resident_bytes import RESIDENT_KEYS, resident_bytes
 from mpu_lab.core.pipeline_parallel import (
     average_losses_across_microbatches, get_forward_backward_func, unwrap_model)
+from mpu_lab.core.pipeline_parallel.partition import V_SCHEDULES, canonical_schedule
 from mpu_lab.training.checkpointing import gather_model_state_dict
 from mpu_lab.training.plain_gpt import PlainGPT
 from mpu_lab.core.transformer.moe import MoEAuxLossAutoScaler
@@ -57,6 +60,9 @@ class Callback:
       the optimizer step.
     * ``on_step_end(state, step)``: after the loss average over the data-parallel group;
       ``step`` is the dict :func:`train_step` returns, and ``state.iteration`` counts this step.
+    * ``on_pipeline_action(kind, microbatch, chunk)``: with pipeline parallelism, as the
+      schedule starts each action (``F``, ``B``, ``W``, or ``BW`` for an unsplit backward;
+      the schedules' ``action_callback``).
     """
 
     def on_step_begin(self, state: TrainState) -> None:
@@ -66,6 +72,9 @@ class Callback:
         pass
 
     def on_step_end(self, state: TrainState, step: Dict[str, float]) -> None:
+        pass
+
+    def on_pipeline_action(self, kind: str, microbatch: int, chunk: int) -> None:
         pass
 
 
@@ -111,6 +120,7 @@ def _step_output(state: TrainState, loss, grad_norm: float, lr: float, skipped: 
     out = dict(lm_loss=float(loss), grad_norm=grad_norm, lr=lr, skipped=skipped)
     if state.scaler:
         out["loss_scale"] = state.scaler.scale
+    out.update(resident_bytes(state))   # after optimizer.step(), before the next zero_grad
     return out
 
 
@@ -141,7 +151,7 @@ def _optimizer_step(args, state, params):
     # (Megatron's expert tp-ep-pp group), the dense ones over the model-parallel group
     expert_group = parallel_state.get_expert_tensor_model_pipeline_parallel_group() \
         if has_experts(args) else None
-    if isinstance(state.optimizer, DistributedOptimizer):
+    if isinstance(state.optimizer, (DistributedOptimizer, FullyShardedOptimizer)):
         # every rank's shards are distinct (experts included): one sum over the world
         params, mp_group, expert_group = state.optimizer.shard_params, dist.group.WORLD, None
     skipped = False
@@ -278,7 +288,9 @@ def train_step_pipelined(state: TrainState, callbacks: Sequence[Callback] = ()
         num_microbatches=args.num_micro_batches,
         seq_length=args.seq_length // getattr(args, "context_parallel_size", 1),
         micro_batch_size=args.micro_batch_size, forward_only=False,
-        grad_scale_func=(lambda loss: loss * scale) if state.scaler else None)
+        grad_scale_func=(lambda loss: loss * scale) if state.scaler else None,
+        action_callback=lambda *action: [c.on_pipeline_action(*action) for c in callbacks
+                                         if hasattr(c, "on_pipeline_action")])
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     finalize_model_grads(chunks, data_parallel_params=None if state.ddp_chunks else params,
                          ddp_chunks=state.ddp_chunks)
@@ -288,10 +300,13 @@ def train_step_pipelined(state: TrainState, callbacks: Sequence[Callback] = ()
     # The loss of the global batch: on the last stage the mean over micro-batches, averaged
     # over the data-parallel group; then sent from the last stage to the whole pipeline.
     loss = torch.zeros((), dtype=torch.float32, device=device)
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    # The last stage is on the last pipeline rank, or on the first in a V (ZBVZeroBubble).
+    in_v = canonical_schedule(args.pipeline_schedule) in V_SCHEDULES
+    if any(unwrap_model(chunk).post_process for chunk in chunks):
         loss += average_losses_across_microbatches(store)["lm_loss"]
         loss = average_losses_across_data_parallel_group(loss)
-    loss = comm.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+    loss = comm.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_first_rank() if in_v
+                          else parallel_state.get_pipeline_model_parallel_last_rank(),
                           group=parallel_state.get_pipeline_model_parallel_group())
     step = _step_output(state, loss, grad_norm, lr, skipped)
     for callback in callbacks:
@@ -337,6 +352,7 @@ def train(state: TrainState, train_iters: Optional[int] = None,
                               skipped_iter=bool(step["skipped"]))
                 if "loss_scale" in step:
                     record["loss_scale"] = step["loss_scale"]
+                record.update({k: step[k] for k in RESIDENT_KEYS if k in step})
                 if has_experts(args) and args.moe_aux_loss_coeff > 0:
                     record["load_balancing_loss"] = load_balancing_loss(state.model_chunks)
                 logged.append(record)

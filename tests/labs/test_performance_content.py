@@ -21,7 +21,7 @@ from fractions import Fraction
 import nbformat
 import pytest
 
-from mpu_lab.labkit.exercises.performance import check_pipeline_speedup
+from mpu_lab.labkit.performance.exercises import check_pipeline_speedup
 from mpu_lab.perf import explorer, published_runs
 from mpu_lab.perf.cost_model import (
     DGX_A100_80GB, ModelShape, ParallelConfig, hardware_flops_per_iteration,

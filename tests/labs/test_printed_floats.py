@@ -16,7 +16,8 @@ from typing import Iterator, List, Tuple
 import nbformat
 import pytest
 
-from mpu_lab.labkit import dp_lessons, gpt_runs
+from mpu_lab.labkit.data_parallel import lessons as dp_lessons
+from mpu_lab.labkit.train_gpt import runs as gpt_runs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOKS = [ROOT / "Start_Here.ipynb", *sorted((ROOT / "labs").glob("*.ipynb"))]

@@ -147,6 +147,9 @@ TOY: Dict[str, Toy] = {
                               "minute", ("--ranks", "2", "--repeats", "1")),
     "bench_startup.py:2": Toy("its 2 and 4 ranks once instead of twice", ("--repeats", "1")),
     "bench_startup.py:3": Toy("2 ranks: any world size runs it", nproc=2),
+    "capstone.py:1": Toy("the reference package by its absolute path (the fresh-clone folder "
+                         "holds launch/ only); 4 ranks, 3 iterations, about 20 s",
+                         ("--code", str(REPO / "labs" / "solutions"))),
     "collectives.py:2": Toy("as written: 8 ranks for the layouts (TEST_* switches chosen)"),
     "dp_overlap.py:1": Toy("1 timed step of a one-layer width-32 GPT at DP = 2 (its flags as "
                            "written are pre-checked for 4 ranks)",

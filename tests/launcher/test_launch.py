@@ -122,7 +122,7 @@ def test_an_environment_inside_the_repository_is_not_the_repositorys_code():
     """The README puts the virtual environment in the repository (``.venv``): torch's frames
     there are torch's (lab 14's stacks and the launcher's diagnosis name them as torch's,
     without line numbers), not files of this repository."""
-    from mpu_lab.labkit import debugging
+    from mpu_lab.labkit.debugging import tools as debugging
     from mpu_lab.launcher import REPO_ROOT, diagnosis
     torch_file = str(REPO_ROOT / ".venv" / "lib" / "python3.11" / "site-packages" / "torch"
                      / "distributed" / "distributed_c10d.py")

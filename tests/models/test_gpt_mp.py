@@ -208,7 +208,7 @@ def test_train_gpt_script_writes_metrics_saves_and_resumes_at_another_tp_and_pp(
     from mpu_lab.perf.pipeline_timeline import pipeline_records
     from mpu_lab.perf.pipeline_order import schedule_order
     timeline = pipeline_records(resumed.results)
-    assert (timeline["schedule"], timeline["num_microbatches"], timeline["ranks"]) == ("1f1b", 2, [0, 1])
+    assert (timeline["schedule"], timeline["num_microbatches"], timeline["ranks"]) == ("1F1B", 2, [0, 1])
     assert [[list(r[:3]) for r in recs] for recs in timeline["records"]] == \
         [[list(op) for op in schedule_order("1f1b", 2, stage, 2)] for stage in (0, 1)]
 

@@ -127,7 +127,8 @@ def validate(argv, world_size=1):
     (["--num-layers", 2, "--pipeline-model-parallel-size", 2, "--micro-batch-size", 4,
       "--global-batch-size", 12], 4, "--global-batch-size 12 must be a multiple of .* 4 x 2 = 8"),
     (["--num-layers", 2, "--pipeline-model-parallel-size", 2, "--pipeline-schedule", "zigzag"], 2,
-     r"unknown pipeline schedule 'zigzag'; choose one of \['no-pipelining', 'gpipe', '1f1b', 'interleaved'\]"),
+     r"--pipeline-schedule zigzag is not a pipeline schedule; choose one of GPipe, 1F1B, "
+     r"Interleaved1F1B, ZBH1, ZBVZeroBubble, DualPipeV"),
     (["--num-layers", 4, "--pipeline-model-parallel-size", 2, "--pipeline-schedule", "gpipe",
       "--num-layers-per-virtual-pipeline-stage", 1], 2,
      "--pipeline-schedule gpipe runs one model chunk per stage, but "
@@ -146,12 +147,12 @@ def test_pipeline_flags_fill_in_schedule_and_virtual_stages():
     args = validate(["--num-layers", 8, "--pipeline-model-parallel-size", 2, "--micro-batch-size", 2,
                      "--global-batch-size", 16, "--num-layers-per-virtual-pipeline-stage", 2], 4)
     assert (args.data_parallel_size, args.num_micro_batches) == (2, 4)
-    assert (args.pipeline_schedule, args.virtual_pipeline_model_parallel_size) == ("interleaved", 2)
+    assert (args.pipeline_schedule, args.virtual_pipeline_model_parallel_size) == ("Interleaved1F1B", 2)
     training.validate_args(args, 4)   # idempotent
     args = validate(["--num-layers", 4, "--pipeline-model-parallel-size", 2], 2)
-    assert (args.pipeline_schedule, args.virtual_pipeline_model_parallel_size) == ("1f1b", None)
+    assert (args.pipeline_schedule, args.virtual_pipeline_model_parallel_size) == ("1F1B", None)
     args = validate(["--num-layers", 4, "--pipeline-model-parallel-size", 2, "--pipeline-schedule", "AFAB"], 2)
-    assert args.pipeline_schedule == "gpipe"
+    assert args.pipeline_schedule == "GPipe"
     args = validate([], 1)
     assert (args.pipeline_schedule, args.virtual_pipeline_model_parallel_size) == (None, None)
 

@@ -1,11 +1,11 @@
-"""torchrun worker: lab 08's measurements (mpu_lab.labkit.cp_lessons) on 4 ranks, one CP group.
+"""torchrun worker: lab 08's measurements (mpu_lab.labkit.context_parallel.lessons) on 4 ranks, one CP group.
 
     torchrun --standalone --nproc-per-node 4 tests/mp/cp_lesson_checks.py
 
 Every rank reports ``{"rank", "memory", "flops", "messages"}``: one layer's activation bytes
 without and with CP at s = 256, the FLOPs of its causal attention in both layouts (s = 256,
 b = 1, n = 2, d = 8), and the messages of one attention forward and backward per comm type
-(s = 32, b = 2, n = 4, d = 4). tests/labkit/test_cp_lessons.py asserts them against values
+(s = 32, b = 2, n = 4, d = 4). tests/labkit/context_parallel/test_context_parallel_lessons.py asserts them against values
 worked by hand.
 """
 import torch.distributed as dist
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from mpu_lab.core import context_parallel
 from mpu_lab.training import initialize
 from mpu_lab import launcher
-from mpu_lab.labkit import cp_lessons
+from mpu_lab.labkit.context_parallel import lessons as cp_lessons
 
 
 @launcher.entrypoint

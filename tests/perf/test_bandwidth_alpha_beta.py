@@ -1,9 +1,9 @@
 """The alpha-beta model of ring collectives (mpu_lab.perf.bandwidth) and lab 02's lessons built on
-it (mpu_lab.labkit.collective_lessons), against values worked by hand."""
+it (mpu_lab.labkit.collectives.lessons), against values worked by hand."""
 import pytest
 
 from mpu_lab import perf
-from mpu_lab.labkit import collective_lessons as lessons
+from mpu_lab.labkit.collectives import lessons
 from mpu_lab.perf import bandwidth
 
 

@@ -4,8 +4,8 @@ data-parallel bytes of a ring over d ranks, which bucket reductions start during
 the rows the timeline draws. One 4-rank torchrun job for the whole file."""
 import pytest
 
-from mpu_lab.labkit.viz.dp_overlap import plot_dp_timeline
-from mpu_lab.labkit import dp_lessons
+from mpu_lab.labkit.data_parallel.viz import plot_dp_timeline
+from mpu_lab.labkit.data_parallel import lessons as dp_lessons
 from mpu_lab.perf import dp_overlap, rank_clock
 from mpu_lab.perf.cost_model import dp_overlap as overlap_model
 

@@ -1,8 +1,8 @@
 """GPU peaks by device name and MFU (mpu_lab.perf.hardware), and lab 11's tokens/s and MFU
-(mpu_lab.labkit.gpt_runs.throughput) on a hand-worked example."""
+(mpu_lab.labkit.train_gpt.runs.throughput) on a hand-worked example."""
 import pytest
 
-from mpu_lab.labkit import gpt_runs
+from mpu_lab.labkit.train_gpt import runs as gpt_runs
 from mpu_lab.perf import hardware
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from mpu_lab import launcher
-from mpu_lab.labkit import viz
+from mpu_lab.labkit.performance import viz
 from mpu_lab.perf import kernel_timeline as kt, op_classes
 
 

@@ -158,7 +158,7 @@ def test_bad_configurations_fail_before_any_process_starts():
 
 
 def test_the_stacked_bar_and_the_saving_table_show_the_measured_bytes(rows, capsys):
-    from mpu_lab.labkit.viz.memory import plot_memory_breakdown, print_optimizer_saving
+    from mpu_lab.labkit.data_parallel.viz import plot_memory_breakdown, print_optimizer_saving
     fig = plot_memory_breakdown(rows, rank=0, unit="B")
     bars = fig.axes[0].patches            # per pair: 4 measured terms, then 4 predicted
     assert len(bars) == len(CONFIGS) * 2 * 2 * 4

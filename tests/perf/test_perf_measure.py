@@ -280,7 +280,7 @@ def test_schedule_utilisation_is_busy_m_over_m_plus_p_minus_1(p, m):
 # --------------------------------------------------------------------------- lab 12 exercises
 def test_lab08_checkers(capsys):
     from mpu_lab import perf
-    from mpu_lab.labkit import exercises
+    from mpu_lab.labkit.performance import exercises
     # (p-1)/m <= 5 % with p = 8: m >= 7 / 0.05 = 140 (by hand)
     assert exercises.check_min_microbatches(140, p=8, max_bubble=0.05)
     assert not exercises.check_min_microbatches(139, p=8, max_bubble=0.05)
@@ -341,7 +341,8 @@ def best_pairs_by_brute_force(model, cluster, num_gpus, batch, tol):
 
 def test_lab08_figures_draw_what_they_are_given():
     from mpu_lab import perf
-    from mpu_lab.labkit import viz
+    from mpu_lab.labkit.performance import viz
+    from mpu_lab.labkit.scaling import viz as scaling_viz
     util = {f"m={m}": utilisation.schedule_utilisation("1f1b", 4, m) for m in (1, 8)}
     fig = viz.plot_utilisation(util, xlabel="slots")
     assert len(fig.axes) == 3                                      # two panels and a colorbar
@@ -358,10 +359,10 @@ def test_lab08_figures_draw_what_they_are_given():
     model = perf.ModelShape(8, 512, 8, 256, 1024)
     result = perf.explore(model, perf.DGX_A100_80GB, num_gpus=8, global_batch_size=32)
     pairs = {(c.config.tp, c.config.pp) for c in result.candidates}
-    assert len(viz.plot_exploration(result).axes[0].get_yticklabels()) == len(pairs)
+    assert len(scaling_viz.plot_exploration(result).axes[0].get_yticklabels()) == len(pairs)
 
     published = [dict(name=f"run {i}", gpus=8, gpu="a100", reported_tflops=100.0,
                       predicted_tflops=100.0 + i, error=i / 100, calibration=i == 0)
                  for i in range(3)]
-    fig = viz.plot_published_runs(published)
+    fig = scaling_viz.plot_published_runs(published)
     assert len(fig.axes) == 2 and len(fig.axes[0].get_yticklabels()) == 3

@@ -108,10 +108,17 @@ def test_sdpa_keeps_no_s_by_s_tensor(world):
     assert all(shape[-1] != s or len(shape) < 2 or shape[-2] != s for _, shape, _ in sdpa["saved"])
 
 
+@pytest.fixture(scope="module")
+def tp2_job():
+    """One 2-rank job for every TP = 2 check here (dropout 0, and with --recompute dropout 0.1)."""
+    return run("activation_memory.py", ["--tp", 2, "--attention", "explicit", "sdpa",
+                                        "--recompute", "--quiet"],
+               nproc=2, show="none", timeout_s=240).results
+
+
 @pytest.mark.slow
-def test_tp2_job_measures_the_mpu_lab_terms_and_the_papers_ratios(world):
-    rows = run("activation_memory.py", ["--tp", 2, "--attention", "explicit", "sdpa", "--quiet"],
-               nproc=2, show="none", timeout_s=180).results
+def test_tp2_job_measures_the_mpu_lab_terms_and_the_papers_ratios(world, tp2_job):
+    rows = tp2_job
     assert rows[0] == rows[1]                      # both ranks keep the same bytes
     tp1 = saved_activations.measured_row(**SMALL)
     tp2, tp2_sp, sdpa, sdpa_sp = rows[0]["rows"]
@@ -128,3 +135,32 @@ def test_tp2_job_measures_the_mpu_lab_terms_and_the_papers_ratios(world):
     assert tp2["measured"] / tp1["measured"] == pytest.approx(paper(2, False) / paper(1, False), rel=0.05)
     assert tp2["measured"] - tp2_sp["measured"] == (16 * sbh + 16 * s * b) // 2
     assert sdpa_sp["measured"] < sdpa["measured"] < tp2["measured"]
+
+
+@pytest.mark.slow
+def test_tp2_job_saved_bytes_per_recompute_mode_equal_the_hand_worked_fp32_formulas(tp2_job):
+    """fp32 values and torch's 4-byte CPU dropout masks (derived in
+    tests/perf/test_recompute_against_formulas.py): per sbh 24 replicated + 48/t split, per
+    as^2b 12/t; LayerNorm statistics 16sb (/t with SP) and the explicit softmax's s^2 bool mask;
+    SDPA with dropout runs torch's math path (+8sbh/t scaled Q and K, no bool mask). Worked for
+    s=128 b=2 h=64 a=8, t=2 (sbh = 16384)."""
+    s, b, h, a = SMALL.values()
+    sbh, t = s * b * h, 2
+    expect = {("explicit", False, "none"): 2_379_776, ("explicit", True, "none"): 2_181_120,
+              ("explicit", False, "selective"): 790_528, ("explicit", True, "selective"): 591_872,
+              ("explicit", False, "full"): 65_536, ("explicit", True, "full"): 32_768}
+    assert expect[("explicit", False, "none")] == (24 + 48 // t) * sbh + 12 * a * s * s * b // t \
+        + s * s + 16 * s * b
+    for (impl, sp, mode), n in list(expect.items()):
+        plus = 8 * sbh // t - s * s if mode == "none" else 0      # SDPA's math fallback
+        expect[("sdpa", sp, mode)] = n + plus
+    for rank in tp2_job:
+        got = {(r["attention"], r["sequence_parallel"], r["recompute"]): r["measured"]
+               for r in rank["recompute_rows"]}
+        assert got == expect
+        assert all(r["measured"] == r["derived"] for r in rank["recompute_rows"])
+        # FLOPs per rank: a forward is (24sbh^2 + 4bs^2h)/t = 16777216; 3, 3 + core, 4 forwards
+        flops = {r["recompute"]: r["counted"] for r in rank["flops_rows"]}
+        forward, core = (24 * sbh * h + 4 * b * s * s * h) // t, 4 * b * s * s * h // t
+        assert forward == 16_777_216
+        assert flops == {"none": 3 * forward, "selective": 3 * forward + core, "full": 4 * forward}

@@ -150,3 +150,20 @@ def test_bad_predicted_sizes_are_refused_with_the_numbers():
     only_bad = {"bad: PP=4, 1 micro-batch": timelines["bad: PP=4, 1 micro-batch"]}
     with pytest.raises(ValueError, match="no remedy timeline"):
         bad_vs_good.predicted_speedup(only_bad)
+
+
+def test_saved_runs_load_back_with_ranks_as_keys_and_the_same_verdict(tmp_path):
+    # What launch/utilisation.py writes for lab 12's pictures: a run with per-rank tables keyed by
+    # rank (JSON makes them strings) and a cropped window comes back equal, field by field.
+    util = Utilisation("clock", 0.05, [0.0, 0.05, 0.1], {0: [100.0, 50.0, 0.0], 1: [0.0, 100.0, 100.0]},
+                       2, machine=[90.0, 80.0, 70.0], clock_times=[0.0, 0.1],
+                       cpu_seconds={0: [0.0, 0.08], 1: [0.0, 0.1]}, pinned={0: 0, 1: 1}, window=(0.0, 0.1))
+    runs = {"bad: PP=2, 1 micro-batch": ProfiledRun("bad", 2, [dict(step_seconds=[1.1], step_s=1.1)],
+                                                     util, [{"iteration": 1, "lm_loss": 6.2}], 3.5),
+            "remedy: PP=2, 8 micro-batches": _run("remedy", [0.5], [0.4]),
+            "good: DP=2": _run("good", [0.55], [0.5])}
+    path = bad_vs_good.save_runs(runs, tmp_path / "bad_vs_good.json")
+    back = bad_vs_good.load_runs(path)
+    assert back == runs
+    assert back["bad: PP=2, 1 micro-batch"].utilisation.values[1] == [0.0, 100.0, 100.0]
+    assert bad_vs_good.speedup_line(back) == bad_vs_good.speedup_line(runs)

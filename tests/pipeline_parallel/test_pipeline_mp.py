@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from mpu_lab.labkit.viz import plot_gantt
+from mpu_lab.labkit.pipeline_parallel.viz import plot_gantt
 from mpu_lab.perf.pipeline_timeline import measured_bubble
 from mpu_lab.perf.pipeline_order import schedule_order
 

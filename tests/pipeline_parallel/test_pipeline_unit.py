@@ -7,7 +7,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from mpu_lab.labkit.viz import plot_gantt
+from mpu_lab.labkit.pipeline_parallel.viz import plot_gantt
 from mpu_lab.perf.pipeline_timeline import ScheduleRecorder, measured_bubble, pipeline_records
 from mpu_lab.perf.pipeline_simulation import analytic_bubble, bubble_share, simulate
 from mpu_lab.core.pipeline_parallel import (

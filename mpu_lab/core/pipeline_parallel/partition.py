@@ -13,6 +13,10 @@ virtual stage ``k·p + r``. Example, 8 layers, ``p = 2``, ``v = 2``:
 The embedding sits on virtual stage 0 (rank 0, chunk 0), the output layer and the loss on the
 last virtual stage (rank p-1, chunk v-1), as in Megatron's ``pre_process``/``post_process``.
 
+The V schedules (``ZBVZeroBubble``, Qi et al. 2024 §6; ``DualPipeV``) cut the model into ``2p``
+stages too, but lay them out in a V: rank ``r`` holds stage ``r`` (chunk 0) and stage
+``2p - 1 - r`` (chunk 1), so the embedding *and* the loss are on rank 0 (:func:`v_stage_table`).
+
 Every check raises ``ValueError`` naming the numbers and what would be valid, and runs before
 any process starts, so a configuration that cannot work fails early and says why.
 """
@@ -20,14 +24,23 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-# Canonical schedule names, and the spellings accepted for them.
-SCHEDULES = ("no-pipelining", "gpipe", "1f1b", "interleaved")
+# Canonical schedule names, and the spellings accepted for them (any case).
+SCHEDULES = ("no-pipelining", "gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
 _ALIASES = {
     "none": "no-pipelining", "no_pipelining": "no-pipelining", "no-pipelining": "no-pipelining",
     "gpipe": "gpipe", "afab": "gpipe", "all-forward-all-backward": "gpipe",
     "1f1b": "1f1b", "pipedream-flush": "1f1b", "non-interleaved": "1f1b",
     "interleaved": "interleaved", "interleaved-1f1b": "interleaved",
+    "interleaved1f1b": "interleaved",
+    "zbh1": "zbh1", "zb-h1": "zbh1", "zbv": "zbv", "zb-v": "zbv", "zbvzerobubble": "zbv",
+    "dualpipev": "dualpipev",
 }
+# torch.distributed.pipelining's class names (Schedule<name>), and ZBH1 for the zero-bubble
+# paper's handcrafted schedule 1: what launch/train_gpt.py prints and stores.
+TORCH_NAMES = {"no-pipelining": "no-pipelining", "gpipe": "GPipe", "1f1b": "1F1B",
+               "interleaved": "Interleaved1F1B", "zbh1": "ZBH1", "zbv": "ZBVZeroBubble",
+               "dualpipev": "DualPipeV"}
+V_SCHEDULES = ("zbv", "dualpipev")      # two chunks per rank in a V
 
 
 def _positive(name: str, value) -> int:
@@ -43,12 +56,47 @@ def _vpp(virtual_pipeline_model_parallel_size: Optional[int]) -> int:
 
 
 def canonical_schedule(name: str) -> str:
-    """``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"no-pipelining"`` for any accepted spelling."""
+    """The canonical name (one of :data:`SCHEDULES`) for any accepted spelling."""
     key = str(name).strip().lower().replace(" ", "-")
     if key not in _ALIASES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {list(SCHEDULES)} "
                          f"(aliases: {sorted(k for k in _ALIASES if k not in SCHEDULES)})")
     return _ALIASES[key]
+
+
+def torch_schedule_name(name: str) -> str:
+    """torch's name (``"1F1B"``, ``"ZBVZeroBubble"``, ...) for any accepted spelling."""
+    return TORCH_NAMES[canonical_schedule(name)]
+
+
+def v_stage_table(num_layers: int, pipeline_model_parallel_size: int) -> List[Dict]:
+    """One row per model chunk of a V schedule, in stage order: stage ``s < p`` is chunk 0 of
+    rank ``s``, stage ``s >= p`` chunk 1 of rank ``2p - 1 - s``; ``L / 2p`` layers each.
+
+    >>> [(r["pp_rank"], r["chunk"], list(r["layers"])) for r in v_stage_table(8, 2)]
+    [(0, 0, [0, 1]), (1, 0, [2, 3]), (1, 1, [4, 5]), (0, 1, [6, 7])]
+    """
+    p = _positive("pipeline_model_parallel_size", pipeline_model_parallel_size)
+    per_chunk = check_layers_v(num_layers, p)
+    rows = []
+    for stage in range(2 * p):
+        rank, chunk = (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+        rows.append(dict(virtual_stage=stage, pp_rank=rank, chunk=chunk,
+                         layers=range(stage * per_chunk, (stage + 1) * per_chunk),
+                         pre_process=stage == 0, post_process=stage == 2 * p - 1))
+    return rows
+
+
+def check_layers_v(num_layers: int, pipeline_model_parallel_size: int) -> int:
+    """Layers per chunk of a V schedule, ``L / 2p``; raises when it is not a whole number."""
+    L = _positive("num_layers", num_layers)
+    p = _positive("pipeline_model_parallel_size", pipeline_model_parallel_size)
+    if L % (2 * p):
+        raise ValueError(
+            f"num_layers {L} is not divisible by 2 x pipeline_model_parallel_size {p} = {2 * p}: "
+            f"a V schedule cuts the model into 2p stages of equal size; use num_layers in "
+            f"{[2 * p * k for k in range(1, 5)]}...")
+    return L // (2 * p)
 
 
 def default_schedule(pipeline_model_parallel_size: int,
@@ -168,8 +216,14 @@ def check_schedule(schedule: str, pipeline_model_parallel_size: int, num_microba
         raise ValueError(f"schedule 'no-pipelining' runs a single stage, but "
                          f"pipeline_model_parallel_size is {p}; use '1f1b', 'gpipe' or 'interleaved'")
     if name != "interleaved" and v != 1:
-        raise ValueError(f"schedule {name!r} runs one model chunk per stage, but "
-                         f"virtual_pipeline_model_parallel_size is {v}; use 'interleaved'")
+        raise ValueError(f"schedule {TORCH_NAMES[name]!r} runs "
+                         f"{'its own two (V) chunks' if name in V_SCHEDULES else 'one model chunk'}"
+                         f" per stage, but virtual_pipeline_model_parallel_size is {v}; use "
+                         f"'Interleaved1F1B'")
+    if name == "dualpipev" and m < 2 * p:
+        # torch's ScheduleDualPipeV: its steady state needs as many micro-batches as stages.
+        raise ValueError(f"DualPipeV needs num_microbatches >= 2 x pipeline_model_parallel_size "
+                         f"= {2 * p} (as many as its stages), got {m}")
     if name == "interleaved":
         if p < 2:
             raise ValueError(f"the interleaved schedule needs pipeline_model_parallel_size >= 2, "
@@ -211,6 +265,8 @@ def validate_pipeline_args(*, num_layers: int, pipeline_model_parallel_size: int
     per_chunk = check_layers(num_layers, p, v)
     m = get_num_microbatches(global_batch_size, micro_batch_size, data_parallel_size)
     name = check_schedule(schedule or default_schedule(p, v), p, m, v)
+    if name in V_SCHEDULES:
+        per_chunk = check_layers_v(num_layers, p)
     return dict(schedule=name, num_microbatches=m,
                 virtual_pipeline_model_parallel_size=v if v > 1 else None,
                 layers_per_chunk=per_chunk)

@@ -16,7 +16,10 @@ list of ``reduced_dict`` — one per micro-batch on the last stage, ``[]`` on th
 ``model.set_input_tensor([tensor])`` (``[None]`` on the first stage), Megatron's convention.
 Optional keywords: ``tensor_shape`` overrides ``(s, b, h)``; ``dtype`` of the messages
 (default ``config.pipeline_dtype`` / ``params_dtype`` / fp32); ``grad_scale_func`` scales the
-last stage's loss before its backward (fp16 loss scaling, Megatron's ``config.grad_scale_func``).
+last stage's loss before its backward (fp16 loss scaling, Megatron's ``config.grad_scale_func``);
+``action_callback(kind, microbatch, chunk)`` is called as each forward (``"F"``) and backward
+(``"BW"``: input and weight gradients together) starts — the hook point where an observer
+records what a schedule ran, without rebinding anything.
 
 The schedules (Narayanan et al. 2021, §2.2; GPipe: Huang et al. 2019), each written out as
 its loops: :func:`forward_backward_pipelining_gpipe` (all forwards, then all backwards),
@@ -25,93 +28,55 @@ cool-down) and :func:`forward_backward_pipelining_with_interleaving` (1F1B over 
 chunks per stage). :mod:`~mpu_lab.perf.pipeline_order` plans the same op orders on paper
 (and checks their messages for deadlocks); a test holds the two together. Nothing here
 measures: to see when each forward and backward ran, hook the model chunks from outside, as
-:mod:`mpu_lab.perf.pipeline_timeline` does.
+:mod:`mpu_lab.perf.pipeline_timeline` does, or pass ``action_callback``.
+
+The zero-bubble schedules (``ZBH1``, ``ZBVZeroBubble``; Qi et al. 2024) and ``DualPipeV``, which
+split backwards into ``B`` and ``W``, are action lists run by
+:mod:`~mpu_lab.core.pipeline_parallel.schedule_runtime`; :func:`get_forward_backward_func`
+hands them out by name too.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Optional
-
-import torch
 
 from mpu_lab.core import parallel_state as ps
 from mpu_lab.core.pipeline_parallel import p2p_communication as p2p
+from mpu_lab.core.pipeline_parallel import schedule_runtime
+from mpu_lab.core.pipeline_parallel.microbatch_steps import backward_step, forward_step
 from mpu_lab.core.pipeline_parallel.partition import canonical_schedule, default_schedule
-from mpu_lab.core.pipeline_parallel.utils import (
-    chunks_and_iterators, message_shape_and_dtype, unwrap_model)
-
-
-# --------------------------------------------------------------------------- one micro-batch
-def forward_step(forward_step_func: Callable, data_iterator, model: torch.nn.Module,
-                 num_microbatches: int, input_tensor: Optional[torch.Tensor],
-                 forward_data_store: List[Any], forward_only: bool = False):
-    """One micro-batch through one model chunk (Megatron's ``forward_step``). On the last stage
-    the output is the micro-batch's loss divided by ``num_microbatches``."""
-    target = unwrap_model(model)
-    if hasattr(target, "set_input_tensor"):
-        target.set_input_tensor([input_tensor])
-    elif input_tensor is not None:
-        raise AttributeError(
-            f"{type(target).__name__} has no set_input_tensor(): a pipeline stage other than the "
-            f"first receives its input through model.set_input_tensor([tensor]) (Megatron)")
-    with torch.set_grad_enabled(not forward_only):
-        output_tensor, loss_func = forward_step_func(data_iterator, model)
-        if ps.is_pipeline_last_stage():
-            loss, reduced = _split_loss(loss_func(output_tensor))
-            output_tensor = loss / num_microbatches     # mean over micro-batches, as Megatron
-            forward_data_store.append(reduced)
-    return output_tensor
-
-
-def _split_loss(result):
-    """``loss_func``'s result as ``(loss, reduced_dict)``; a bare tensor is also accepted."""
-    if isinstance(result, torch.Tensor):
-        return result, {"loss": result.detach()}
-    if isinstance(result, (tuple, list)) and len(result) == 2:
-        return result[0], result[1]
-    raise TypeError("loss_func must return (loss, reduced_dict) or a loss tensor, got "
-                    f"{type(result).__name__}")
-
-
-def backward_step(input_tensor: Optional[torch.Tensor], output_tensor: torch.Tensor,
-                  output_tensor_grad: Optional[torch.Tensor],
-                  grad_scale_func: Optional[Callable] = None) -> Optional[torch.Tensor]:
-    """Backward of one micro-batch through one model chunk (Megatron's ``backward_step``):
-    from the loss on the last stage, else from the gradient the next stage sent. Returns the
-    gradient of the stage's input, for the previous stage (``None`` on the first stage)."""
-    if output_tensor_grad is None:
-        if grad_scale_func is not None:
-            output_tensor = grad_scale_func(output_tensor)
-        torch.autograd.backward(output_tensor)
-    else:
-        torch.autograd.backward(output_tensor,
-                                grad_tensors=output_tensor_grad.to(output_tensor.dtype))
-    if input_tensor is None:
-        return None
-    if input_tensor.grad is None:
-        raise RuntimeError("a stage's input got no gradient: the output must depend on the "
-                           "tensor given to set_input_tensor()")
-    return input_tensor.grad
+from mpu_lab.core.pipeline_parallel.utils import chunks_and_iterators, message_shape_and_dtype
 
 
 # --------------------------------------------------------------------------- the schedules
 def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, num_microbatches,
                                    seq_length=None, micro_batch_size=None, forward_only=False,
-                                   tensor_shape=None, dtype=None, grad_scale_func=None):
+                                   tensor_shape=None, dtype=None, grad_scale_func=None,
+                                   action_callback=None):
     """One stage: forward and backward of each micro-batch in turn (gradient accumulation)."""
     (model,), (data_iterator,) = chunks_and_iterators("no-pipelining", model, data_iterator,
                                                       num_microbatches)
     forward_data_store: List[Any] = []
-    for _ in range(num_microbatches):
+    for i in range(num_microbatches):
+        _report(action_callback, "F", i)
         output_tensor = forward_step(forward_step_func, data_iterator, model, num_microbatches,
                                      None, forward_data_store, forward_only)
         if not forward_only:
+            _report(action_callback, "BW", i)
             backward_step(None, output_tensor, None, grad_scale_func)
     return forward_data_store
 
 
+def _report(action_callback: Optional[Callable], kind: str, microbatch: int, chunk: int = 0):
+    """Tell the observer, if any, which action starts."""
+    if action_callback is not None:
+        action_callback(kind, microbatch, chunk)
+
+
 def forward_backward_pipelining_gpipe(*, forward_step_func, data_iterator, model, num_microbatches,
                                       seq_length, micro_batch_size, forward_only=False,
-                                      tensor_shape=None, dtype=None, grad_scale_func=None):
+                                      tensor_shape=None, dtype=None, grad_scale_func=None,
+                                      action_callback=None):
     """All forwards, then all backwards (Huang et al. 2019, GPipe): every stage holds the
     activations of all ``m`` micro-batches at the turn."""
     (model,), (data_iterator,) = chunks_and_iterators("gpipe", model, data_iterator,
@@ -120,8 +85,9 @@ def forward_backward_pipelining_gpipe(*, forward_step_func, data_iterator, model
     input_tensors, output_tensors, forward_data_store = [], [], []
 
     # Run all forward passes.
-    for _ in range(num_microbatches):
+    for i in range(num_microbatches):
         input_tensor = p2p.recv_forward(shape, dtype)
+        _report(action_callback, "F", i)
         output_tensor = forward_step(forward_step_func, data_iterator, model, num_microbatches,
                                      input_tensor, forward_data_store, forward_only)
         p2p.send_forward(output_tensor, shape, dtype)
@@ -130,8 +96,9 @@ def forward_backward_pipelining_gpipe(*, forward_step_func, data_iterator, model
             output_tensors.append(output_tensor)
 
     # Run all backward passes, in the same micro-batch order.
-    for _ in range(len(output_tensors)):
+    for i in range(len(output_tensors)):
         output_tensor_grad = p2p.recv_backward(shape, dtype)
+        _report(action_callback, "BW", i)
         input_tensor_grad = backward_step(input_tensors.pop(0), output_tensors.pop(0),
                                           output_tensor_grad, grad_scale_func)
         p2p.send_backward(input_tensor_grad, shape, dtype)
@@ -141,7 +108,7 @@ def forward_backward_pipelining_gpipe(*, forward_step_func, data_iterator, model
 def forward_backward_pipelining_without_interleaving(
         *, forward_step_func, data_iterator, model, num_microbatches, seq_length,
         micro_batch_size, forward_only=False, tensor_shape=None, dtype=None,
-        grad_scale_func=None):
+        grad_scale_func=None, action_callback=None):
     """1F1B, PipeDream-Flush (Narayanan et al. 2021, §2.2.1): a few warm-up forwards, then one
     forward and one backward in turn, then the cool-down backwards. The bubble is GPipe's, but
     stage ``r`` holds at most ``p - r`` micro-batches' activations instead of ``m``."""
@@ -156,10 +123,20 @@ def forward_backward_pipelining_without_interleaving(
     num_microbatches_remaining = num_microbatches - num_warmup_microbatches
     # Input and output of every micro-batch in flight, oldest first, until its backward.
     input_tensors, output_tensors, forward_data_store = [], [], []
+    done = {"F": 0, "BW": 0}      # forwards and backwards run so far: the next micro-batch ids
 
     def forward(input_tensor):
+        _report(action_callback, "F", done["F"])
+        done["F"] += 1
         return forward_step(forward_step_func, data_iterator, model, num_microbatches,
                             input_tensor, forward_data_store, forward_only)
+
+    def backward(output_tensor_grad):
+        """Backward of the oldest micro-batch in flight."""
+        _report(action_callback, "BW", done["BW"])
+        done["BW"] += 1
+        return backward_step(input_tensors.pop(0), output_tensors.pop(0), output_tensor_grad,
+                             grad_scale_func)
 
     # Run warmup forward passes.
     for _ in range(num_warmup_microbatches):
@@ -186,9 +163,7 @@ def forward_backward_pipelining_without_interleaving(
         output_tensor_grad = p2p.send_forward_recv_backward(output_tensor, shape, dtype)
         input_tensors.append(input_tensor)
         output_tensors.append(output_tensor)
-        # Backward of the oldest micro-batch in flight.
-        input_tensor_grad = backward_step(input_tensors.pop(0), output_tensors.pop(0),
-                                          output_tensor_grad, grad_scale_func)
+        input_tensor_grad = backward(output_tensor_grad)
         if last_iteration:
             p2p.send_backward(input_tensor_grad, shape, dtype)
         else:
@@ -198,8 +173,7 @@ def forward_backward_pipelining_without_interleaving(
     if not forward_only:
         for _ in range(num_warmup_microbatches):
             output_tensor_grad = p2p.recv_backward(shape, dtype)
-            input_tensor_grad = backward_step(input_tensors.pop(0), output_tensors.pop(0),
-                                              output_tensor_grad, grad_scale_func)
+            input_tensor_grad = backward(output_tensor_grad)
             p2p.send_backward(input_tensor_grad, shape, dtype)
     return forward_data_store
 
@@ -207,7 +181,7 @@ def forward_backward_pipelining_without_interleaving(
 def forward_backward_pipelining_with_interleaving(
         *, forward_step_func, data_iterator, model, num_microbatches, seq_length,
         micro_batch_size, forward_only=False, tensor_shape=None, dtype=None,
-        grad_scale_func=None):
+        grad_scale_func=None, action_callback=None):
     """Interleaved 1F1B (Narayanan et al. 2021, §2.2.2): each stage holds ``v`` model chunks,
     chunk ``k`` of rank ``r`` being virtual stage ``k·p + r``. Micro-batches go through the
     chunks in groups of ``p``: the bubble shrinks by ``v`` for ``v`` times the messages."""
@@ -238,6 +212,10 @@ def forward_backward_pipelining_with_interleaving(
         chunk = (k % (p * num_model_chunks)) // p
         return chunk if forward else num_model_chunks - chunk - 1
 
+    def get_microbatch_id_in_model_chunk(k):
+        """Micro-batch of the k-th forward (or backward) of this stage (Megatron's name)."""
+        return (k // (p * num_model_chunks)) * p + k % p
+
     # Per chunk, oldest first: inputs received (or None on the first stage) and outputs of
     # the forwards not yet run backward, and gradients received for their backwards.
     input_tensors = [[] for _ in chunks]
@@ -248,6 +226,7 @@ def forward_backward_pipelining_with_interleaving(
     def forward_step_helper(k):
         chunk = get_model_chunk_id(k, forward=True)
         ps.set_virtual_pipeline_model_parallel_rank(chunk)
+        _report(action_callback, "F", get_microbatch_id_in_model_chunk(k), chunk)
         if ps.is_pipeline_first_stage() and len(input_tensors[chunk]) == len(output_tensors[chunk]):
             input_tensors[chunk].append(None)
         output_tensor = forward_step(forward_step_func, iterators[chunk], chunks[chunk],
@@ -262,6 +241,7 @@ def forward_backward_pipelining_with_interleaving(
     def backward_step_helper(k):
         chunk = get_model_chunk_id(k, forward=False)
         ps.set_virtual_pipeline_model_parallel_rank(chunk)
+        _report(action_callback, "BW", get_microbatch_id_in_model_chunk(k), chunk)
         if ps.is_pipeline_last_stage() and not output_tensor_grads[chunk]:
             output_tensor_grads[chunk].append(None)
         return backward_step(input_tensors[chunk].pop(0), output_tensors[chunk].pop(0),
@@ -364,6 +344,8 @@ _BY_NAME = {
     "1f1b": forward_backward_pipelining_without_interleaving,
     "interleaved": forward_backward_pipelining_with_interleaving,
 }
+# The action-list schedules (schedule_runtime), by canonical name -> torch's name.
+_ACTION_LIST_NAMES = {"zbh1": "ZBH1", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 
 
 def get_forward_backward_func(schedule: Optional[str] = None) -> Callable[..., List[Any]]:
@@ -371,13 +353,23 @@ def get_forward_backward_func(schedule: Optional[str] = None) -> Callable[..., L
 
     Without ``schedule``: interleaved when ``virtual_pipeline_model_parallel_size`` is set,
     1F1B when the pipeline has more than one stage, no pipelining otherwise (needs
-    ``initialize_model_parallel``). ``schedule`` picks one by name: ``"gpipe"`` (also
-    ``"afab"``), ``"1f1b"``, ``"interleaved"``, ``"no-pipelining"``.
+    ``initialize_model_parallel``). ``schedule`` picks one by name, in any case, torch's
+    names or Megatron's: ``"GPipe"`` (also ``"afab"``), ``"1F1B"``, ``"Interleaved1F1B"``
+    (``"interleaved"``), ``"no-pipelining"``, and the zero-bubble ``"ZBH1"``,
+    ``"ZBVZeroBubble"`` and ``"DualPipeV"`` (action lists; their function takes the same
+    keywords).
     """
     if schedule is None:
         schedule = default_schedule(ps.get_pipeline_model_parallel_world_size(),
                                     ps.get_virtual_pipeline_model_parallel_world_size())
-    return _BY_NAME[canonical_schedule(schedule)]
+    name = canonical_schedule(schedule)
+    if name in _ACTION_LIST_NAMES:
+        return functools.partial(schedule_runtime.forward_backward_pipelining_with_action_list,
+                                 _ACTION_LIST_NAMES[name])
+    if name not in _BY_NAME:
+        raise ValueError(f"pipeline schedule {schedule!r} has no runtime yet; choose one of "
+                         f"{sorted(_BY_NAME) + sorted(_ACTION_LIST_NAMES.values())}")
+    return _BY_NAME[name]
 
 
 def average_losses_across_microbatches(forward_data_store: List[Dict[str, Any]]) -> Dict[str, float]:

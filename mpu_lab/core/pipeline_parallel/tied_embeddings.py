@@ -13,6 +13,11 @@ the *embedding group* (first and last rank of every pipeline) keeps the copies e
 
 A model chunk exposes its copy through ``shared_embedding_or_output_weight()`` (Megatron's
 name) or ``output_weight()`` (:class:`mpu_lab.core.models.gpt.GPTModel`'s).
+
+In a V schedule (ZB-V; Qi et al. 2024 §6) the first stage is chunk 0 and the last stage chunk 1
+of pipeline rank 0: both copies live in one process, which adds the two gradients (and copies
+the weight) itself, and the other end of the embedding group, rank ``p - 1``, holds neither.
+Which chunk holds which end is read from Megatron's ``pre_process`` / ``post_process`` flags.
 """
 from __future__ import annotations
 
@@ -37,6 +42,22 @@ def shared_embedding_or_output_weight(model_chunk: torch.nn.Module) -> torch.nn.
                          f"nor output_weight(): cannot find the tied embedding")
 
 
+def _v_ends(model: ModelArg):
+    """``(first, last)`` copies when this rank holds both ends in two chunks (a V), ``()`` when
+    its chunks say they hold neither end, None when the chunks do not say (no flags) or the
+    layout is the usual one."""
+    chunks = [unwrap_model(c) for c in (model if isinstance(model, (list, tuple)) else [model])]
+    if not all(hasattr(c, "pre_process") and hasattr(c, "post_process") for c in chunks):
+        return None
+    first = [c for c in chunks if c.pre_process]
+    last = [c for c in chunks if c.post_process]
+    if not first and not last:
+        return ()
+    if first and last and first[0] is not last[0]:
+        return shared_embedding_or_output_weight(first[0]), shared_embedding_or_output_weight(last[0])
+    return None
+
+
 def _weight_on_this_rank(model: ModelArg) -> Optional[torch.nn.Parameter]:
     """This rank's copy, or None when the rank holds none or the pipeline has one stage."""
     if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
@@ -55,6 +76,15 @@ def allreduce_embedding_grads(model: ModelArg) -> None:
     before clipping and the optimizer step. A no-op with a single pipeline stage, where the
     tying is an ordinary shared parameter.
     """
+    v_ends = _v_ends(model) if ps.get_pipeline_model_parallel_world_size() > 1 else None
+    if v_ends is not None:            # a V: both copies here (summed here), or neither
+        total = sum(w.grad if w.grad is not None else torch.zeros_like(w) for w in v_ends)
+        for w in v_ends:
+            if w.grad is None:
+                w.grad = total.clone()
+            else:
+                w.grad.copy_(total)
+        return
     weight = _weight_on_this_rank(model)
     if weight is None:
         return
@@ -70,6 +100,12 @@ def sync_embedding_weights(model: ModelArg) -> None:
     """Copy the first stage's embedding into the last stage's output weight (at start or after
     loading a checkpoint that holds only one of them). Megatron zeroes the last stage's copy
     and all-reduces; a broadcast from the first stage is the same thing."""
+    v_ends = _v_ends(model) if ps.get_pipeline_model_parallel_world_size() > 1 else None
+    if v_ends is not None:
+        if v_ends:
+            with torch.no_grad():
+                v_ends[1].copy_(v_ends[0])
+        return
     weight = _weight_on_this_rank(model)
     if weight is None:
         return

@@ -26,15 +26,27 @@ Backward, step by step (``X`` the input, ``W`` the weight shard, ``dY`` the outp
    empty.
 6. Wait for the reduction and return ``dX``. (``async_comm=False`` waits at steps 1 and 4 at
    once: lab 07's serial baseline; Megatron's ``--no-async-tensor-model-parallel-allreduce``.)
+
+Split backward (zero bubble, Qi et al. 2024 §2; Megatron-core's ``delay_wgrad_compute``): while
+:func:`delay_wgrad_compute` holds a list, step 5's GEMM is appended to it, to run at the ``W``.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from mpu_lab.core import comm, parallel_state
+
+_wgrad_store: Optional[list] = None      # see delay_wgrad_compute
+
+
+def delay_wgrad_compute(store: Optional[list]) -> None:
+    """From now on, backward's weight-gradient GEMMs go to ``store``; ``None``: run them again."""
+    global _wgrad_store
+    _wgrad_store = store
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -89,7 +101,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             reduce.wait()                                                # serial: done first
         dy = grad_output.reshape(-1, grad_output.shape[-1])              # 5. dW while it runs
         x = total_input.reshape(-1, total_input.shape[-1])
-        if ctx.fusion:
+        if _wgrad_store is not None:       # the split backward: dW waits for the W (see above)
+            _wgrad_store.append(functools.partial(_add_wgrad, saved_weight, dy, x, ctx.fusion))
+            grad_weight = None
+        elif ctx.fusion:
             saved_weight.main_grad.add_(dy.t().float().matmul(x.float()))
             grad_weight = None
         else:
@@ -99,6 +114,15 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             grad_input = reduce.wait()
         return (grad_input.to(saved_input.dtype), grad_weight, grad_bias,
                 None, None, None, None, None)
+
+
+def _add_wgrad(weight, dy, x, fusion: bool) -> None:
+    """A deferred step 5, added where autograd (or the fusion) would have added it."""
+    grad = dy.t().float().matmul(x.float()) if fusion else dy.t().matmul(x).to(weight.dtype)
+    if fusion or weight.grad is not None:
+        (weight.main_grad if fusion else weight.grad).add_(grad)
+    else:
+        weight.grad = grad
 
 
 def linear_with_grad_accumulation_and_async_allreduce(

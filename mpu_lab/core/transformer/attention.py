@@ -47,15 +47,30 @@ with ``"core_attn"`` in ``recompute_modules``): the attention core, from q, k, v
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from mpu_lab.core import context_parallel, parallel_state
+from mpu_lab.core.transformer.spec_utils import ModuleSpec, build_module
 from mpu_lab.core.transformer.transformer_config import TransformerConfig
 from mpu_lab.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, checkpoint,
                                           get_rng_tracker)
+
+
+@dataclasses.dataclass
+class SelfAttentionSubmodules:
+    """The classes (or specs) that build the attention's two linear layers (Megatron-core's
+    ``SelfAttentionSubmodules``): ``linear_qkv`` is built column-parallel
+    (``gather_output=False``), ``linear_proj`` row-parallel (``input_is_parallel=True``), each
+    with the keyword arguments of :class:`~mpu_lab.core.tensor_parallel.ColumnParallelLinear` /
+    :class:`~mpu_lab.core.tensor_parallel.RowParallelLinear`."""
+
+    linear_qkv: Union[ModuleSpec, type] = ColumnParallelLinear
+    linear_proj: Union[ModuleSpec, type] = RowParallelLinear
 
 
 def explicit_causal_attention(q, k, v, dropout_p: float = 0.0):
@@ -108,8 +123,10 @@ class SelfAttention(torch.nn.Module):
     caller's bias-dropout-add.
     """
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig,
+                 submodules: Optional[SelfAttentionSubmodules] = None):
         super().__init__()
+        submodules = submodules if submodules is not None else SelfAttentionSubmodules()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         config.check(tp)
         self.config = config
@@ -120,14 +137,15 @@ class SelfAttention(torch.nn.Module):
         self.cp_size = check_context_parallel_attention(config)
         self.checkpoint_core_attention = (config.recompute_granularity == "selective"
                                           and "core_attn" in config.recompute_modules)
-        self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, 3 * config.hidden_size, bias=True, gather_output=False,
-            init_method=config.init_method(), sequence_parallel=config.sequence_parallel,
-            params_dtype=config.params_dtype)
-        self.linear_proj = RowParallelLinear(
-            config.hidden_size, config.hidden_size, bias=True, input_is_parallel=True,
-            init_method=config.output_layer_init_method(), skip_bias_add=True,
+        self.linear_qkv = build_module(
+            submodules.linear_qkv, config.hidden_size, 3 * config.hidden_size, bias=True,
+            gather_output=False, init_method=config.init_method(),
             sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+        self.linear_proj = build_module(
+            submodules.linear_proj, config.hidden_size, config.hidden_size, bias=True,
+            input_is_parallel=True, init_method=config.output_layer_init_method(),
+            skip_bias_add=True, sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype)
 
     def _core_attention(self, q, k, v):
         """Attention over the whole sequence on this rank: ``[b, n, s, H]`` in and out."""

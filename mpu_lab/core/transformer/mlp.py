@@ -18,10 +18,23 @@ the input and output are this rank's ``[s/t, b, h]``).
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional, Union
+
 import torch
 
+from mpu_lab.core.transformer.spec_utils import ModuleSpec, build_module
 from mpu_lab.core.transformer.transformer_config import ACTIVATIONS, TransformerConfig
 from mpu_lab.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclasses.dataclass
+class MLPSubmodules:
+    """The classes (or specs) that build the MLP's two linear layers (Megatron-core's
+    ``MLPSubmodules``): ``linear_fc1`` column-parallel, ``linear_fc2`` row-parallel."""
+
+    linear_fc1: Union[ModuleSpec, type] = ColumnParallelLinear
+    linear_fc2: Union[ModuleSpec, type] = RowParallelLinear
 
 
 class MLP(torch.nn.Module):
@@ -30,20 +43,22 @@ class MLP(torch.nn.Module):
     added (``skip_bias_add``) so the caller adds it together with dropout and the residual,
     as Megatron's bias-dropout-add does."""
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, submodules: Optional[MLPSubmodules] = None):
         super().__init__()
+        submodules = submodules if submodules is not None else MLPSubmodules()
         if config.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, "
                              f"got {config.activation!r}")
         self.activation = ACTIVATIONS[config.activation]
-        self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size, config.ffn_hidden_size, bias=True, gather_output=False,
-            init_method=config.init_method(), sequence_parallel=config.sequence_parallel,
-            params_dtype=config.params_dtype)
-        self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, bias=True, input_is_parallel=True,
-            init_method=config.output_layer_init_method(), skip_bias_add=True,
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1, config.hidden_size, config.ffn_hidden_size, bias=True,
+            gather_output=False, init_method=config.init_method(),
             sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2, config.ffn_hidden_size, config.hidden_size, bias=True,
+            input_is_parallel=True, init_method=config.output_layer_init_method(),
+            skip_bias_add=True, sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype)
 
     def forward(self, hidden_states: torch.Tensor):
         # hidden_states: [s, b, h] (or [s/t, b, h] with sequence parallelism)

@@ -11,11 +11,12 @@ layers is kept in forward, and backward runs the group's forward again.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from mpu_lab.core.tensor_parallel import checkpoint
+from mpu_lab.core.transformer.spec_utils import ModuleSpec, build_module
 from mpu_lab.core.transformer.transformer_config import TransformerConfig
 from mpu_lab.core.transformer.transformer_layer import TransformerLayer, build_layer_norm
 from mpu_lab.core.utils import make_viewless_tensor
@@ -23,15 +24,20 @@ from mpu_lab.core.utils import make_viewless_tensor
 
 class TransformerBlock(torch.nn.Module):
     """A stack of layers plus the final LayerNorm when ``post_process`` (the last pipeline
-    stage). ``layer_offset`` numbers this stage's layers globally (pipeline stages)."""
+    stage). ``layer_offset`` numbers this stage's layers globally (pipeline stages). ``spec``:
+    the layer's :class:`~mpu_lab.core.transformer.spec_utils.ModuleSpec` (Megatron-core's
+    ``spec`` argument, second there; default :class:`TransformerLayer` with its default
+    submodules)."""
 
     def __init__(self, config: TransformerConfig, post_process: bool = True,
-                 num_layers: Optional[int] = None, layer_offset: int = 0):
+                 num_layers: Optional[int] = None, layer_offset: int = 0,
+                 spec: Optional[Union[ModuleSpec, type]] = None):
         super().__init__()
         self.config = config
+        spec = spec if spec is not None else ModuleSpec(module=TransformerLayer)
         n = config.num_layers if num_layers is None else num_layers
         self.layers = torch.nn.ModuleList(
-            [TransformerLayer(config, layer_offset + i) for i in range(n)])
+            [build_module(spec, config, layer_offset + i) for i in range(n)])
         self.final_layernorm = build_layer_norm(config) if post_process else None
 
     def _layers_forward(self, start: int, end: int):

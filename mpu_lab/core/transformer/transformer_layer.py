@@ -23,14 +23,17 @@ different masks: it runs inside ``get_rng_tracker().fork()``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from mpu_lab.core.utils import get_device
-from mpu_lab.core.transformer.attention import SelfAttention
-from mpu_lab.core.transformer.mlp import MLP
+from mpu_lab.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from mpu_lab.core.transformer.mlp import MLP, MLPSubmodules
 from mpu_lab.core.transformer.moe import MoELayer
+from mpu_lab.core.transformer.spec_utils import ModuleSpec, build_module
 from mpu_lab.core.transformer.transformer_config import TransformerConfig
 from mpu_lab.core.tensor_parallel import checkpoint, get_rng_tracker
 
@@ -54,22 +57,46 @@ def _hidden_dropout_context(config: TransformerConfig, training: bool):
     return contextlib.nullcontext()
 
 
+@dataclasses.dataclass
+class TransformerLayerSubmodules:
+    """The specs of the layer's two blocks (Megatron-core's ``TransformerLayerSubmodules``,
+    without the LayerNorm and bias-dropout-add fields: those are always torch's LayerNorm and
+    this layer's own bias-dropout-add). ``mlp=None``: the dense :class:`MLP`, or an
+    :class:`~mpu_lab.core.transformer.moe.MoELayer` when ``config.num_moe_experts`` is set."""
+
+    self_attention: Union[ModuleSpec, type] = dataclasses.field(
+        default_factory=lambda: ModuleSpec(module=SelfAttention,
+                                           submodules=SelfAttentionSubmodules()))
+    mlp: Optional[Union[ModuleSpec, type]] = None
+
+
+def default_mlp_spec(config: TransformerConfig) -> ModuleSpec:
+    """The MLP of Megatron-core's local spec: the dense MLP, or with ``num_moe_experts`` the
+    MoE layer (it returns ``(output, None)``, no bias to add)."""
+    if config.num_moe_experts:
+        return ModuleSpec(module=MoELayer)
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules())
+
+
 class TransformerLayer(torch.nn.Module):
     """Pre-LN GPT layer: ``x + attn(LN(x))`` then ``x + mlp(LN(x))``; ``[s, b, h]`` in and out
     (``[s/t, b, h]`` with sequence parallelism). ``layer_number`` (0-based) numbers the layer
-    across pipeline stages. With ``config.num_moe_experts`` the MLP is an
-    :class:`~mpu_lab.core.transformer.moe.MoELayer`."""
+    across pipeline stages. ``submodules`` (:class:`TransformerLayerSubmodules`, default: the
+    blocks of :func:`~mpu_lab.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec`) says
+    which classes build the attention and the MLP; Megatron-core passes it second, here it is a
+    keyword after ``layer_number`` so that ``TransformerLayer(config, n)`` keeps working."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int = 0):
+    def __init__(self, config: TransformerConfig, layer_number: int = 0,
+                 submodules: Optional[TransformerLayerSubmodules] = None):
         super().__init__()
+        submodules = submodules if submodules is not None else TransformerLayerSubmodules()
         self.config = config
         self.layer_number = layer_number
         self.input_layernorm = build_layer_norm(config)
-        self.self_attention = SelfAttention(config)
+        self.self_attention = build_module(submodules.self_attention, config)
         self.pre_mlp_layernorm = build_layer_norm(config)
-        # mixture of experts: the MLP's place taken by an MoELayer (Megatron-core's layer spec
-        # with num_moe_experts); it returns (output, None), no bias to add
-        self.mlp = MoELayer(config) if config.num_moe_experts else MLP(config)
+        mlp_spec = submodules.mlp if submodules.mlp is not None else default_mlp_spec(config)
+        self.mlp = build_module(mlp_spec, config)
         # selective recomputation of the dense MLP (Megatron-core's recompute_modules "mlp")
         self.recompute_mlp = (config.recompute_granularity == "selective"
                               and "mlp" in config.recompute_modules and not config.num_moe_experts)

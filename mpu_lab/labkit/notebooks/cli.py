@@ -12,7 +12,7 @@ from mpu_lab.labkit.notebooks.regenerate import regenerate
 from mpu_lab.labkit.notebooks.selection import lab_paths, load_params, notebook_paths, select
 from mpu_lab.labkit.notebooks.structure import structure_problems
 from mpu_lab.labkit.notebooks.watchdog import DEFAULT_STALL_S, terminate_as_exit
-from mpu_lab.labkit.viz.figures import save_figures
+from mpu_lab.labkit.figures import save_figures
 
 USAGE = '''Instructor tooling for the lab notebooks: re-execute, draw the figures, check the structure.
 

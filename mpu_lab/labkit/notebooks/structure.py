@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import re
-from typing import List
+from typing import Dict, List, Tuple
 
 from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.labkit.notebooks.selection import parameter_cells, notebook_paths
@@ -13,6 +13,9 @@ from mpu_lab.labkit.notebooks.solutions import exercise_problems
 # A notebook cell holds at most a few lines of logic: longer code belongs in mpu_lab, where the
 # tests reach it and a learner reads it as one named function.
 MAX_LOGIC_LINES = 10
+# A stored output line a learner reads without wrapping or scrolling sideways (issue 38 item 5).
+MAX_OUTPUT_LINE = 100
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _TRACEBACK = "Traceback (most recent call last)"
 # A prediction question: "Predict" as an imperative (at a line or sentence start, or in bold).
@@ -76,6 +79,37 @@ def output_problems(nb) -> List[str]:
             if _TRACEBACK in text:
                 problems.append(f"cell {i} prints a traceback")
     return problems
+
+
+def wide_output_lines(nb, limit: int = MAX_OUTPUT_LINE) -> List[Tuple[int, int, str]]:
+    """``(cell, length, line)`` for each line of a stored text output (streams, ``text/plain``
+    that is not a figure's stand-in) longer than ``limit`` characters, colour codes left out
+    and tabs expanded: JupyterLab wraps or scrolls such a line, and a table in it no longer
+    reads as one (issue 38 item 5)."""
+    wide = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            text = out.get("text", "") or ("" if "image/png" in data
+                                           else data.get("text/plain", ""))
+            text = "".join(text) if isinstance(text, list) else text
+            for line in _ANSI.sub("", text).expandtabs().splitlines():
+                if len(line.rstrip()) > limit:
+                    wide.append((i, len(line.rstrip()), line))
+    return wide
+
+
+def output_width_problems(nb, limit: int = MAX_OUTPUT_LINE) -> List[str]:
+    """One problem per cell that stores output lines over ``limit`` characters: how many, and
+    the longest."""
+    cells: Dict[int, List[int]] = {}
+    for cell, length, _ in wide_output_lines(nb, limit):
+        cells.setdefault(cell, []).append(length)
+    return [f"cell {i} prints {len(lengths)} line(s) over {limit} characters "
+            f"(longest {max(lengths)}): cut the line, or print a table with shorter columns"
+            for i, lengths in cells.items()]
 
 
 def _logic_lines(source: str) -> int:

@@ -36,11 +36,23 @@ Modules: :mod:`~mpu_lab.labkit.playground.world` (the controller side),
 :mod:`~mpu_lab.labkit.playground.magic` (:func:`start_world` and ``%%ranks``).
 """
 from mpu_lab.labkit.playground.errors import (
-    HEADING, CollectiveTimeout, PlaygroundError, RankError, RankOutput, WorldStartTimeout)
+    HEADING,
+    CollectiveTimeout,
+    PlaygroundError,
+    RankError,
+    RankOutput,
+    WorldStartTimeout,
+)
 from mpu_lab.labkit.playground.magic import load_ipython_extension, ranks_magic, start_world
 from mpu_lab.labkit.playground.world import (
-    DEFAULT_TIMEOUT_S, SETUP_RESEND_S, START_ATTEMPTS, START_TIMEOUT_S, World, check_world_args,
-    current_world)
+    DEFAULT_TIMEOUT_S,
+    SETUP_RESEND_S,
+    START_ATTEMPTS,
+    START_TIMEOUT_S,
+    World,
+    check_world_args,
+    current_world,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "START_TIMEOUT_S", "START_ATTEMPTS", "SETUP_RESEND_S", "HEADING",

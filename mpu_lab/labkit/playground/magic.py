@@ -6,12 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from mpu_lab.labkit.playground.errors import PlaygroundError, RankError, world_problem
-from mpu_lab.labkit.playground.world import (
-    DEFAULT_TIMEOUT_S,
-    START_TIMEOUT_S,
-    World,
-    current_world,
-)
+from mpu_lab.labkit.playground.world import DEFAULT_TIMEOUT_S, START_TIMEOUT_S, World, current_world
 
 
 def start_world(world_size: int, tensor_model_parallel_size: int = 1,

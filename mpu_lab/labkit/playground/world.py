@@ -19,8 +19,14 @@ from mpu_lab.core import parallel_state
 from mpu_lab.labkit.playground.cluster_logs import quiet_about_removed_logs
 from mpu_lab.labkit.playground.engine import engine_init, engine_setup, engine_values, run_on_engine
 from mpu_lab.labkit.playground.errors import (
-    HEADING, PlaygroundError, RankOutput, WorldStartTimeout, world_problem, raise_for_outputs)
-from mpu_lab.labkit.viz.collectives import plot_collective
+    HEADING,
+    PlaygroundError,
+    RankOutput,
+    WorldStartTimeout,
+    world_problem,
+    raise_for_outputs,
+)
+from mpu_lab.labkit.tp_mappings.viz import plot_collective
 from mpu_lab.launcher import process_tree
 
 DEFAULT_TIMEOUT_S = 15.0      # collective timeout: a stuck cell answers in seconds, not minutes
@@ -369,7 +375,7 @@ class World:
     def picture(self, title: str, before: str, after: str, family: str = "tp"):
         """Each rank's ``before`` and ``after`` (names or expressions on the ranks) side by side,
         one column per rank, the ``family`` groups marked
-        (:func:`mpu_lab.labkit.viz.plot_collective`)."""
+        (:func:`mpu_lab.labkit.tp_mappings.viz.plot_collective`)."""
         return plot_collective(title, self.values(before), self.values(after),
                                    groups=self.groups(family))
 

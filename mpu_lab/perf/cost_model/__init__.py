@@ -14,6 +14,8 @@ iteration, TFLOP/s per GPU, MFU and memory per GPU. Pure Python: no torch, no pr
   §4.2.3);
 * :mod:`~mpu_lab.perf.cost_model.optimizer_state` — bytes per parameter of weights, gradients
   and Adam's states, as Megatron-core's distributed-optimizer guide gives them;
+* :mod:`~mpu_lab.perf.cost_model.fsdp` — Megatron-FSDP's four sharding strategies (ZeRO
+  stages 1-3, Rajbhandari et al. 2020 §5): bytes kept per rank and moved per step;
 * :mod:`~mpu_lab.perf.cost_model.predict` — the time of one iteration, with the modelling
   assumptions stated plainly in its docstring;
 * :mod:`~mpu_lab.perf.cost_model.context` — context parallelism: activation memory divided by
@@ -51,6 +53,9 @@ from mpu_lab.perf.cost_model.counts import (  # noqa: F401
     hardware_flops_per_iteration, in_flight_microbatches, memory_per_gpu,
     model_flops_per_iteration, parameter_count, parameters_per_gpu, pipeline_p2p_bytes,
     ring_all_reduce_factor, tp_comm_per_layer)
+from mpu_lab.perf.cost_model.fsdp import (  # noqa: F401
+    DATA_PARALLEL_SHARDING_STRATEGIES, data_parallel_bytes_per_step, resident_bytes_per_rank,
+    ring_bytes)
 from mpu_lab.perf.cost_model.inputs import (
     CLUSTERS, DGX_A100_80GB, DGX_H100, GPT2_SMALL, GPT3_175B, MODELS, RECOMPUTE_MODES,
     SCHEDULES, Cluster, ModelShape, ParallelConfig)

@@ -31,7 +31,7 @@ __all__ = ["BYTES_PER_PARAM_ADAM", "parameter_count", "parameters_per_gpu", "flo
            "paper_flops_per_iteration", "format_flop_counts", "bubble_fraction",
            "ring_all_reduce_factor", "tp_comm_per_layer", "pipeline_p2p_bytes",
            "dp_allreduce_bytes", "in_flight_microbatches", "memory_per_gpu",
-           "layer_activation_bytes", "score_bytes"]
+           "layer_activation_bytes", "score_bytes", "recomputed_share"]
 
 # ZeRO §3.1's model of mixed precision (fp16 weight 2 + fp16 grad 2 + fp32 copy, m, v 12): not
 # what Megatron allocates (no fp32 main grad); the cost model counts bytes_per_parameter's.
@@ -87,18 +87,22 @@ def model_flops_per_iteration(model: ModelShape, global_batch_size: int) -> floa
 
 
 def hardware_flops_per_iteration(model: ModelShape, global_batch_size: int,
-                                 recompute: str = "none") -> float:
+                                 recompute: str = "none", recomputed_share: float = 1.0) -> float:
     """FLOPs the GPUs really execute: model FLOPs plus recomputation.
 
     ``full``: one more forward of every layer — Narayanan et al. 2021, Appendix, eq. (3):
     ``96 B s L h² (1 + s/(6h) + V/(16 L h))`` (8N + 16·L·h·s per token); the paper's reported
-    TFLOP/s count these. ``selective``: one more forward of the attention core (QKᵀ and the
-    weighted sum), Korthikanti et al. 2022 §5. HFU counts these (§6).
+    TFLOP/s count these; of a ``recomputed_share`` of the layers only with Megatron's block
+    method (:func:`recomputed_share`). ``selective``: one more forward of the attention core
+    (QKᵀ and the weighted sum), Korthikanti et al. 2022 §5. HFU counts these (§6).
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if not 0 <= recomputed_share <= 1:
+        raise ValueError(f"recomputed_share must be in [0, 1], got {recomputed_share!r}")
     f = flops_per_token(model)
-    extra = {"none": 0.0, "selective": f["attention_core"], "full": f["layer"]}[recompute]
+    extra = {"none": 0.0, "selective": f["attention_core"],
+             "full": recomputed_share * f["layer"]}[recompute]
     tokens = global_batch_size * model.s
     return model_flops_per_iteration(model, global_batch_size) + tokens * model.L * extra
 
@@ -165,21 +169,34 @@ def ring_all_reduce_factor(n: int) -> float:
     return 2 * (n - 1) / n
 
 
-def _collectives_per_layer(cfg: ParallelConfig) -> int:
+def recomputed_share(model: ModelShape, cfg: ParallelConfig) -> float:
+    """The share of a stage's layers whose whole forward runs again in backward: 1 with full
+    recomputation of every layer, ``N / (L/(p·v))`` with Megatron-core's block method
+    (``recompute_num_layers`` = N of each model chunk), 0 otherwise (selective recomputes the
+    attention core only)."""
+    if cfg.recompute != "full":
+        return 0.0
+    if cfg.recompute_num_layers is None:
+        return 1.0
+    return min(1.0, cfg.recompute_num_layers / (model.L / (cfg.pp * cfg.v)))
+
+
+def _collectives_per_layer(share: float) -> float:
     # Narayanan et al. 2021 §3.3 / Fig. 4: the f and g of the MLP and attention blocks give two
     # all-reduces in the forward pass and two in the backward; recomputing the forward
-    # (full recomputation) runs the forward's two again. With sequence parallelism each
-    # all-reduce becomes an all-gather + reduce-scatter pair of the same total volume
-    # (Korthikanti et al. 2022 §4.2.2), so counting all-reduce equivalents covers both.
-    return 4 + (2 if cfg.recompute == "full" else 0)
+    # (full recomputation, of a share of the layers) runs the forward's two again. With sequence
+    # parallelism each all-reduce becomes an all-gather + reduce-scatter pair of the same total
+    # volume (Korthikanti et al. 2022 §4.2.2), so counting all-reduce equivalents covers both.
+    return 4 + 2 * share
 
 
 def tp_comm_per_layer(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2
                       ) -> Dict[str, float]:
     """Tensor-parallel traffic of one layer for one micro-batch, per GPU (Narayanan et al. 2021
-    §3.3): ``count`` all-reduces (or AG + RS pairs) of ``b·s·h`` elements each, and ``bytes``
-    each GPU sends in total: count × 2(t-1)/t × b·s·h × dtype_bytes."""
-    count = _collectives_per_layer(cfg) if cfg.tp > 1 else 0
+    §3.3): ``count`` all-reduces (or AG + RS pairs) of ``b·s·h`` elements each — 4, 6 with full
+    recomputation, on average between with the block method — and ``bytes`` each GPU sends in
+    total: count × 2(t-1)/t × b·s·h × dtype_bytes."""
+    count = _collectives_per_layer(recomputed_share(model, cfg)) if cfg.tp > 1 else 0
     message = cfg.b * model.s * model.h * dtype_bytes
     return dict(count=count, message_bytes=float(message),
                 bytes=count * ring_all_reduce_factor(cfg.tp) * message)
@@ -214,16 +231,15 @@ def in_flight_microbatches(cfg: ParallelConfig) -> float:
 
 def layer_activation_bytes(model: ModelShape, cfg: ParallelConfig, stored: bool) -> float:
     """Korthikanti Table 2 for one layer and one micro-batch. ``stored``: what the backward
-    keeps (recomputation shrinks it); otherwise what the forward writes (for traffic)."""
-    sp = cfg.sequence_parallel
-    full = activation_memory_per_layer(model.s, cfg.b, model.h, model.a, cfg.tp, sp)
-    no_scores = full - score_bytes(model, cfg)
-    if stored and cfg.recompute == "full":
-        # only the layer's input survives: 2sbh bytes, split t ways with sequence parallelism
-        return 2 * model.s * cfg.b * model.h / (cfg.tp if sp else 1)
-    if cfg.flash_attention or (stored and cfg.recompute == "selective"):
-        return no_scores
-    return full
+    keeps (recomputation shrinks it: §5, ``sbh (10 + 24/t)`` or ``34 sbh/t`` with SP for
+    selective, the layer's input ``2 sbh`` (``/t`` with SP) for full); otherwise what the
+    forward writes (for traffic). A fused (flash) attention keeps no ``s x s`` tensor either,
+    so it stores what selective recomputation stores."""
+    mode = cfg.recompute if stored else "none"
+    if cfg.flash_attention and mode == "none":
+        mode = "selective"
+    return activation_memory_per_layer(model.s, cfg.b, model.h, model.a, cfg.tp,
+                                       cfg.sequence_parallel, recompute=mode)
 
 
 def score_bytes(model: ModelShape, cfg: ParallelConfig) -> float:
@@ -245,8 +261,12 @@ def memory_per_gpu(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2,
     (8 + 8/d). Activations:
     Korthikanti et al. 2022 Table 2 (16-bit; scaled by dtype_bytes/2) per layer × L/p layers ×
     the schedule's in-flight micro-batches (1F1B keeps up to p on stage 0, §4.2.3); with full
-    recomputation one layer's full activations are live again during its backward, counted
-    once. Not counted: the embedding and logits activations, temporary buffers, fragmentation.
+    recomputation of every layer one layer's full activations are live again during its
+    backward, counted once; with Megatron's block method (the first N layers of each chunk,
+    :func:`recomputed_share`) the others keep everything, and by the time the first N are
+    recomputed the later ones' activations are freed, so the peak is at the start of the
+    backward pass. Not counted: the embedding and logits activations, temporary buffers,
+    fragmentation.
     """
     grad_bytes = dtype_bytes if grad_bytes is None else grad_bytes
     terms = bytes_per_parameter_terms(dtype_for_bytes(dtype_bytes, "dtype_bytes"),
@@ -258,9 +278,12 @@ def memory_per_gpu(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2,
         optimizer /= cfg.dp
     layers_per_stage = model.L / cfg.pp
     scale = dtype_bytes / 2             # Table 2 counts 16-bit activations
-    activations = (layer_activation_bytes(model, cfg, stored=True) * layers_per_stage
-                   * in_flight_microbatches(cfg)) * scale
+    kept, whole = (layer_activation_bytes(model, cfg, stored) for stored in (True, False))
+    share = recomputed_share(model, cfg)
     if cfg.recompute == "full":
-        activations += layer_activation_bytes(model, cfg, stored=False) * scale
+        kept = share * kept + (1 - share) * whole
+    activations = kept * layers_per_stage * in_flight_microbatches(cfg) * scale
+    if share == 1:
+        activations += whole * scale
     return dict(weights=weights, gradients=grads, optimizer=optimizer, activations=activations,
                 total=weights + grads + optimizer + activations)

@@ -70,7 +70,10 @@ class ParallelConfig:
     ``distributed_optimizer`` shards the fp32 optimizer states over d (ZeRO stage 1).
     The ``overlap_*`` switches mirror Megatron-core's ``--overlap-grad-reduce`` (with the
     distributed optimizer also ``--overlap-param-gather``), ``--tp-comm-overlap`` and the
-    interleaved schedule's overlapped send/recv.
+    interleaved schedule's overlapped send/recv. ``recompute_num_layers`` N (with ``"full"``):
+    Megatron-core's ``recompute_method="block"``, only the first N layers of each model chunk
+    (of ``L/(p·v)``) recompute their forward and keep only their input, the rest keep
+    everything; ``None`` recomputes every layer (``"uniform"`` with one layer per group).
     """
     tp: int = 1
     pp: int = 1
@@ -86,6 +89,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     overlap_tp_comm: bool = False
     overlap_p2p_comm: bool = False
+    recompute_num_layers: Optional[int] = None
 
     t = property(lambda self: self.tp)
     p = property(lambda self: self.pp)
@@ -132,6 +136,17 @@ class ParallelConfig:
                     and self.num_microbatches % self.pp:
                 out.append(f"the interleaved schedule needs m = {self.num_microbatches} "
                            f"micro-batches to be a multiple of pp = {self.pp}")
+        n = self.recompute_num_layers
+        if n is not None:
+            if self.recompute != "full":
+                out.append(f"recompute_num_layers {n} needs recompute 'full' (Megatron's block "
+                           f"method), got recompute {self.recompute!r}")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                out.append(f"recompute_num_layers must be a positive integer or None, got {n!r}")
+            elif model is not None and n > model.num_layers // (self.pp * self.virtual_stages):
+                out.append(f"recompute_num_layers {n} is more than the "
+                           f"{model.num_layers // (self.pp * self.virtual_stages)} layers of a "
+                           f"model chunk (L / (pp x virtual_stages))")
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel needs tp > 1")
         if model is not None:

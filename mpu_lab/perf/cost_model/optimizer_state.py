@@ -38,7 +38,9 @@ importing torch.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
+
+from mpu_lab.perf.cost_model.fsdp import SHARDED_TERMS, check_strategy
 
 __all__ = ["DTYPE_ALIASES", "DTYPE_BYTES", "VALID_DTYPE_PAIRS", "canonical_dtype",
            "bytes_per_parameter_terms", "bytes_per_parameter", "dtype_for_bytes",
@@ -98,7 +100,8 @@ def bytes_per_parameter_terms(params_dtype, grads_dtype) -> Dict[str, Dict[str, 
 
 
 def bytes_per_parameter(params_dtype, grads_dtype, distributed_optimizer: bool = False,
-                        data_parallel_size: int = 1) -> float:
+                        data_parallel_size: int = 1,
+                        data_parallel_sharding_strategy: Optional[str] = None) -> float:
     """Bytes per parameter of Megatron's Adam, as in Megatron-core's developer guide,
     "Distributed Optimizer" (see the module docstring for the table and the terms).
 
@@ -118,6 +121,16 @@ def bytes_per_parameter(params_dtype, grads_dtype, distributed_optimizer: bool =
         raise ValueError(f"data_parallel_size must be a positive integer, got "
                          f"{data_parallel_size!r}")
     terms = bytes_per_parameter_terms(params_dtype, grads_dtype)
+    if data_parallel_sharding_strategy is not None:
+        # Megatron-FSDP (--data-parallel-sharding-strategy): ZeRO's stages, cost_model/fsdp.py
+        if distributed_optimizer:
+            raise ValueError("give distributed_optimizer=True or data_parallel_sharding_strategy, "
+                             "not both (the strategy 'optim' is the distributed optimizer)")
+        split = SHARDED_TERMS[check_strategy(data_parallel_sharding_strategy)]
+        return float(sum(v / (data_parallel_size if k in split else 1)
+                         for k, v in terms["replicated"].items())
+                     + sum(terms["sharded"].values())
+                     / (data_parallel_size if "sharded" in split else 1))
     shards = data_parallel_size if distributed_optimizer else 1
     return float(sum(terms["replicated"].values()) + sum(terms["sharded"].values()) / shards)
 

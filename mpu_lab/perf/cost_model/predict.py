@@ -30,6 +30,11 @@ Modelling assumptions (plain):
   0 unless given). On a GPU the host runs ahead of the device and hides it; on a CPU it adds
   to the step: :func:`mpu_lab.perf.calibrate.host_overhead` measures it as what a real step
   takes at a tiny width, where the other terms vanish.
+* Recomputation (Korthikanti et al. 2022 §5) costs its extra forward FLOPs (the attention
+  core for selective; every layer, or Megatron's block method's first N layers of each chunk,
+  for full), one more elementwise write, and with full recomputation the forward's
+  tensor-parallel collectives again; :func:`pick_recompute` finds, for one split, the fastest
+  mode that fits.
 * Not modelled: host overhead unless given as host_overhead_s, data loading, imbalance
   other than the logits, network contention between groups, stragglers.
 """
@@ -42,11 +47,12 @@ from typing import Dict, Sequence
 from mpu_lab.perf.cost_model.counts import (
     dp_allreduce_bytes, flops_per_token, hardware_flops_per_iteration, layer_activation_bytes,
     memory_per_gpu, model_flops_per_iteration, parameters_per_gpu, pipeline_p2p_bytes,
-    ring_all_reduce_factor, score_bytes, tp_comm_per_layer)
+    recomputed_share, ring_all_reduce_factor, score_bytes, tp_comm_per_layer)
 from mpu_lab.perf.cost_model.inputs import Cluster, ModelShape, ParallelConfig
 
 __all__ = ["ELEMENTWISE_PASSES", "ADAM_STEP_BYTES_PER_PARAM", "IterationPrediction",
-           "group_crosses_nodes", "EFFECTS", "predict_iteration"]
+           "group_crosses_nodes", "EFFECTS", "predict_iteration", "recompute_label",
+           "pick_recompute"]
 
 ELEMENTWISE_PASSES = 4           # forward write, backward read, gradient write + read
 ADAM_STEP_BYTES_PER_PARAM = 28   # reads fp32 param, m, v + 16-bit grad (14 B), writes them back
@@ -127,6 +133,8 @@ class IterationPrediction:
         c = self.config
         lines = [f"{self.model.name or 'model'} on {c.num_gpus} GPUs ({self.cluster.name}): "
                  f"t={c.tp} p={c.pp} d={c.dp} v={c.v} b={c.b} m={c.m}, recompute {c.recompute}"
+                 + (f" (block: first {c.recompute_num_layers} layers of each chunk)"
+                    if c.recompute_num_layers else "")
                  + (", SP" if c.sequence_parallel else "")]
         for key, secs in self.breakdown().items():
             lines.append(f"  {key:<10}{secs:>10.4f} s  {secs / self.total_s:>6.1%}")
@@ -237,12 +245,14 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     f = flops_per_token(model)
     tokens_mb = b * model.s
     layers = model.L / p
-    extra = {"none": 0.0, "selective": f["attention_core"], "full": f["layer"]}[cfg.recompute]
+    share = recomputed_share(model, cfg)          # of the layers, full recomputation
+    extra = {"none": 0.0, "selective": f["attention_core"],
+             "full": share * f["layer"]}[cfg.recompute]
     layer_flops_mb = tokens_mb * (3 * f["layer"] + extra) / t
     logits_flops_mb = tokens_mb * 3 * f["logits"] / t
     rate = cluster.peak_flops * cluster.matmul_efficiency
     matmul_mb = (layers * layer_flops_mb + logits_flops_mb) / rate
-    passes = ELEMENTWISE_PASSES + (1 if cfg.recompute == "full" else 0)
+    passes = ELEMENTWISE_PASSES + share
     traffic = layer_activation_bytes(model, cfg, stored=False) * passes * layers
     if cfg.recompute == "selective" and not cfg.flash_attention:
         traffic += score_bytes(model, cfg) * layers        # the softmax written again
@@ -282,5 +292,38 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
         elementwise_s=m * elementwise_mb, tp_comm_s=m * tp_mb, pp_p2p_s=m * p2p_mb,
         bubble_s=bubble, dp_comm_s=dp_time, optimizer_s=optimizer, total_s=total,
         model_flops=model_flops_per_iteration(model, cfg.global_batch_size),
-        hardware_flops=hardware_flops_per_iteration(model, cfg.global_batch_size, cfg.recompute),
+        hardware_flops=hardware_flops_per_iteration(model, cfg.global_batch_size, cfg.recompute,
+                                                    share),
         memory=memory_per_gpu(model, cfg, dtype_bytes, grad_bytes), framework_s=host_overhead_s)
+
+
+def recompute_label(cfg: ParallelConfig) -> str:
+    """``none``, ``selective``, ``full``, or ``full:N`` (Megatron's block method, N layers)."""
+    n = cfg.recompute_num_layers
+    return cfg.recompute + (f":{n}" if cfg.recompute == "full" and n else "")
+
+
+def pick_recompute(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
+                   dtype_bytes: int = 2, grad_bytes: int = 2) -> IterationPrediction:
+    """The fastest recomputation that fits for this split (Korthikanti et al. 2022 §5): none,
+    selective, Megatron-core's block method with the fewest layers per model chunk that fits
+    (memory falls and time grows with each layer recomputed), or full; when none of them fits,
+    the one that needs the least memory. Returns its prediction (``.config`` says which)."""
+    def predict(recompute, n=None):
+        return predict_iteration(model, dataclasses.replace(cfg, recompute=recompute,
+                                                            recompute_num_layers=n),
+                                 cluster, dtype_bytes, grad_bytes)
+    options = [predict("none"), predict("selective"), predict("full")]
+    low, high = 1, model.L // (cfg.pp * cfg.v) - 1
+    if low <= high:
+        while low < high:
+            middle = (low + high) // 2
+            if predict("full", middle).fits:
+                high = middle
+            else:
+                low = middle + 1
+        options.append(predict("full", low))
+    fitting = [o for o in options if o.fits]
+    if fitting:
+        return min(fitting, key=lambda o: o.total_s)
+    return min(options, key=lambda o: o.memory["total"])

@@ -35,7 +35,7 @@ checksums: a flipped byte in a tensor would load silently). The parent folder ge
 
 A rank killed mid-save (the reliability tests) comes from outside, from the lab kit: a DCP
 ``FileSystemWriter`` subclass passed as ``save_checkpoint``'s ``storage_writer``
-(:func:`mpu_lab.labkit.faults.kill_in_save`, ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION``).
+(:func:`mpu_lab.training.faults.kill_in_save`, ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION``).
 
 What is saved: ``model.<name>`` (parameters), ``optimizer.<name>.{exp_avg,exp_avg_sq,step}``
 (AdamW state, sharded like the parameter), ``scheduler``, ``iteration``, ``args``, and the RNG

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mpu_lab.training import initialize
 from mpu_lab.core import parallel_state
+from mpu_lab.core.distributed.fsdp import FullyShardedOptimizer, unsharded_parameters
 from mpu_lab.core.optimizer import DistributedOptimizer
 from mpu_lab.training.checkpointing.files import (
     MARKER, TRACKER, CheckpointError, check_compatible, file_records, iteration_dir, model_fields,
@@ -26,6 +27,9 @@ from mpu_lab.training.checkpointing.state_dict import (
     as_saved, is_split, global_shape, jsonable_args, named_params, pipeline_union, rng_state_dict,
     checkpoint_names)
 from mpu_lab.core.tensor_parallel import get_rng_tracker
+
+# optimizers holding this rank's shards of each state (whole states assembled to save)
+_SHARDED = (DistributedOptimizer, FullyShardedOptimizer)
 
 
 def save_checkpoint(save_dir, state, storage_writer=None) -> pathlib.Path:
@@ -48,9 +52,10 @@ def save_checkpoint(save_dir, state, storage_writer=None) -> pathlib.Path:
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     sd: Dict[str, Any] = {}
     names = {}
-    for name, p in named_params(state.model):
-        sd[f"model.{name}"] = as_saved(p.detach().cpu(), p)
-        names[p] = name
+    with unsharded_parameters(getattr(state, "ddp_chunks", ())):   # ZeRO-3: the whole parameters, for a while
+        for name, p in named_params(state.model):
+            sd[f"model.{name}"] = as_saved(p.detach().cpu(), p)
+            names[p] = name
     has_optimizer = False
     for p, st in _optimizer_states(state.optimizer).items():
         if p in names and st:
@@ -97,7 +102,7 @@ def _optimizer_states(optimizer) -> Dict[torch.nn.Parameter, Dict[str, Any]]:
     """Each parameter's Adam state, whole: the plain optimizer's own, or the distributed
     optimizer's shards assembled over the data-parallel group (collective), so a checkpoint
     has one layout and loads at any data-parallel size."""
-    if isinstance(optimizer, DistributedOptimizer):
+    if isinstance(optimizer, _SHARDED):
         return optimizer.full_state()
     return dict(optimizer.state.items())
 
@@ -105,7 +110,7 @@ def _optimizer_states(optimizer) -> Dict[torch.nn.Parameter, Dict[str, Any]]:
 def _optimized_params(optimizer, names) -> List[torch.nn.Parameter]:
     """The model parameters an optimizer updates (the distributed optimizer's shards belong to
     parameters of the model: all of them, since every rank keeps every whole state here)."""
-    if isinstance(optimizer, DistributedOptimizer):
+    if isinstance(optimizer, _SHARDED):
         return list(names)
     return [q for g in optimizer.param_groups for q in g["params"]]
 
@@ -174,7 +179,7 @@ def _want_optimizer(reads: _Reads, optimizer, names, info) -> Dict[torch.nn.Para
     if not info.get("has_optimizer", False):
         reads.problems.append("the checkpoint has no optimizer state (pass --no-load-optim)")
         return sharded
-    is_sharded = isinstance(optimizer, DistributedOptimizer)
+    is_sharded = isinstance(optimizer, _SHARDED)
     for p in _optimized_params(optimizer, names):
         st = sharded.setdefault(p, {}) if is_sharded else optimizer.state[p]
         if not st:   # AdamW creates its state lazily: make it now, then fill it
@@ -229,7 +234,7 @@ def _copy_read_tensors(reads: _Reads, info) -> None:
 
 
 def _restore_optimizer(optimizer, names, sharded, sd) -> None:
-    is_sharded = isinstance(optimizer, DistributedOptimizer)
+    is_sharded = isinstance(optimizer, _SHARDED)
     for p in _optimized_params(optimizer, names):
         key = f"optimizer.{names[p]}.step"
         if key in sd:

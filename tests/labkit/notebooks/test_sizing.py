@@ -1,14 +1,14 @@
-"""Start_Here's lab times (mpu_lab.labkit.notebooks.sizing) on notebooks whose words, exercises
-and questions are counted by hand."""
+"""Start_Here's lab times (mpu_lab.labkit.notebooks.sizing) on notebooks whose words, stored
+outputs, figures, exercises and questions are counted by hand."""
 import json
 
 import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from mpu_lab.labkit.notebooks import sizing
+from mpu_lab.labkit.notebooks import sizing, solutions
 
 
-def _lab(tmp_path, name="05_example"):
+def _lab(tmp_path, name="95_example"):
     nb = new_notebook()
     nb.cells = [
         new_code_cell("world_size = 2", metadata={"tags": ["parameters"]}),   # not counted
@@ -24,7 +24,7 @@ def _lab(tmp_path, name="05_example"):
 
 
 def test_words_exercises_and_questions_counted_by_hand(tmp_path):
-    size = sizing.lab_size(_lab(tmp_path), {"05_example": 90.0})
+    size = sizing.lab_size(_lab(tmp_path), {"95_example": 90.0})
     assert (size.core_words, size.extra_words, size.exercises, size.questions) == (18, 8, 1, 1)
     # 18 / 120 + 10 + 2 + 1.5 minutes
     assert abs(size.core_minutes - (18 / 120 + 10 + 2 + 1.5)) < 1e-9
@@ -33,12 +33,12 @@ def test_words_exercises_and_questions_counted_by_hand(tmp_path):
 
 def test_recorded_seconds_merge_by_stem_with_the_machine(tmp_path):
     times = tmp_path / "compute_times.json"
-    sizing.record_compute_times({"05_example.ipynb": 61.4}, times)
+    sizing.record_compute_times({"95_example.ipynb": 61.4}, times)
     sizing.record_compute_times({"01_first.ipynb": 9.6}, times)
     data = json.loads(times.read_text())
-    assert data["seconds"] == {"01_first": 10, "05_example": 61}
+    assert data["seconds"] == {"01_first": 10, "95_example": 61}
     assert "CPU cores" in data["machine"]
-    assert sizing.load_compute_times(times) == {"01_first": 10.0, "05_example": 61.0}
+    assert sizing.load_compute_times(times) == {"01_first": 10.0, "95_example": 61.0}
 
 
 def test_the_table_flags_a_core_over_budget(tmp_path, capsys, monkeypatch):
@@ -49,8 +49,8 @@ def test_the_table_flags_a_core_over_budget(tmp_path, capsys, monkeypatch):
     nbformat.write(nb, str(path))
     sizing.print_lab_sizes([path])
     out = capsys.readouterr().out
-    assert "05_example" in out and "n/a" in out
-    assert f"cores over {sizing.CORE_BUDGET_MIN} min: 05_example" in out
+    assert "95_example" in out and "n/a" in out
+    assert f"cores over {sizing.CORE_BUDGET_MIN} min: 95_example" in out
 
 
 def test_a_link_target_a_bare_url_and_an_html_tag_are_not_read(tmp_path):
@@ -82,3 +82,98 @@ def test_the_sizes_command_prints_the_table_and_the_sections(capsys):
     assert main(["sizes", "--sections", "--only", "01"]) == 0
     out = capsys.readouterr().out
     assert "Summary" in out and " min " in out
+
+
+SOLUTION = '''"""Lab 96's solutions."""
+import torch
+
+
+def solution_a(x):
+    """The docstring is the exercise's: not counted."""
+    # a comment: not counted
+    y = x + 1
+
+    z = torch.cat([y,
+                   y])          # one statement on two lines: 2 lines
+    return z
+
+
+def solution_b(x):
+    return x
+'''
+
+
+def _with_outputs(cell, *outputs, tags=()):
+    cell.execution_count = 1
+    cell.outputs = list(outputs)
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
+
+
+def _read_and_written_lab(tmp_path, monkeypatch):
+    """Lab 96: prose, stored outputs read and unread, two figures, an exercise whose solution
+    is on file and one whose is not, a question; a Going further with one more figure."""
+    (tmp_path / "96_example.py").write_text(SOLUTION)
+    monkeypatch.setattr(solutions, "SOLUTIONS_DIR", tmp_path)
+    monkeypatch.setitem(solutions.SOLUTIONS, "96", solutions.Solution(
+        "96_example.py", {"my_a": "solution_a", "my_b": "solution_b"}))
+    figure = {"image/png": "iVBORw0KGgo=", "text/plain": "<Figure size 640x480 with 1 Axes>"}
+    nb = new_notebook()
+    nb.cells = [
+        new_markdown_cell("# Lab 96\n\nFour words of prose."),                 # 6 words
+        _with_outputs(new_code_cell("print(x)"),                               # 2 words
+                      new_output("stream", name="stdout", text="one two three\n"),   # 3 read
+                      new_output("stream", name="stderr", text="a warning here\n"),  # unread
+                      new_output("execute_result", data={"text/plain": "[4, 5]"},
+                                 execution_count=1)),                          # 2 read
+        _with_outputs(new_code_cell("plot(x)"),                                # 2 words
+                      new_output("display_data", data=figure),                 # 1 figure
+                      new_output("execute_result", data=figure, execution_count=1)),  # 1 figure
+        _with_outputs(new_code_cell("show(x)"),                                # 2 words
+                      new_output("stream", name="stdout", text="not read at all\n"),
+                      new_output("display_data", data=figure), tags=["remove-output"]),
+        new_code_cell("grade((my_a, my_b), EX, world)"),           # 5 words, (4 + 1) lines
+        new_code_cell("grade(my_c, EX, world)"),                   # 4 words, no solution: 10 min
+        new_code_cell("answer = None\ncheck_x(answer)"),           # 4 words, 1 question
+        new_markdown_cell("## Going further: more"),               # 3 words, extra
+        _with_outputs(new_code_cell("plot(y)"), new_output("display_data", data=figure)),
+    ]
+    path = tmp_path / "96_example.ipynb"
+    nbformat.write(nb, str(path))
+    return path
+
+
+def test_solution_logic_lines_leave_out_the_docstring_comments_and_blank_lines(tmp_path,
+                                                                                monkeypatch):
+    _read_and_written_lab(tmp_path, monkeypatch)
+    assert sizing.solution_logic_lines("96") == {"my_a": 4, "my_b": 1}
+    assert sizing.solution_logic_lines("95") == {}
+    assert sizing.exercise_minutes(5) == 3 + 2.5
+
+
+def test_outputs_read_figures_and_exercises_by_their_solutions_counted_by_hand(tmp_path,
+                                                                             monkeypatch):
+    size = sizing.lab_size(_read_and_written_lab(tmp_path, monkeypatch), {"96_example": 30.0})
+    core = size.core
+    assert (core.words, core.output_words, core.figures) == (6 + 2 + 2 + 2 + 5 + 4 + 4, 3 + 2, 2)
+    assert (core.exercises, core.questions) == (2, 1)
+    # the tuple grades my_a (4 lines) and my_b (1): 3 + 5/2 min; my_c has no solution: 10 min
+    assert core.exercise_min == 5.5 + 10
+    assert abs(size.core_minutes - ((25 + 5) / 120 + 2 * 1 + 15.5 + 2 + 0.5)) < 1e-9
+    assert (size.extra.words, size.extra.figures) == (3 + 2, 1)
+    assert abs(size.extra_minutes - (5 / 120 + 1)) < 1e-9
+
+
+def test_the_table_keeps_its_lines_within_100_characters(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sizing, "TIMES_FILE", tmp_path / "none.json")
+    path = _read_and_written_lab(tmp_path, monkeypatch)
+    long_name = path.with_name("99_parallel_transformer.ipynb")
+    path.rename(long_name)
+    sizes = sizing.lab_sizes([long_name])
+    for measured in ((135.0, 2), (35.0, 12)):
+        table = sizing.format_lab_sizes(sizes, {"99_parallel_transformer": measured}, "measured")
+        assert f"{measured[0]:.0f} min ({measured[1]})" in table
+        assert max(len(line) for line in table.splitlines()) <= 100
+    sizing.print_lab_sizes([long_name])
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 100

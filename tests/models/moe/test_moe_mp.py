@@ -6,7 +6,7 @@ gradient and the router and expert gradients after the data-parallel reductions,
 with a capacity factor, exactly the reference's (token, expert) pairs kept. One torchrun job
 per world size (tests/mp/moe_checks.py); each test reads the ranks' reports. And, where
 megatron-core imports, the layer next to Megatron-core's own MoELayer on 4 ranks, in all ten
-layouts (mpu_lab.labkit.megatron_core_moe runs both in one torchrun job).
+layouts (mpu_lab.megatron_reference.moe runs both in one torchrun job).
 """
 import pathlib
 import sys
@@ -76,7 +76,7 @@ def test_moe_layer_equals_megatron_cores_own_moe_layer():
     and gives the same output and gradients (fp32, same ops) at tp x ep x etp = 1x2x1, 1x4x1
     and 2x2x2, both dispatchers (all-gather only at etp 2, where gloo refuses Megatron-core's
     uneven list all-gather), top-1 and top-2: ten cases."""
-    from mpu_lab.labkit import megatron_core_moe as mcm
+    from mpu_lab.labkit.mixture_of_experts import megatron_core as mcm
     cases = [f"{layout}/{dispatcher}/top{k}" for layout, dispatchers in
              (("ep2", ("alltoall", "allgather")), ("ep4", ("alltoall", "allgather")),
               ("tp2-ep2-etp2", ("allgather",)))

@@ -20,7 +20,7 @@ at another TP size may have more or fewer dummy rows, which the loader trims or 
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,7 @@ from mpu_lab.core.utils import get_device
 from mpu_lab.core.transformer import TransformerBlock
 from mpu_lab.core.transformer.transformer_layer import TransformerLayer
 from mpu_lab.core.transformer.transformer_config import TransformerConfig
+from mpu_lab.core.transformer.spec_utils import ModuleSpec, build_module
 from mpu_lab.core.pipeline_parallel.partition import stage_layers
 from mpu_lab.core.tensor_parallel import (
     VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
@@ -108,6 +109,9 @@ class GPTModel(torch.nn.Module):
     ``post_process`` returns the hidden states. ``num_layers`` / ``layer_offset``: this
     stage's layers are the global layers ``[layer_offset, layer_offset + num_layers)`` (all of
     them by default). ``vocab_size`` is the padded size (see :func:`pad_vocab_size`).
+    ``transformer_layer_spec``: the layer's spec (Megatron-core's second argument, a keyword
+    here; default :func:`~mpu_lab.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec`'s
+    modules).
     To build a pipeline rank's chunks with the weights of the one-stage model, use
     :func:`build_model_chunks`.
     """
@@ -115,7 +119,8 @@ class GPTModel(torch.nn.Module):
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  pre_process: bool = True, post_process: bool = True,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = True,
-                 num_layers: Optional[int] = None, layer_offset: int = 0):
+                 num_layers: Optional[int] = None, layer_offset: int = 0,
+                 transformer_layer_spec: Optional[Union[ModuleSpec, type]] = None):
         super().__init__()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         config.check(tp)
@@ -134,7 +139,8 @@ class GPTModel(torch.nn.Module):
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length)
         self.decoder = TransformerBlock(config, post_process=post_process,
-                                        num_layers=num_layers, layer_offset=layer_offset)
+                                        num_layers=num_layers, layer_offset=layer_offset,
+                                        spec=transformer_layer_spec)
         self.output_layer_weight = None
         if post_process and not (pre_process and share_embeddings_and_output_weights):
             # A last pipeline stage without the embedding keeps its own copy of the output
@@ -231,6 +237,7 @@ def build_model_chunks(config: TransformerConfig, vocab_size: int, max_sequence_
     ``pre_process`` on virtual stage 0, ``post_process`` on the last. The sizes default to
     :mod:`mpu_lab.core.parallel_state`'s. The last stage's copy of the tied embedding is built from
     its own draws: call :func:`~mpu_lab.core.pipeline_parallel.sync_embedding_weights` afterwards.
+    A ``transformer_layer_spec`` in ``gpt_kwargs`` builds the replayed layers too.
     """
     p = pipeline_model_parallel_size or parallel_state.get_pipeline_model_parallel_world_size()
     r = pipeline_model_parallel_rank if pipeline_model_parallel_rank is not None \
@@ -242,6 +249,7 @@ def build_model_chunks(config: TransformerConfig, vocab_size: int, max_sequence_
     chunks: List[GPTModel] = []
     drawn = 0          # global layers whose draws the default generator has gone past
     embedding_drawn = False
+    layer_spec = gpt_kwargs.get("transformer_layer_spec") or ModuleSpec(module=TransformerLayer)
     for k in range(v):
         layers = stage_layers(config.num_layers, p, r, v, k)
         stage = k * p + r
@@ -251,7 +259,7 @@ def build_model_chunks(config: TransformerConfig, vocab_size: int, max_sequence_
             if stage > 0 and not embedding_drawn:
                 LanguageModelEmbedding(config, vocab_size, max_sequence_length)   # replay, discard
             for n in range(drawn, layers.start):
-                TransformerLayer(config, n)                                      # replay, discard
+                build_module(layer_spec, config, n)                              # replay, discard
         chunks.append(GPTModel(config, vocab_size, max_sequence_length, pre_process=stage == 0,
                                post_process=stage == p * v - 1, num_layers=len(layers),
                                layer_offset=layers.start, **gpt_kwargs))

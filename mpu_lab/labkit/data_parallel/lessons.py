@@ -1,0 +1,284 @@
+"""Lab 03's drivers and printed lessons: data parallelism as Megatron does it.
+
+* :func:`print_dp_groups`, :func:`live_dp_groups` — the data-parallel groups, from the pure
+  rank-group arithmetic of :mod:`mpu_lab.core.parallel_state` and from a live playground world;
+* :func:`same_batch_flags`, :func:`train_together`, :func:`print_same_batch` — ``train_gpt.py``
+  at DP = 1 and DP = d (and with the distributed optimizer) on one global batch, the jobs side
+  by side: the same losses, step by step; :func:`print_critical_batch` — the
+  steps and samples a larger batch costs (McCandlish et al. 2018);
+* :func:`print_toy_layout` — the mirror's
+  :class:`~mpu_lab.core.distributed.param_and_grad_buffer.ParamAndGradBuffer` for a toy model: reverse order, buckets, padding to a multiple of d, each rank's shard;
+  :func:`print_started_in_backward` — from :mod:`mpu_lab.perf.dp_overlap`'s run, which bucket
+  reductions started during backward (``--overlap-grad-reduce``);
+* :func:`print_bytes_per_parameter` — from :mod:`mpu_lab.perf.memory_breakdown`'s rows, the measured
+  bytes per parameter of weights, gradients and optimizer states, next to mpu_lab's fp32 figure
+  (:func:`mpu_lab.perf.memory_breakdown.mpu_lab_bytes_per_parameter`); :func:`print_megatron_bytes` —
+  Megatron-core's table (:func:`mpu_lab.perf.cost_model.bytes_per_parameter`) next to it;
+* :func:`timing_ranks`, :func:`print_overlap_verdict` — the overlap lesson sized to the
+  machine (no more ranks than cores, each pinned) and what its measurement shows;
+* :func:`print_memory_table` — the memory job's table, one line per group of ranks that
+  printed the same;
+* :func:`fit_counts`, :func:`print_fit_counts` — lab 13's explorer with and without the
+  distributed optimizer (a "going further": the explorer is taught in lab 13).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import statistics
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from mpu_lab.core import parallel_state
+from mpu_lab.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from mpu_lab.labkit.train_gpt import runs as gpt_runs
+from mpu_lab.labkit.rank_groups.viz import format_groups
+from mpu_lab.perf import explore
+from mpu_lab.perf.dp_overlap import overlap_saving
+from mpu_lab.perf.cost_model import bytes_per_parameter_terms, format_bytes_per_parameter
+from mpu_lab.perf.memory_breakdown import format_memory_table, mpu_lab_bytes_per_parameter
+from mpu_lab.perf.rank_clock import cores_note, usable_cores
+
+
+# --------------------------------------------------------------------------- 1. groups
+def print_dp_groups(world_size: int, tp: int, pp: int = 1) -> None:
+    """The data- and tensor-parallel groups of a job, from ``generate_rank_groups``, and which
+    ranks hold the same weights (the members of one data-parallel group)."""
+    groups = parallel_state.generate_rank_groups(world_size, tp, pp)
+    d = world_size // (tp * pp)
+    print(f"n = {world_size} = t x p x d = {tp} x {pp} x {d}")
+    print(format_groups(groups, ["dp", "tp"]))
+    for g in groups["dp"][:2]:
+        print(f" ranks {g} hold the same shard of the weights; each trains on its own 1/{d} of "
+              f"the batch and they average their gradients")
+
+
+def rank_dp_group() -> List[int]:
+    """Runs on a rank: the global ranks of its data-parallel process group."""
+    return dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+
+
+def live_dp_groups(world) -> List[List[int]]:
+    """Each rank's data-parallel group (global ranks), as the world's processes built it."""
+    return world.run(rank_dp_group)
+
+
+# --------------------------------------------------------------------------- 2. one big batch
+def same_batch_flags(steps: int, layers: int, hidden: int, heads: int, seq_length: int,
+                     vocab_size: int, global_batch: int, micro_batch: int) -> List[str]:
+    """``train_gpt.py`` flags of section 2: one global batch whatever the data-parallel size
+    (the micro-batches per replica follow: B / (b d))."""
+    return gpt_runs.gpt_flags(steps, layers, hidden, heads, seq_length, micro_batch=micro_batch,
+                              global_batch_size=global_batch, vocab_size=vocab_size)
+
+
+def train_together(jobs: Dict[object, Tuple[Sequence, int, str]],
+                   env: Optional[Dict[str, str]] = None) -> Dict[object, "gpt_runs.TrainRun"]:
+    """Several :func:`mpu_lab.labkit.train_gpt.runs.train` jobs at once, one thread each:
+    ``{key: (flags, nproc, label)}`` -> ``{key: TrainRun}``. Small jobs spend much of their
+    time starting processes and waiting in collectives, so running them side by side shortens
+    the wait; each job's losses are its own (the runs are deterministic)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {key: pool.submit(gpt_runs.train, flags, nproc, label, env=env)
+                   for key, (flags, nproc, label) in jobs.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
+def print_same_batch(runs: Sequence["gpt_runs.TrainRun"], reference: "gpt_runs.TrainRun",
+                     bound: float = 1e-5) -> None:
+    """Each run's loss per step beside the reference's, and whether every step agrees within
+    ``bound`` (relative). Losses are printed to 4 decimals and agreement as a yes/no against
+    the printed bound: float32 sums land a few ulps apart on another CPU or thread count
+    (6.113932 on one machine, 6.113933 on the next), so more digits would record the machine,
+    not the lesson."""
+    shown = f"{bound:.0e}".replace("e-0", "e-")          # 1e-5, as the lesson writes it
+    print("iteration " + "".join(f"{r.label:>12}" for r in [reference, *runs])
+          + f"   within {shown}")
+    ref = dict(zip(reference.iterations, reference.losses))
+    for i, it in enumerate(reference.iterations):
+        losses = [ref[it]] + [r.losses[i] for r in runs]
+        diff = max(abs(v - ref[it]) / abs(ref[it]) for v in losses[1:])
+        print(f"{it:>9} " + "".join(f"{v:>12.4f}" for v in losses)
+              + f"   {'yes' if diff <= bound else 'no'}")
+    for r in runs:
+        worst = gpt_runs.max_relative_difference(r, reference)
+        verdict = (f"equal within {shown} at every step (relative; fp32 rounding)"
+                   if worst <= bound else
+                   f"NOT equal within {shown}: largest relative difference {worst:.1e}")
+        print(f"{r.label} vs {reference.label}: {verdict}")
+
+
+def critical_batch_rows(ratios: Sequence[float]) -> List[Dict[str, float]]:
+    """McCandlish et al. 2018 §2.3: to reach a given loss, a batch B takes
+    S = S_min (1 + B_crit / B) steps and E = E_min (1 + B / B_crit) samples; ``ratios`` are
+    B / B_crit."""
+    return [dict(ratio=r, steps=1 + 1 / r, samples=1 + r) for r in ratios]
+
+
+def print_critical_batch(ratios: Sequence[float] = (0.125, 0.25, 0.5, 1, 2, 4, 8)) -> None:
+    """The trade-off as a table: each doubling of the batch, what it does to steps and data."""
+    print("B / B_crit   steps / S_min   samples / E_min   steps saved by doubling B")
+    rows = critical_batch_rows(ratios)
+    for row, nxt in zip(rows, rows[1:] + [None]):
+        saved = "" if nxt is None or nxt["ratio"] != 2 * row["ratio"] else \
+            f"{1 - nxt['steps'] / row['steps']:.0%}"
+        print(f"{row['ratio']:>10g}   {row['steps']:>13.3f}   {row['samples']:>15.3f}   "
+              f"{saved:>25}")
+
+
+# --------------------------------------------------------------------------- 3. buckets
+def print_toy_layout(sizes: Sequence[int], d: int, bucket_size: Optional[int]) -> None:
+    """The buffer layout of a toy model whose parameters have ``sizes`` elements, in the order
+    ``module.parameters()`` gives them (p0 first): :class:`ParamAndGradBuffer` over ``d``
+    data-parallel ranks with ``bucket_size``; each bucket, its parameters in buffer order,
+    its padding and each rank's shard. Pure: no process group needed."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]  # cpu: a layout, no rank
+    names = {id(p): f"p{i}" for i, p in enumerate(params)}
+    buf = ParamAndGradBuffer(params, d, bucket_size)
+    print(f"{len(sizes)} parameters p0..p{len(sizes) - 1} of {list(sizes)} elements, d = {d}, "
+          f"bucket_size = {bucket_size}: {len(buf.buckets)} buckets, {buf.numel_unpadded} "
+          f"elements + {buf.numel - buf.numel_unpadded} of padding = {buf.numel}")
+    for b in buf.buckets:
+        where = ", ".join(f"{names[id(p)]} [{buf.param_range(p)[1]}, {buf.param_range(p)[2]})"
+                          for p in b.params)
+        shards = " ".join("r{}:[{}, {})".format(r, *b.shard_range(r)) for r in range(d))
+        print(f"bucket {b.index}: {where}, padding {b.numel - b.numel_unpadded} -> "
+              f"{b.numel} elements; shards (in the bucket) {shards}")
+
+
+def print_started_in_backward(result) -> None:
+    """Per mode of a :func:`mpu_lab.perf.dp_overlap.run_dp_overlap` result: how many bucket
+    reductions of the last timed step started during backward, on every rank."""
+    for mode in result.modes:
+        counts = [(sum(s["started_in_backward"] for s in rec["steps"][-1]["syncs"]),
+                   len(rec["steps"][-1]["syncs"])) for rec in result.mode(mode)]
+        same = len(set(counts)) == 1
+        text = (f"{counts[0][0]} of {counts[0][1]} on every rank" if same
+                else ", ".join(f"rank {r}: {k} of {n}" for r, (k, n) in enumerate(counts)))
+        print(f"{mode:<32} buckets started during backward: {text}")
+
+
+def timing_ranks(world_size: int, device: Optional[str] = None) -> int:
+    """Ranks for the overlap timing: ``world_size`` on GPUs (a device per rank); on a CPU as
+    many as it has usable cores, at least 2 (data parallelism needs two) and at most
+    ``world_size``: a rank that shares a core lends it out while it waits, and the timing
+    would show the sharing, not the overlap. ``device``: "cpu" or "cuda" (default: "cuda"
+    where torch sees a GPU)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":
+        return world_size
+    return max(2, min(world_size, len(usable_cores())))
+
+
+def print_overlap_verdict(result) -> None:
+    """What the overlap run measured, said plainly: per mode pair the step and the exposed
+    communication without and with overlap, then whether this machine shows a saving, and on
+    a CPU why it cannot show the GPU's."""
+    print(f"measured on d = {result.d} ranks ({result.device}"
+          + (", each pinned to a core of its own, one thread)" if result.device == "cpu"
+             and all(r.get("core", -1) >= 0 for r in result.reports) else ")"))
+    rows = overlap_saving(result)
+    for r in rows:
+        backward = [statistics.fmean(statistics.median(s["backward_ms"] for s in rec["steps"])
+                                     for rec in result.mode(m))
+                    for m in (r["mode"], r["mode"] + " + overlap")]
+        print(f"  {r['mode']}: step {r['step_ms']:.0f} -> {r['step_overlap_ms']:.0f} ms with "
+              f"overlap ({r['saved_pct']:+.0f} %); backward {backward[0]:.0f} -> "
+              f"{backward[1]:.0f} ms; exposed communication {r['exposed_ms']:.0f} -> "
+              f"{r['exposed_overlap_ms']:.0f} ms")
+    note = cores_note(result.d)
+    if note:
+        print("  " + note)
+    if result.device == "cpu":
+        saved = [r["saved_pct"] for r in rows]
+        shown = "a saving" if saved and min(saved) >= 5 else "no clear saving"
+        print(f"  this machine shows {shown}. On a CPU it cannot show the GPU's: gloo's "
+              f"all-reduce is work (copying and adding the buckets over loopback sockets) done "
+              f"by the same core that computes backward, so overlap only interleaves the two "
+              f"on that core (what it takes off the exposed time it adds to backward's); on a GPU the reduction runs on NVLink / the network beside the "
+              f"compute kernels.")
+
+
+# --------------------------------------------------------------------------- 4. memory
+def _rank_label(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def print_memory_table(rows: Sequence[dict]) -> None:
+    """:func:`mpu_lab.perf.memory_breakdown.format_memory_table` with the ranks whose printed figures are
+    the same merged into one line ("0-3"): the data-parallel replicas."""
+    by_key: Dict[tuple, Dict[int, list]] = {}
+    for r in rows:
+        by_key.setdefault((r["config"], r["optimizer"]), {}).setdefault(r["rank"], []).append(r)
+    merged = []
+    for per_rank in by_key.values():
+        groups: Dict[tuple, List[int]] = {}
+        for rank, rs in per_rank.items():
+            # what the table prints (KiB to 0.1): shards that differ by a few padding bytes
+            # are the same line
+            sig = tuple(sorted((x["term"], round(x["measured"] / 1024, 1),
+                                round(x["predicted"] / 1024, 1)) for x in rs))
+            groups.setdefault(sig, []).append(rank)
+        for ranks in groups.values():
+            merged += [dict(x, rank=_rank_label(ranks)) for x in per_rank[ranks[0]]]
+    print(format_memory_table(merged))
+
+
+def print_bytes_per_parameter(rows: Sequence[dict]) -> None:
+    """From :func:`mpu_lab.perf.memory_breakdown.run_memory_breakdown` rows: per configuration and
+    optimizer, rank 0's measured bytes of parameters, gradients and optimizer states, per
+    parameter (the parameter count is the fp32 parameter bytes / 4)."""
+    cells: Dict[tuple, Dict[str, int]] = {}
+    for r in rows:
+        if r["rank"] == 0 and r["term"] in ("parameters", "gradients", "optimizer"):
+            cells.setdefault((r["config"], r["optimizer"], r["dp"]), {})[r["term"]] = r["measured"]
+    for (config, optimizer, d), got in cells.items():
+        n = got["parameters"] / 4
+        per = {k: got[k] / n for k in ("parameters", "gradients", "optimizer")}
+        ours = mpu_lab_bytes_per_parameter(optimizer == "distributed", d)
+        print(f"{config:<13} {optimizer:<12} rank 0: {per['parameters']:.2f} + "
+              f"{per['gradients']:.2f} + {per['optimizer']:.2f} = {sum(per.values()):.2f} "
+              f"bytes per parameter (d = {d}; mpu_lab's fp32 figure: {ours:g})")
+
+
+def print_megatron_bytes(data_parallel_size: int) -> None:
+    """Megatron-core's bytes per parameter (its distributed-optimizer guide), the distributed
+    optimizer at ``data_parallel_size``; its bf16 training (bf16 weights, fp32 gradients) and
+    mpu_lab's fp32 training spelled out: what every rank keeps, and what the distributed
+    optimizer splits over the d ranks."""
+    d = data_parallel_size
+    print("Megatron-core's bytes per parameter (its distributed-optimizer guide):")
+    print(format_bytes_per_parameter(d))
+    for who, params, grads in (("Megatron's bf16 training", "bf16", "fp32"),
+                               ("mpu_lab's fp32 training", "fp32", "fp32")):
+        terms = bytes_per_parameter_terms(params, grads)
+        kept, split = sum(terms["replicated"].values()), sum(terms["sharded"].values())
+        print(f"{who} ({params} weights, {grads} gradients): every rank keeps {kept} (" +
+              " + ".join(f"{v} {k}" for k, v in terms["replicated"].items()) +
+              f"); the optimizer keeps {split} (" +
+              " + ".join(f"{v} {k}" for k, v in terms["sharded"].items()) +
+              f"): {kept + split} plain, {kept} + {split}/d = {kept + split / d:g} at d = {d}")
+
+
+# --------------------------------------------------------------------------- 6. explorer
+def fit_counts(model, cluster, num_gpus: int, global_batch_size: int) -> Dict[bool, tuple]:
+    """``{distributed_optimizer: (fitting, total, best)}`` from lab 13's explorer."""
+    out = {}
+    for flag in (False, True):
+        result = explore(model, cluster, num_gpus, global_batch_size,
+                         distributed_optimizer=flag)
+        out[flag] = (sum(c.fits for c in result.candidates), len(result.candidates), result.best)
+    return out
+
+
+def print_fit_counts(counts: Dict[bool, tuple]) -> None:
+    for flag, (fits, total, best) in counts.items():
+        c, p = best.config, best.prediction
+        print(f"distributed optimizer {'on ' if flag else 'off'}: {fits:>3} of {total} "
+              f"configurations fit; the fastest t={c.tp} p={c.pp} d={c.dp} b={c.b}: "
+              f"{p.total_s:.1f} s per iteration, {p.memory_gb:.1f} GB per GPU")

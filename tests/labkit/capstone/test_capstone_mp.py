@@ -1,0 +1,51 @@
+"""The capstone end to end, at TP = 2 x PP = 2 on 4 CPU ranks (two torchrun jobs, slow):
+labs/solutions trains equal to the mirror (exit 0); a copy with f's backward all-reduce removed
+(its forward still right) and without random.py exits 1 naming f (the gradient norm of the
+first iteration parts, its loss does not), and says the checkpoint is the mirror's. The
+reference is the mirror's own run from the same seed in the same job; the mirror itself is held
+to its dense twins by tests/models and tests/tensor_parallel."""
+import pathlib
+import shutil
+
+import pytest
+
+from mpu_lab.labkit.capstone import run_capstone
+
+pytestmark = pytest.mark.slow
+SOLUTIONS = pathlib.Path(__file__).resolve().parents[3] / "labs" / "solutions"
+F_BACKWARD = '''    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad)
+
+
+class _Reduce'''
+
+
+def test_labs_solutions_trains_equal_to_the_mirror_at_tp2_pp2():
+    result = run_capstone(SOLUTIONS, 2, 2, train_iters=3, echo=False)
+    assert result.exit_code == 0, result.lines
+    assert result.lines[-1] == "capstone: losses equal the mirror's within 1e-05 over 3 iterations"
+    assert "used: layers.py:ColumnParallelLinear x8" in result.lines       # 2 per layer, 4 layers
+    assert "used: layers.py:RowParallelLinear x8" in result.lines
+    assert not any(line.startswith("missing:") for line in result.lines)
+    assert result.learner_losses[-1] < result.learner_losses[0]           # it learns
+
+
+def test_f_broken_in_its_backward_only_is_named_and_a_missing_piece_is_the_mirrors(tmp_path):
+    code = tmp_path / "my_megatron"
+    shutil.copytree(SOLUTIONS, code)
+    mappings = (code / "mappings.py").read_text()
+    assert mappings.count(F_BACKWARD) == 1
+    (code / "mappings.py").write_text(mappings.replace(F_BACKWARD, F_BACKWARD.replace(
+        "return _all_reduce(grad)", "return grad")))
+    (code / "random.py").unlink()
+    result = run_capstone(code, 2, 2, train_iters=3, echo=False)
+    assert result.exit_code == 1, result.lines
+    assert "missing: checkpoint (the mirror's is used)" in result.lines
+    # the first loss is forward only: equal; the first backward's gradients are not
+    assert result.learner_losses[0] == pytest.approx(result.mirror_losses[0], rel=1e-6)
+    assert result.first_parting == (1, "grad_norm")
+    assert result.culprit == "mappings.py:copy_to_tensor_model_parallel_region"
+    assert result.lines[-1].startswith("capstone: gradient norms part from the mirror's at "
+                                       "iteration 1")
+    assert "the piece is mappings.py:copy_to_tensor_model_parallel_region" in result.lines[-1]
