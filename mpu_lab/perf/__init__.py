@@ -11,6 +11,11 @@
 - :mod:`mpu_lab.perf.utilisation` — how busy each rank is over time.
 - :mod:`mpu_lab.perf.runs` — a profiled training run next to the cost model's prediction.
 - :mod:`mpu_lab.perf.saved_activations` — what one layer's autograd keeps, against the paper.
+- :mod:`mpu_lab.perf.recompute` — the same per recomputation mode (none, selective, full),
+  against the terms derived for the dtype and attention kernel run, and each mode's FLOPs
+  counted with ``FlopCounterMode``.
+- :mod:`mpu_lab.perf.pipeline_schedules` — idle unit slots per pipeline rank of each schedule
+  (1F1B, interleaved, ZB-H1, ZBV), simulated from the orders the runtime executes.
 - :mod:`mpu_lab.perf.comm_counts` — collectives per layer and pass, counted from outside the
   model with torch's ``CommDebugMode``.
 - :mod:`mpu_lab.perf.comm_timing` — collectives timed from outside the mirror, through

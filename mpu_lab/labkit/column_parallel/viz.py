@@ -37,7 +37,9 @@ def print_shard_shapes(kind: str, input_size: int, output_size: int, parts: int)
     """Print the pieces as the MPU walkthrough does: ``A = [`` ``A0= torch.Size([...]),`` ... ``]``."""
     shapes = shard_shapes(kind, input_size, output_size, parts)
     print("A = [")
-    print(", ".join(f"A{i}= torch.Size({list(s)})" for i, s in enumerate(shapes)))
+    pieces = [f"A{i}= torch.Size({list(s)})" for i, s in enumerate(shapes)]
+    for k in range(0, len(pieces), 3):                  # three a line: lines of <= 100 characters
+        print(", ".join(pieces[k:k + 3]) + ("," if k + 3 < len(pieces) else ""))
     print(" ]")
     print(f"{len(shapes)} pieces")
 

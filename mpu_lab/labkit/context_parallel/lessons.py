@@ -337,3 +337,11 @@ def format_bytes_rows(rows: List[dict], block: float) -> str:
                      f"{r['backward']:>9g} {r['backward_formula']:>8g}  {blocks:<41} "
                      f"{r['calls']}")
     return "\n".join(lines)
+
+
+def format_ranks_once(title: str, tables: Sequence[str]) -> str:
+    """One table where every rank produced the same one, saying that they agree; else one per
+    rank, each under its rank's title (a rank that differs is the thing to read)."""
+    if all(t == tables[0] for t in tables):
+        return f"{title}; the {len(tables)} ranks agree, one table for all:\n{tables[0]}"
+    return "\n".join(f"rank {r}: {title}\n{t}" for r, t in enumerate(tables))

@@ -51,7 +51,7 @@ def print_dp_groups(world_size: int, tp: int, pp: int = 1) -> None:
     print(format_groups(groups, ["dp", "tp"]))
     for g in groups["dp"][:2]:
         print(f" ranks {g} hold the same shard of the weights; each trains on its own 1/{d} of "
-              f"the batch and they average their gradients")
+              f"the batch,\n   and they average their gradients")
 
 
 def rank_dp_group() -> List[int]:
@@ -137,14 +137,14 @@ def print_toy_layout(sizes: Sequence[int], d: int, bucket_size: Optional[int]) -
     names = {id(p): f"p{i}" for i, p in enumerate(params)}
     buf = ParamAndGradBuffer(params, d, bucket_size)
     print(f"{len(sizes)} parameters p0..p{len(sizes) - 1} of {list(sizes)} elements, d = {d}, "
-          f"bucket_size = {bucket_size}: {len(buf.buckets)} buckets, {buf.numel_unpadded} "
+          f"bucket_size = {bucket_size}:\n{len(buf.buckets)} buckets, {buf.numel_unpadded} "
           f"elements + {buf.numel - buf.numel_unpadded} of padding = {buf.numel}")
     for b in buf.buckets:
         where = ", ".join(f"{names[id(p)]} [{buf.param_range(p)[1]}, {buf.param_range(p)[2]})"
                           for p in b.params)
         shards = " ".join("r{}:[{}, {})".format(r, *b.shard_range(r)) for r in range(d))
         print(f"bucket {b.index}: {where}, padding {b.numel - b.numel_unpadded} -> "
-              f"{b.numel} elements; shards (in the bucket) {shards}")
+              f"{b.numel} elements\n  shards (in the bucket) {shards}")
 
 
 def print_started_in_backward(result) -> None:
@@ -172,33 +172,71 @@ def timing_ranks(world_size: int, device: Optional[str] = None) -> int:
     return max(2, min(world_size, len(usable_cores())))
 
 
+#: the relative difference of two step times below which the verdict calls them the same
+OVERLAP_TOLERANCE = 0.05
+
+
+def overlap_parts(result) -> List[dict]:
+    """Per mode pair, without and with overlap: the step, its backward, its exposed
+    communication and the rest (forward, optimizer, waiting: step - backward - exposed), each
+    the median over steps and the mean over ranks, so that the parts add up to the step."""
+    rows = []
+    for r in overlap_saving(result):
+        row = dict(mode=r["mode"])
+        for key, mode in (("off", r["mode"]), ("on", r["mode"] + " + overlap")):
+            backward = statistics.fmean(statistics.median(s["backward_ms"] for s in rec["steps"])
+                                        for rec in result.mode(mode))
+            step, exposed = r["step_overlap_ms" if key == "on" else "step_ms"], \
+                r["exposed_overlap_ms" if key == "on" else "exposed_ms"]
+            row[key] = dict(step=step, backward=backward, exposed=exposed,
+                            rest=step - backward - exposed)
+        row["change"] = row["on"]["step"] / row["off"]["step"] - 1
+        rows.append(row)
+    return rows
+
+
+def overlap_verdict(change: float, tolerance: float = OVERLAP_TOLERANCE) -> str:
+    """The verdict on a step's relative change with overlap: a saving or a loss only beyond
+    ``tolerance`` (relative), else the same."""
+    if change <= -tolerance:
+        return f"a saving of {-100 * change:.0f} %"
+    if change >= tolerance:
+        return f"a loss of {100 * change:.0f} %"
+    return f"no difference (within {100 * tolerance:.0f} %)"
+
+
 def print_overlap_verdict(result) -> None:
-    """What the overlap run measured, said plainly: per mode pair the step and the exposed
-    communication without and with overlap, then whether this machine shows a saving, and on
-    a CPU why it cannot show the GPU's."""
+    """What the overlap run measured, said plainly: per mode pair the step and its parts
+    (backward, exposed communication, the rest) without and with overlap, a verdict computed
+    from those step times with a stated relative tolerance, and on a CPU why it cannot show
+    the GPU's saving."""
     print(f"measured on d = {result.d} ranks ({result.device}"
           + (", each pinned to a core of its own, one thread)" if result.device == "cpu"
              and all(r.get("core", -1) >= 0 for r in result.reports) else ")"))
-    rows = overlap_saving(result)
+    print("ms per step (median over steps, mean over ranks); step = backward + exposed "
+          "communication + rest")
+    print(f"  {'mode':<31} {'overlap':>7} {'step':>6} {'backward':>8} {'exposed':>7} {'rest':>6}")
+    rows = overlap_parts(result)
     for r in rows:
-        backward = [statistics.fmean(statistics.median(s["backward_ms"] for s in rec["steps"])
-                                     for rec in result.mode(m))
-                    for m in (r["mode"], r["mode"] + " + overlap")]
-        print(f"  {r['mode']}: step {r['step_ms']:.0f} -> {r['step_overlap_ms']:.0f} ms with "
-              f"overlap ({r['saved_pct']:+.0f} %); backward {backward[0]:.0f} -> "
-              f"{backward[1]:.0f} ms; exposed communication {r['exposed_ms']:.0f} -> "
-              f"{r['exposed_overlap_ms']:.0f} ms")
+        for key in ("off", "on"):
+            v = r[key]
+            print(f"  {r['mode']:<31} {key:>7} {v['step']:6.1f} {v['backward']:8.1f} "
+                  f"{v['exposed']:7.1f} {v['rest']:6.1f}")
+    for r in rows:
+        print(f"  {r['mode']}: step {r['off']['step']:.1f} -> {r['on']['step']:.1f} ms with "
+              f"overlap: {overlap_verdict(r['change'])}")
     note = cores_note(result.d)
     if note:
         print("  " + note)
     if result.device == "cpu":
-        saved = [r["saved_pct"] for r in rows]
-        shown = "a saving" if saved and min(saved) >= 5 else "no clear saving"
+        saved = all(r["change"] <= -OVERLAP_TOLERANCE for r in rows) and rows
+        shown = "a saving" if saved else "no clear saving"
         print(f"  this machine shows {shown}. On a CPU it cannot show the GPU's: gloo's "
-              f"all-reduce is work (copying and adding the buckets over loopback sockets) done "
-              f"by the same core that computes backward, so overlap only interleaves the two "
-              f"on that core (what it takes off the exposed time it adds to backward's); on a GPU the reduction runs on NVLink / the network beside the "
-              f"compute kernels.")
+              f"all-reduce is work\n  (copying and adding the buckets over loopback sockets) "
+              f"done by the same core that computes\n  backward, so overlap only interleaves "
+              f"the two on that core (what it takes off the exposed time\n  it adds to "
+              f"backward's); on a GPU the reduction runs on NVLink / the network beside the\n"
+              f"  compute kernels.")
 
 
 # --------------------------------------------------------------------------- 4. memory
@@ -237,13 +275,15 @@ def print_bytes_per_parameter(rows: Sequence[dict]) -> None:
     for r in rows:
         if r["rank"] == 0 and r["term"] in ("parameters", "gradients", "optimizer"):
             cells.setdefault((r["config"], r["optimizer"], r["dp"]), {})[r["term"]] = r["measured"]
+    print("rank 0's bytes per parameter, measured: parameters + gradients + optimizer = total "
+          "(mpu_lab's fp32 figure)")
     for (config, optimizer, d), got in cells.items():
         n = got["parameters"] / 4
         per = {k: got[k] / n for k in ("parameters", "gradients", "optimizer")}
         ours = mpu_lab_bytes_per_parameter(optimizer == "distributed", d)
-        print(f"{config:<13} {optimizer:<12} rank 0: {per['parameters']:.2f} + "
+        print(f"{config:<13} {optimizer:<12} {per['parameters']:.2f} + "
               f"{per['gradients']:.2f} + {per['optimizer']:.2f} = {sum(per.values()):.2f} "
-              f"bytes per parameter (d = {d}; mpu_lab's fp32 figure: {ours:g})")
+              f"({ours:g})")
 
 
 def print_megatron_bytes(data_parallel_size: int) -> None:
@@ -258,11 +298,11 @@ def print_megatron_bytes(data_parallel_size: int) -> None:
                                ("mpu_lab's fp32 training", "fp32", "fp32")):
         terms = bytes_per_parameter_terms(params, grads)
         kept, split = sum(terms["replicated"].values()), sum(terms["sharded"].values())
-        print(f"{who} ({params} weights, {grads} gradients): every rank keeps {kept} (" +
+        print(f"{who} ({params} weights, {grads} gradients):\n  every rank keeps {kept} (" +
               " + ".join(f"{v} {k}" for k, v in terms["replicated"].items()) +
-              f"); the optimizer keeps {split} (" +
+              f");\n  the optimizer keeps {split} (" +
               " + ".join(f"{v} {k}" for k, v in terms["sharded"].items()) +
-              f"): {kept + split} plain, {kept} + {split}/d = {kept + split / d:g} at d = {d}")
+              f"):\n  {kept + split} plain, {kept} + {split}/d = {kept + split / d:g} at d = {d}")
 
 
 # --------------------------------------------------------------------------- 6. explorer

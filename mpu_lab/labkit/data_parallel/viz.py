@@ -4,6 +4,8 @@ where a rank's memory goes, measured next to predicted, term by term
 (:mod:`mpu_lab.perf.memory_breakdown`)."""
 from __future__ import annotations
 
+import statistics
+
 from typing import Optional, Sequence
 from typing import Dict, List, Tuple
 
@@ -88,9 +90,12 @@ def plot_dp_timeline(result, modes: Optional[Sequence[str]] = None, step: int = 
         ax.set_yticklabels([label if label.endswith("backward") else label.split(" ", 2)[2]
                             for label, _ in rows], fontsize=8)
         ax.set_ylim(len(rows) - 0.5, -0.5)
-        exposed = ", ".join(f"{records[r]['exposed_ms']:.0f}" for r in ranks)
-        ax.set_title(f"{mode}: this step's exposed communication per rank {exposed} ms",
-                     loc="left", fontsize=9)
+        exposed = ", ".join(f"{records[r]['exposed_ms']:.1f}" for r in ranks)
+        typical = statistics.fmean(statistics.median(s["exposed_ms"] for s in rec["steps"])
+                                   for rec in result.mode(mode))
+        ax.set_title(f"{mode}: exposed communication of the step drawn, per rank {exposed} ms "
+                     f"(printed above: median of the steps, mean of the ranks {typical:.1f} ms)",
+                     loc="left", fontsize=8)
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
     shown = "" if len(ranks) == result.d else f"; ranks {', '.join(map(str, ranks))} shown"

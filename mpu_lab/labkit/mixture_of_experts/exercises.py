@@ -2,8 +2,9 @@
 
 Checks (the expected value computed by mpu_lab: the cost model, the router's capacity, the
 rank groups): :func:`check_moe_scaling` (parameters and FLOPs per token as E grows),
-:func:`check_capacity` (Switch's expert capacity), :func:`check_expert_data_parallel_size`
-(how many copies of each expert a layout keeps).
+:func:`check_capacity` (Switch's expert capacity), :func:`check_expert_ranks` (on how many
+ranks one expert lives), :func:`check_expert_data_parallel_size` (how many copies of each
+expert a layout keeps).
 
 The write-the-code exercise, :data:`DISPATCH`: the all-to-all token dispatcher's
 permutation and its count exchange, run with real all-to-alls on a live world.
@@ -91,6 +92,25 @@ def check_expert_data_parallel_size(answer, world_size: int, tp: int, pp: int, e
                    f"gradients (e.g. {groups['expert-dp'][0]}).",
                    f"{answer!r} is not it. Hint: a pipeline stage has world / p ranks; "
                    f"t of them split one expert, ep of those groups split the experts.")
+
+
+def check_expert_ranks(answer, world_size: int, tp: int, pp: int, ep: int) -> Verdict:
+    """On how many ranks one expert lives with expert-tensor-parallel size ``etp = tp``
+    (Megatron's default): ``etp`` ranks split it, and each of its shards is copied on the
+    expert data-parallel size of ranks, so ``etp x edp`` in all (megatron/core/parallel_state.py,
+    the expert ``RankGenerator``)."""
+    if unanswered(answer, "a number of ranks"):
+        return Verdict(False)
+    groups = generate_rank_groups(world_size, tp, pp, expert_model_parallel_size=ep)
+    etp, edp = len(groups["expert-tp"][0]), len(groups["expert-dp"][0])
+    expected = etp * edp
+    return verdict(as_int(answer) == expected,
+                   f"{expected}: etp = {etp} ranks split each expert, and each shard is copied "
+                   f"on edp = {edp} ranks, which average its gradients (e.g. expert-dp group "
+                   f"{groups['expert-dp'][0]}).",
+                   f"{answer!r} is not it. Hint: a pipeline stage has world / p ranks; etp = t "
+                   f"of them split one expert, ep of those groups split the experts, and the "
+                   f"rest hold copies.")
 
 
 def case_inputs(rank: int, num_tokens: int, num_experts: int, topk: int, seed: int,
@@ -264,4 +284,5 @@ DISPATCH = Exercise(
     layout=_dense_only)
 
 __all__: List[str] = ["check_moe_scaling", "check_capacity", "check_expert_data_parallel_size",
+                       "check_expert_ranks",
                        "DISPATCH", "case_inputs", "checked_all_to_all", "split_mismatches", "reference_dispatch", "run_dispatch_case"]

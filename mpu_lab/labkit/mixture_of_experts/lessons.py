@@ -250,3 +250,10 @@ def imbalance_summary(loads: Sequence[float], last: int = 10) -> float:
     """The mean of the last ``last`` loads, to one decimal (what survives another CPU)."""
     tail = list(loads)[-last:]
     return round(sum(tail) / len(tail), 1) if tail else math.nan
+
+
+def format_byte_counts(measured: Dict[str, int], direction: str = "") -> str:
+    """``{"all_to_all forward": 2240, ...}`` as ``all_to_all forward 2,240 B, ...`` (only the
+    keys ending in ``direction`` when given), in the order counted."""
+    return ", ".join(f"{name} {count:,} B" for name, count in measured.items()
+                     if name.endswith(direction))

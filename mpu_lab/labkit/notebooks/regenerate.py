@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import os
 import pathlib
+import re
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
@@ -19,18 +20,35 @@ from mpu_lab.labkit.notebooks.structure import REVEAL, output_problems
 from mpu_lab.labkit.notebooks.watchdog import DEFAULT_STALL_S, execute_watched
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+NBVAL_IGNORE = "nbval-ignore-output"
+# A cell that calls a lab kit's reveal(...) (not one that defines it) shows a prediction's answer.
+_REVEAL_CALL = re.compile(r"^(?![ \t]*def[ \t])[^#\n]*\breveal\(", re.M)
+
+
+def mark_reveal(cell) -> bool:
+    """Tag a code cell that calls ``reveal(...)`` ``reveal`` and ``nbval-ignore-output`` (what
+    :func:`~mpu_lab.labkit.notebooks.structure.lesson_problems` asks of a reveal cell), so that
+    a lab author who forgets the tags still gets it stored empty; True when it is a reveal cell."""
+    if cell.cell_type != "code":
+        return False
+    tags = cell.metadata.get("tags", [])
+    if REVEAL not in tags and not _REVEAL_CALL.search(cell.source):
+        return False
+    cell.metadata["tags"] = tags + [t for t in (REVEAL, NBVAL_IGNORE) if t not in tags]
+    return True
 
 
 def clean(nb):
     """Drop widget state, papermill/nbclient timing metadata and the outputs of cells tagged
-    ``reveal`` (a prediction's answer); set the python3 kernelspec."""
+    ``reveal`` or calling ``reveal(...)`` (a prediction's answer; :func:`mark_reveal` tags
+    them); set the python3 kernelspec."""
     nb.metadata.pop("widgets", None)
     nb.metadata.pop("papermill", None)
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
     for cell in nb.cells:
         cell.metadata.pop("papermill", None)
         cell.metadata.pop("execution", None)
-        if cell.cell_type == "code" and REVEAL in cell.metadata.get("tags", []):
+        if mark_reveal(cell):
             cell.outputs = []      # the answer to a prediction: the learner runs it to see it
         if cell.cell_type == "code":
             for out in cell.get("outputs", []):

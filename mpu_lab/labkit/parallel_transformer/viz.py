@@ -24,7 +24,8 @@ def _op(ax, x, y, text, sub, width=0.8):
     ax.text(x, y - 0.42, sub, ha="center", va="top", fontsize=7)
 
 
-def _layer_block(ax, tp: int, sequence_parallel: bool, block: str) -> None:
+def _layer_block(ax, tp: int, sequence_parallel: bool, block: str,
+                 activation: str = "relu") -> None:
     """One row of :func:`plot_transformer_layer`: LN -> f -> t lanes of 3 ops -> g -> + x."""
     colors = rank_colors(tp)
     lane = 0.8
@@ -35,7 +36,7 @@ def _layer_block(ax, tp: int, sequence_parallel: bool, block: str) -> None:
         lanes = [("x W^QKV_{i}  (col.)", "[s, b, 3h/t]"), ("softmax(Q K^T / sqrt(H)) V", "n_H/t heads"),
                  ("Z_{i} W^O_{i}  (row)", "[s, b, h] partial")]
     else:
-        lanes = [("x W^1_{i}  (col.)", "[s, b, 4h/t]"), ("GeLU", "elementwise"),
+        lanes = [("x W^1_{i}  (col.)", "[s, b, 4h/t]"), (activation, "elementwise"),
                  ("A'_{i} W^2_{i}  (row)", "[s, b, h] partial")]
     f_name, f_sub = (("AG", "all-gather along s\nbwd: AG again + RS") if sequence_parallel
                      else ("f", "fwd: identity\nbwd: all-reduce"))
@@ -72,16 +73,18 @@ def _layer_block_bottom(tp: int) -> float:
 
 
 @styled
-def plot_transformer_layer(tp: int = 2, sequence_parallel: bool = False) -> Figure:
+def plot_transformer_layer(tp: int = 2, sequence_parallel: bool = False,
+                           activation: str = "relu") -> Figure:
     """One GPT layer under tensor parallelism (Megatron-LM Fig. 3; Korthikanti et al. Fig. 5
     with ``sequence_parallel``): the attention block and the MLP block, one lane per
     tensor-parallel rank, with the two collectives of each block (under sequence parallelism the
-    all-gather's backward also gathers the layer's input again, §4.2.2)."""
+    all-gather's backward also gathers the layer's input again, §4.2.2). ``activation``: the
+    MLP's nonlinearity as the lab runs it (``--activation``; the lab's layer uses relu)."""
     panel = 0.8 * tp + 0.05 - _layer_block_bottom(tp)       # drawing units; ~0.93 inch each
     fig = new_figure(12.5, 2 * (0.93 * panel + 0.4))
     axes = fig.subplots(2, 1)
     for ax, block in zip(axes, ("attention", "mlp")):
-        _layer_block(ax, tp, sequence_parallel, block)
+        _layer_block(ax, tp, sequence_parallel, block, activation)
     if sequence_parallel:
         titles = (f"Attention block, t = {tp}, sequence parallel: LayerNorm on the rank's s/t "
                   f"tokens; all-gather before the QKV projection, reduce-scatter after W^O",

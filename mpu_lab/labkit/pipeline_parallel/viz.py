@@ -19,7 +19,8 @@ GANTT_COLORS = {("F", 0): "#4C72B0", ("F", 1): "#8DA9D6", ("B", 0): "#DD8452", (
 def plot_gantt(records: Sequence[Sequence[Record]], title: Optional[str] = None, ax=None,
                time_unit: str = "units", label_microbatches: bool = True) -> Figure:
     """Gantt chart: one row per pipeline stage (stage 0 on top), forwards blue, backwards
-    orange, odd model chunks lighter; the number in a box is its micro-batch; the title ends
+    orange, odd model chunks lighter; the number in a box is its micro-batch, written wherever
+    it fits inside the box (never over its neighbours); the title ends
     with the idle share (:func:`~mpu_lab.perf.pipeline_simulation.bubble_share`).
 
     ``records[k]`` are stage ``k``'s ``(kind, microbatch, chunk, start, end)``: ``.records`` of
@@ -37,13 +38,15 @@ def plot_gantt(records: Sequence[Sequence[Record]], title: Optional[str] = None,
         factor = 1000.0 if time_unit == "ms" else 1.0
         t0 = min(float(r[3]) for recs in records for r in recs)
         span = (max(float(r[4]) for recs in records for r in recs) - t0) * factor
+        px_per_unit = ax.bbox.width / span if span > 0 else 0.0    # display pixels per time unit
         for stage, recs in enumerate(records):
             y = len(records) - 1 - stage
             for kind, mb, chunk, start, end in recs:
                 x, w = (float(start) - t0) * factor, (float(end) - float(start)) * factor
                 ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=GANTT_COLORS[(kind, chunk % 2)],
                                edgecolor="white", linewidth=0.5)
-                if label_microbatches and w > span / 60:
+                # a label only where it fits inside its box (7 pt digits: about 5.5 px each)
+                if label_microbatches and w * px_per_unit >= 5.5 * len(str(mb)) + 3:
                     ax.text(x + w / 2, y, str(mb), ha="center", va="center", fontsize=7,
                             color="white" if chunk % 2 == 0 else "black")
         ax.set_yticks(range(len(records)))

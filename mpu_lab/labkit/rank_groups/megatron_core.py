@@ -7,6 +7,7 @@ summary says how to install it.
 """
 from __future__ import annotations
 
+import textwrap
 import warnings
 from typing import Dict, Optional
 
@@ -97,10 +98,11 @@ def groups_summary(world_size: int, tp: int, pp: int, ep: int = 1) -> str:
         return reason
     dense = rank_groups_side_by_side(world_size, tp, pp)["families"]
     same = [k for k, f in dense.items() if f["equal"]]
-    line = (f"n={world_size}, t={tp}, p={pp}: {len(same)} of {len(dense)} dense families equal "
-            f"Megatron-core's ({', '.join(same)})")
+    line = "\n  ".join(textwrap.wrap(     # lines of <= 100 characters
+        f"n={world_size}, t={tp}, p={pp}: {len(same)} of {len(dense)} dense families equal "
+        f"Megatron-core's ({', '.join(same)})", 98, break_on_hyphens=False))
     if ep > 1:
         experts = expert_groups_side_by_side(world_size, tp, pp, ep)["families"]
         same = [k for k, f in experts.items() if f["equal"]]
-        line += f"; ep={ep}: {len(same)} of {len(experts)} expert families ({', '.join(same)})"
+        line += f";\n  ep={ep}: {len(same)} of {len(experts)} expert families ({', '.join(same)})"
     return line

@@ -251,9 +251,9 @@ def print_side_by_side(results: Sequence[dict]) -> None:
         return
     first = results[0]
     print(f"megatron-core {first['megatron_core']} and mpu_lab at tp={first['tp']}, the same "
-          f"tensors through both on each of {len(results)} ranks; rank groups the same on every "
+          f"tensors through both on each of {len(results)} ranks;\nrank groups the same on every "
           f"rank: {all(r['groups_equal'] for r in results)}")
-    print(f"{'mapping':<44}{'rank 0: in -> out':<28}largest |difference|, fwd / bwd")
+    print(f"{'mapping':<44}{'rank 0: in -> out':<28}max |difference| fwd / bwd")
     for name, on_rank0 in first["mappings"].items():
         fwd = max(r["mappings"][name]["forward"] for r in results)
         bwd = max(r["mappings"][name]["backward"] for r in results)

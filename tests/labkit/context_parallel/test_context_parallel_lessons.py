@@ -176,3 +176,10 @@ def test_measured_on_four_ranks_against_hand_worked_values(four_rank_reports):
         for ct in ("p2p", "a2a", "allgather"):
             assert sent[ct]["forward"] == sent[ct]["forward_formula"]
             assert sent[ct]["backward"] == sent[ct]["backward_formula"]
+
+
+def test_ranks_that_agree_print_one_table_and_ranks_that_differ_one_each():
+    from mpu_lab.labkit.context_parallel.lessons import format_ranks_once
+    assert format_ranks_once("bytes", ["a\nb", "a\nb"]) == \
+        "bytes; the 2 ranks agree, one table for all:\na\nb"
+    assert format_ranks_once("bytes", ["a", "c"]) == "rank 0: bytes\na\nrank 1: bytes\nc"

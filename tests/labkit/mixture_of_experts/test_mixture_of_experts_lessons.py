@@ -101,6 +101,16 @@ def test_lab_checks_right_and_wrong_answers(capsys):
     assert "Not yet: 4 is not it. Hint:" in out
 
 
+def test_expert_ranks_counts_the_expert_tensor_parallel_split_too():
+    # 16 ranks, t = p = ep = 2: a stage has 8 ranks; etp = t = 2 split one expert, ep = 2 such
+    # pairs split the experts, so each shard has 8 / (2 x 2) = 2 copies: 2 x 2 = 4 ranks hold it.
+    from mpu_lab.labkit.mixture_of_experts import exercises as ex
+    assert ex.check_expert_ranks(4, 16, 2, 2, 2)
+    assert not ex.check_expert_ranks(2, 16, 2, 2, 2)    # the copies alone (edp)
+    assert ex.check_expert_ranks(1, 8, 1, 1, 8)          # one expert per rank, no copy, no split
+    assert ex.check_expert_ranks(4, 8, 1, 1, 2)          # etp = 1: 4 copies
+
+
 def test_rank_group_views_show_the_expert_groups(capsys):
     from mpu_lab.labkit.rank_groups import viz
     viz.show_rank_groups(16, tp=2, pp=2, ep=2, draw=False)
@@ -117,3 +127,12 @@ def test_rank_group_views_show_the_expert_groups(capsys):
     assert listed.endswith("[g6], [g7], ... (12 more)")
     fig = viz.plot_group_families(16, tp=2, pp=2, ep=2, families=("dp", "ep", "expert-dp"))
     assert "ep=2" in fig._suptitle.get_text() and len(fig.axes) == 3
+
+
+def test_byte_counts_read_as_a_sentence_not_a_dict():
+    from mpu_lab.labkit.mixture_of_experts.lessons import format_byte_counts
+    counts = {"all_gather forward": 1536, "reduce_scatter forward": 2048, "all_gather backward": 8}
+    assert format_byte_counts(counts) == \
+        "all_gather forward 1,536 B, reduce_scatter forward 2,048 B, all_gather backward 8 B"
+    assert format_byte_counts(counts, "forward") == \
+        "all_gather forward 1,536 B, reduce_scatter forward 2,048 B"

@@ -139,6 +139,19 @@ def test_clean_clears_the_outputs_of_reveal_cells_only():
     assert nb.cells[1].outputs[0].text == "2"
 
 
+def test_clean_tags_and_empties_cells_that_call_reveal_but_not_the_one_defining_it():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [_executed("exercises.reveal(run.fault, run)", ["it was --inject-fault hang:1"]),
+                _executed("def reveal(check, *args):\n    print(check)", ["x"]),
+                _executed("x = 1  # reveal(later) is in a comment", ["y"])]
+    notebooks.clean(nb)
+    assert nb.cells[0].outputs == [] and nb.cells[0].execution_count == 1
+    assert nb.cells[0].metadata.tags == ["reveal", "nbval-ignore-output"]
+    assert notebooks.lesson_problems(nb) == []           # a reveal cell as the checker wants it
+    assert [len(c.outputs) for c in nb.cells[1:]] == [1, 1]
+    assert all("tags" not in c.metadata for c in nb.cells[1:])
+
+
 def test_structure_checker_follows_anchors_into_other_notebooks(tmp_path):
     write_nb(tmp_path / "labs" / "01_x.ipynb", [nbformat.v4.new_markdown_cell("## 1. The part")])
     write_nb(tmp_path / "Start_Here.ipynb", [nbformat.v4.new_markdown_cell(

@@ -64,3 +64,10 @@ def test_lab05_and_lab07_checks_say_right_wrong_or_not_yet(capsys, check, right,
 def test_layer_shape_check_names_the_tensors_it_knows():
     with pytest.raises(ValueError, match="no tensor 'B'"):
         exercises.check_layer_shape((1,), "B", 1, 1, 4, 2, 1)
+
+
+def test_layer_diagram_names_the_activation_the_lab_runs():
+    texts = lambda fig: " ".join(t.get_text() for ax in fig.axes for t in ax.texts)  # noqa: E731
+    assert "relu" in texts(parallel_transformer_viz.plot_transformer_layer(2))
+    assert "GeLU" not in texts(parallel_transformer_viz.plot_transformer_layer(2))
+    assert "gelu" in texts(parallel_transformer_viz.plot_transformer_layer(2, activation="gelu"))

@@ -12,3 +12,26 @@ def test_gantt_pair_draws_two_charts_with_their_own_idle_shares():
     assert upper.get_title() == "measured — idle share 50.0%"
     assert lower.get_title() == "predicted — idle share 27.3%"
     assert [t.get_text() for t in lower.get_yticklabels()] == [f"stage {k}" for k in (3, 2, 1, 0)]
+
+
+def _labels_by_row(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig).draw()
+    rows = {}
+    for text in fig.axes[0].texts:
+        box = text.get_window_extent()
+        rows.setdefault(round(text.get_position()[1]), []).append((box.x0, box.x1))
+    return rows
+
+
+def test_gantt_labels_every_box_that_has_room_and_never_overprints():
+    from mpu_lab.labkit.pipeline_parallel.viz import plot_gantt
+    few = _labels_by_row(plot_gantt(simulate("1f1b", 4, 8).records))
+    assert sum(len(r) for r in few.values()) == 4 * 2 * 8          # every F and B box of 4 stages
+    # m = 32: the backwards (twice a forward's width) have room for two digits; the old rule
+    # (a box wider than 1/60 of the span) labelled none of them
+    assert sum(len(r) for r in _labels_by_row(plot_gantt(simulate("1f1b", 4, 32).records)).values())
+    for m in (32, 64):                                               # two-digit labels, narrow boxes
+        for spans in _labels_by_row(plot_gantt(simulate("1f1b", 4, m).records)).values():
+            spans.sort()
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), m   # drawn extents apart
