@@ -3,10 +3,21 @@ paper's figures (Qi et al. 2024: 1F1B 3(p - 1), ZB-H1 p - 1) and against torch's
 (torch.distributed.pipelining's ScheduleInterleavedZeroBubble with one stage per rank, and
 ScheduleZBVZeroBubble), simulated by the same dependency rules."""
 import pytest
+import torch
 
 from mpu_lab.core.pipeline_parallel.action_lists import Action, pipeline_actions
 from mpu_lab.perf.pipeline_schedules import (
     idle_from_slots, idle_slots, schedule_actions, simulate, torch_actions)
+
+
+def torch_orders(schedule, p, m):
+    """torch's own action lists (a second method), read through its private schedule API:
+    a torch release that changed that API skips the comparison instead of failing it."""
+    try:
+        return torch_actions(schedule, p, m)
+    except (AttributeError, TypeError, KeyError) as exc:
+        pytest.skip(f"torch {torch.__version__} changed its private schedule API: {exc!r}")
+
 
 SIZES = [(2, 4), (2, 8), (3, 5), (4, 8), (4, 12), (8, 16)]
 
@@ -20,13 +31,13 @@ def test_1f1b_leaves_three_times_p_minus_one_idle_slots_on_every_rank(p, m):
 @pytest.mark.parametrize("p,m", SIZES)
 def test_zbh1_leaves_p_minus_one_idle_slots_as_torch_s_interleaved_zero_bubble(p, m):
     assert idle_slots("ZBH1", p, m) == [p - 1] * p                 # the paper's §3.1
-    assert idle_from_slots(simulate(torch_actions("ZBH1", p, m))) == [p - 1] * p
+    assert idle_from_slots(simulate(torch_orders("ZBH1", p, m))) == [p - 1] * p
 
 
 @pytest.mark.parametrize("p,m", SIZES + [(4, 7), (4, 4), (2, 2), (4, 3)])
 def test_zbv_leaves_no_more_idle_slots_than_torch_s_zbv(p, m):
     ours = idle_slots("ZBVZeroBubble", p, m)
-    theirs = idle_from_slots(simulate(torch_actions("ZBVZeroBubble", p, m), layout="v"))
+    theirs = idle_from_slots(simulate(torch_orders("ZBVZeroBubble", p, m), layout="v"))
     assert all(a <= b for a, b in zip(ours, theirs)), (ours, theirs)
     if m >= 2 * p - 1:                     # the full V: p - 1 slots of half a stage each
         assert ours == [p - 1] * p
@@ -73,5 +84,5 @@ def test_bad_arguments_are_refused_naming_the_values(schedule, pp, m, match):
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12)])
 def test_dualpipev_is_torch_s_list_and_played_pair_by_pair_leaves_zbv_s_idle_slots(p, m):
     ours = pipeline_actions("DualPipeV", p, m)
-    assert ours == torch_actions("DualPipeV", p, m)       # an overlapped pair: F, then BW
+    assert ours == torch_orders("DualPipeV", p, m)       # an overlapped pair: F, then BW
     assert idle_from_slots(simulate(ours, layout="v")) == [p - 1] * p

@@ -4,11 +4,22 @@ B; the same lists as torch's own generators build; an order that can run (the de
 simulation of mpu_lab.perf.pipeline_schedules plays it out); ZB-H1's peak activations are
 1F1B's; and the V's stage layout."""
 import pytest
+import torch
 
 from mpu_lab.core.pipeline_parallel.action_lists import (
     pipeline_actions, rank_actions, rank_and_chunk_of, stage_of, zbh1_actions)
 from mpu_lab.core.pipeline_parallel.partition import check_layers_v, v_stage_table
 from mpu_lab.perf.pipeline_schedules import simulate, torch_actions
+
+
+def torch_orders(schedule, p, m):
+    """torch's own action lists (a second method), read through its private schedule API:
+    a torch release that changed that API skips the comparison instead of failing it."""
+    try:
+        return torch_actions(schedule, p, m)
+    except (AttributeError, TypeError, KeyError) as exc:
+        pytest.skip(f"torch {torch.__version__} changed its private schedule API: {exc!r}")
+
 
 CASES = [(s, p, m) for s in ("ZBH1", "ZBVZeroBubble") for p, m in
          [(1, 3), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 9)]] + \
@@ -36,7 +47,7 @@ def test_each_chunk_runs_f_b_w_of_every_microbatch_once_in_order(schedule, p, m)
 
 @pytest.mark.parametrize("schedule,p,m", [c for c in CASES if c[1] > 1])
 def test_the_lists_equal_torch_s_generators(schedule, p, m):
-    assert pipeline_actions(schedule, p, m) == torch_actions(schedule, p, m)
+    assert pipeline_actions(schedule, p, m) == torch_orders(schedule, p, m)
 
 
 def test_zbh1_by_hand_and_its_peak_activations_are_1f1b_s():
