@@ -27,7 +27,8 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from mpu_lab.core.pipeline_parallel.partition import check_schedule
+from mpu_lab.core.pipeline_parallel.action_lists import ACTION_LIST_SCHEDULES
+from mpu_lab.core.pipeline_parallel.partition import check_schedule, torch_schedule_name
 
 
 class Op(NamedTuple):
@@ -93,6 +94,11 @@ def schedule_steps(schedule: str, pipeline_parallel_size: int, pipeline_parallel
     """
     p, r, m, v = pipeline_parallel_size, pipeline_parallel_rank, num_microbatches, num_model_chunks
     name = check_schedule(schedule, p, m, v)
+    if torch_schedule_name(name) in ACTION_LIST_SCHEDULES:
+        raise ValueError(f"the planner writes out the loops (GPipe, 1F1B, Interleaved1F1B), not "
+                         f"{schedule!r}: its order is the action list of mpu_lab.core."
+                         f"pipeline_parallel.action_lists.pipeline_actions, its idle slots "
+                         f"mpu_lab.perf.pipeline_schedules.idle_slots")
     if not 0 <= r < p:
         raise ValueError(f"pipeline rank {r} is outside 0..{p - 1}")
     if name == "no-pipelining":

@@ -238,3 +238,10 @@ def test_gantt_chart_draws_one_box_per_op():
     assert len(ax.collections) == 4 * 2 * 8 * 2
     assert "15.8%" in ax.get_title()
     assert [label.get_text() for label in ax.get_yticklabels()] == [f"stage {i}" for i in (3, 2, 1, 0)]
+
+
+@pytest.mark.parametrize("schedule", ["ZBH1", "zbvzerobubble", "DualPipeV"])
+def test_the_planner_refuses_the_action_list_schedules_and_names_where_their_order_is(schedule):
+    from mpu_lab.perf.pipeline_order import schedule_order
+    with pytest.raises(ValueError, match="action_lists.pipeline_actions"):
+        schedule_order(schedule, 2, 0, 4)
