@@ -232,3 +232,8 @@ def _check_zero_bubble(args, schedule, p: int, per_stage: int) -> None:
             raise FlagError(f"{SCHEDULE} {name} with {option}: the schedule computes weight "
                             f"gradients after the backward hooks that {option} reduces from",
                             {option: [False], SCHEDULE: ["1F1B"]})
+    if getattr(args, "record_timeline", False):
+        raise FlagError(f"{SCHEDULE} {name} with --record-timeline: its recorder times each "
+                        f"backward by gradient hooks that the deferred weight gradients skip; "
+                        f"--timeline-file PATH writes the F, B and W each rank ran",
+                        {"--record-timeline": [False], SCHEDULE: ["1F1B"]})

@@ -45,6 +45,8 @@ REFUSED = [
      "ZBH1 with --overlap-grad-reduce"),
     ([P, 2, "--num-layers", 8, S, "zbh1", "--num-layers-per-virtual-pipeline-stage", 2], 2,
      "runs one model chunk per stage"),
+    ([P, 2, "--num-layers", 4, S, "ZBVZeroBubble", "--record-timeline"], 2,
+     "ZBVZeroBubble with --record-timeline: .*--timeline-file PATH"),
 ]
 
 
