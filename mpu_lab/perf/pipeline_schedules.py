@@ -33,7 +33,6 @@ from mpu_lab.perf.pipeline_order import schedule_order
 
 # torch's names where torch has the schedule; ZBH1 for the paper's handcrafted schedule 1.
 IDLE_SLOT_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBH1", "ZBVZeroBubble")
-_PLANNER_NAME = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved"}
 DURATION = {"F": 1, "B": 1, "W": 1, "BW": 2}
 
 
@@ -65,7 +64,7 @@ def schedule_actions(schedule: str, pp: int, num_microbatches: int,
         raise ValueError(f"Interleaved1F1B needs num_model_chunks >= 2 (got {v}) and "
                          f"num_microbatches divisible by pp={pp} (got {num_microbatches})")
     return {r: [Action("BW" if op.kind == "B" else "F", op.microbatch, op.chunk)
-                for op in schedule_order(_PLANNER_NAME[schedule], pp, r, num_microbatches, v)]
+                for op in schedule_order(schedule, pp, r, num_microbatches, v)]
             for r in range(pp)}
 
 
