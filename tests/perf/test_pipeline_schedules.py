@@ -3,20 +3,11 @@ paper's figures (Qi et al. 2024: 1F1B 3(p - 1), ZB-H1 p - 1) and against torch's
 (torch.distributed.pipelining's ScheduleInterleavedZeroBubble with one stage per rank, and
 ScheduleZBVZeroBubble), simulated by the same dependency rules."""
 import pytest
-import torch
 
 from mpu_lab.core.pipeline_parallel.action_lists import Action, pipeline_actions
 from mpu_lab.perf.pipeline_schedules import (
-    idle_from_slots, idle_slots, schedule_actions, simulate, torch_actions)
-
-
-def torch_orders(schedule, p, m):
-    """torch's own action lists (a second method), read through its private schedule API:
-    a torch release that changed that API skips the comparison instead of failing it."""
-    try:
-        return torch_actions(schedule, p, m)
-    except (AttributeError, TypeError, KeyError) as exc:
-        pytest.skip(f"torch {torch.__version__} changed its private schedule API: {exc!r}")
+    idle_from_slots, idle_slots, schedule_actions, simulate)
+from torch_pipelining import torch_orders
 
 
 SIZES = [(2, 4), (2, 8), (3, 5), (4, 8), (4, 12), (8, 16)]

@@ -4,21 +4,12 @@ B; the same lists as torch's own generators build; an order that can run (the de
 simulation of mpu_lab.perf.pipeline_schedules plays it out); ZB-H1's peak activations are
 1F1B's; and the V's stage layout."""
 import pytest
-import torch
 
 from mpu_lab.core.pipeline_parallel.action_lists import (
     pipeline_actions, rank_actions, rank_and_chunk_of, stage_of, zbh1_actions)
 from mpu_lab.core.pipeline_parallel.partition import check_layers_v, v_stage_table
-from mpu_lab.perf.pipeline_schedules import simulate, torch_actions
-
-
-def torch_orders(schedule, p, m):
-    """torch's own action lists (a second method), read through its private schedule API:
-    a torch release that changed that API skips the comparison instead of failing it."""
-    try:
-        return torch_actions(schedule, p, m)
-    except (AttributeError, TypeError, KeyError) as exc:
-        pytest.skip(f"torch {torch.__version__} changed its private schedule API: {exc!r}")
+from mpu_lab.perf.pipeline_schedules import simulate
+from torch_pipelining import torch_orders
 
 
 CASES = [(s, p, m) for s in ("ZBH1", "ZBVZeroBubble") for p, m in
