@@ -1,5 +1,5 @@
 """Measure the activation memory of one transformer layer at TP = t, without and with sequence
-parallelism, against Korthikanti et al. 2022 (lab 07).
+parallelism, against Korthikanti et al. 2022 (lab 09).
 
     torchrun --standalone --nproc-per-node 2 launch/activation_memory.py --tp 2 \
         --seq 128 --batch 2 --hidden 64 --heads 8 --attention explicit sdpa --recompute

@@ -159,7 +159,7 @@ def test_sequence():
 
 
 # name: (environment switch, (tp, pp), function); the layouts are the package's one copy,
-# which lab 06's pictures and checks read too.
+# which lab 08's pictures and checks read too.
 TESTS = {
     "broadcast": ("TEST_BROAD", COLLECTIVE_LAYOUTS["broadcast"], test_broadcast),
     "copy": ("TEST_COPY", COLLECTIVE_LAYOUTS["copy"], test_copy),

@@ -8,7 +8,7 @@ optimizer's reduce-scatter (:mod:`mpu_lab.perf.dp_overlap` runs it and reads the
         --micro-batch-size 4 --global-batch-size 16
 
 Flags other than ``--steps``, ``--warmup``, ``--bucket-size``, ``--modes`` and
-``--profile-dir`` (lab 12's profiler traces, ``DIR/<mode number>/rank<r>.trace.json``) go to
+``--profile-dir`` (lab 15's profiler traces, ``DIR/<mode number>/rank<r>.trace.json``) go to
 ``train_gpt.py``'s parser (the model and the batch). For each set of flags among the modes
 (``dp_overlap.MODES``: all-reduce, distributed optimizer) every rank sets the model up once,
 runs the warm-up steps, then the timed steps of its modes, overlap off and on alternating step
@@ -145,7 +145,7 @@ def schedule(group: List[str], steps: int, interleave: bool) -> List[str]:
 def measure(train_argv: Sequence[str], modes: Sequence[str], steps: int, warmup: int = 1,
             profile_dir: Optional[str] = None) -> Dict[str, dict]:
     """Per mode: the buckets, one :func:`step_record` per timed step, the data-parallel
-    payload per step (:func:`volume`), and lab 12's StepTimer breakdown."""
+    payload per step (:func:`volume`), and lab 15's StepTimer breakdown."""
     groups: Dict[tuple, List[str]] = {}
     for m in modes:
         groups.setdefault(tuple(dp_overlap.MODES[m][0]), []).append(m)

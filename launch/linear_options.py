@@ -1,4 +1,4 @@
-"""The options of the parallel linear layers, each checked against the dense layer (labs 04/05).
+"""The options of the parallel linear layers, each checked against the dense layer (labs 06/07).
 
     torchrun --standalone --nproc-per-node 2 --tee 3 launch/linear_options.py --layer column
     torchrun --standalone --nproc-per-node 2 --tee 3 launch/linear_options.py --layer row mlp

@@ -1,5 +1,5 @@
 """Megatron-core's DistributedDataParallel and DistributedOptimizer next to mpu_lab's, on the
-same MLP and data, against a single-process reference (lab 03).
+same MLP and data, against a single-process reference (lab 04).
 
     torchrun --standalone --nproc-per-node 2 launch/megatron_core_ddp.py --steps 3
 

@@ -1,6 +1,6 @@
 """Where each rank's memory goes in a training run: parameters, gradients, optimizer states and
 activations, measured from the run's own tensors and next to the cost model's prediction, at
-several (t, p, d) in one job (lab 03).
+several (t, p, d) in one job (lab 04).
 
     torchrun --standalone --nproc-per-node 4 launch/memory_breakdown.py \
         --configs 1,1,4 2,1,2 1,2,2 2,2,1 --optimizers AdamW distributed   # + train_gpt.py flags

@@ -58,7 +58,7 @@ the training loop, times its steps; ``mpu_lab.perf.breakdown.format_breakdown`` 
 ``--breakdown-profile DIR`` also runs the timed steps under ``torch.profiler`` and writes a
 Chrome trace per rank to DIR.
 
-Debugging (lab 14): ``--inject-fault KIND[:RANK[:ITERATION]]`` makes one rank misbehave on
+Debugging (lab 17): ``--inject-fault KIND[:RANK[:ITERATION]]`` makes one rank misbehave on
 purpose (hang, skip-collective, mismatched-shape, wrong-group, crash, pp-deadlock, divergence,
 fp16-overflow; ``mpu_lab.training.faults.FAULT_KINDS`` says what each does). The flag and the
 injection come from ``mpu_lab.training.faults`` (``add_fault_args``; ``inject``, callbacks the

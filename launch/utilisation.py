@@ -1,5 +1,5 @@
 """Benchmark: a bad split of a GPT, its remedy and a good split, side by side — each rank's busy
-and idle time, utilisation over time and where each rank's step goes (the pictures of lab 12).
+and idle time, utilisation over time and where each rank's step goes (the pictures of lab 15).
 
     python launch/utilisation.py                  # CPU: one rank per core (2 on 2 cores)
     python launch/utilisation.py --nproc 8 --layers 24 --hidden 1024 --heads 16 \\
@@ -15,7 +15,7 @@ usable core (fewer cores than ``--nproc``: it says so and runs fewer ranks), eve
 to its own core with one thread, and each rank's busy and idle time is read from its own CPU
 clock; with GPUs NVML's utilisation is sampled. It prints the step times, the busy and idle
 time per rank, the step breakdown per rank, saves the runs (utilisation samples and
-breakdowns) as ``bad_vs_good.json`` under ``--out`` for lab 12's pictures
+breakdowns) as ``bad_vs_good.json`` under ``--out`` for lab 15's pictures
 (:func:`mpu_lab.perf.bad_vs_good.load_runs`), and ends with the line
 
     speed-up over the bad configuration: remedy R.RR x, good G.GG x
@@ -89,7 +89,7 @@ def main(argv=None):
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = bad_vs_good.save_runs(runs, out / "bad_vs_good.json")
-    print(f"\nsaved {path} (lab 12 draws it: mpu_lab.labkit.performance.viz.plot_utilisation, "
+    print(f"\nsaved {path} (lab 15 draws it: mpu_lab.labkit.performance.viz.plot_utilisation, "
           "plot_step_breakdown of mpu_lab.perf.bad_vs_good.load_runs)")
     print(bad_vs_good.speedup_line(runs))
 

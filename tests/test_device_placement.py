@@ -90,7 +90,7 @@ ALLOWED: Dict[Tuple[str, str], str] = {
 
 
 class Finding(NamedTuple):
-    where: str      # "mpu_lab/core/comm.py:12" or "labs/04_column_parallel.ipynb cell 7 line 3"
+    where: str      # "mpu_lab/core/comm.py:12" or "labs/06_column_parallel.ipynb cell 7 line 3"
     scope: str      # qualified function name ("" at module level)
     call: str       # the call's source text
 

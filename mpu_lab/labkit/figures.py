@@ -35,7 +35,7 @@ def figure_catalog() -> Dict[str, Callable[[], Figure]]:
 
 
 def _schedule_utilisation_figure() -> Figure:
-    """Lab 12: what a perfect machine would show for a 4-stage 1F1B pipeline fed 1 or 8
+    """Lab 15: what a perfect machine would show for a 4-stage 1F1B pipeline fed 1 or 8
     micro-batches per iteration (three iterations)."""
     return plot_utilisation({f"p = 4, m = {m}": schedule_utilisation("1f1b", 4, m) for m in (1, 8)},
                             "Busy (100 %) or waiting, per pipeline stage: 1F1B, three iterations",

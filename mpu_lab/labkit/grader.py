@@ -36,6 +36,7 @@ import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mpu_lab.core import parallel_state
+from mpu_lab.labkit import my_megatron
 from mpu_lab.labkit.verdict import EMPTY, RIGHT, WRONG, Verdict
 from mpu_lab.labkit.playground.errors import CollectiveTimeout, RankError
 
@@ -74,7 +75,10 @@ class Exercise:
     grader sets them up for the grading and puts the world's back afterwards), and ``parts``:
     the names of the functions when the learner writes several (``("f_forward",
     "f_backward")``): the learner passes a tuple of them, in that order, and ``run_case``
-    receives that tuple."""
+    receives that tuple. A whole piece of Megatron names its ``module`` in the learner's
+    package (``"layers.py"``): once right, the grader saves the learner's code there
+    (:mod:`mpu_lab.labkit.my_megatron`), under the names in ``saves_as`` (default: the learner's
+    own), the names the capstone reads."""
 
     name: str
     run_case: Callable[[Callable, Case], Outcome]
@@ -83,6 +87,8 @@ class Exercise:
     ranks_needed: Optional[Callable[[int, int, int], Optional[str]]] = None
     layout: Optional[Callable[[int], Tuple[int, int]]] = None
     parts: Sequence[str] = ()
+    module: Optional[str] = None
+    saves_as: Sequence[str] = ()
 
 
 def _regroup(tp: int, pp: int) -> None:
@@ -222,13 +228,28 @@ def grade(learner: Any, exercise: Exercise, world) -> Verdict:
         print(f"(the world needed a restart: {world.broken}; restarted it first)")
         world.restart()
     if exercise.layout is None:
-        return _grade_cases(learners, exercise, world)
-    world.run(_regroup, *exercise.layout(world.world_size))
+        verdict = _grade_cases(learners, exercise, world)
+    else:
+        world.run(_regroup, *exercise.layout(world.world_size))
+        try:
+            verdict = _grade_cases(learners, exercise, world)
+        finally:
+            if world.running and not world.broken:
+                world.run(_regroup, world.tp, world.pp)
+    if verdict and exercise.module:
+        _save(learners, exercise)
+    return verdict
+
+
+def _save(learners: Tuple[Callable, ...], exercise: Exercise) -> None:
+    """Save a right whole piece into the learner's package, and say where."""
     try:
-        return _grade_cases(learners, exercise, world)
-    finally:
-        if world.running and not world.broken:
-            world.run(_regroup, world.tp, world.pp)
+        path = my_megatron.save_piece(learners, exercise.module, exercise.saves_as)
+    except (OSError, TypeError, SyntaxError, ValueError) as exc:
+        print(f"(not saved to the package: {exc})")
+        return
+    names = ", ".join(exercise.saves_as or [fn.__name__ for fn in learners])
+    print(f"saved: {path.parent.name}/{path.name} ({names})")
 
 
 def _timeout_verdict(exc: CollectiveTimeout, case: Case, exercise: Exercise, world,
@@ -289,8 +310,8 @@ def _grade_cases(learners: Tuple[Callable, ...], exercise: Exercise, world) -> V
         unwritten = [r for r in replies if r.get("not_written")]
         if unwritten:
             fn = unwritten[0].get("function") or exercise.name
-            print(f"{EMPTY} {fn} still raises NotImplementedError: write its body, then run "
-                  f"this cell again.")
+            print(f"{EMPTY} {fn} still raises NotImplementedError:\n"
+                  f"write its body, then run this cell again.")
             return Verdict(False)
         for rank, reply in zip(world._ranks(None), replies):
             if not reply["ok"]:

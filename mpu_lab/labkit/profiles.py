@@ -7,7 +7,7 @@ A profile is a YAML file in ``labs/profiles/`` written like an instructor's para
 
 * ``cpu.yaml`` — the labs' committed defaults: on a CPU nothing changes;
 * ``1gpu.yaml`` — one GPU shared by the ranks (gloo, host staging), bf16 (fp16 where the GPU
-  has no bf16), GPT-2 small's shape for labs 11 and 12;
+  has no bf16), GPT-2 small's shape for labs 14 and 15;
 * ``8gpu.yaml`` — one GPU per rank over NCCL (a DGX), the lecture-sized GPT.
 
 ``cpu.yaml`` is the base: another profile lists only what differs from it.
@@ -15,7 +15,7 @@ A profile is a YAML file in ``labs/profiles/`` written like an instructor's para
 In a lab, the ``parameters`` cell holds ``profile = "auto"`` and writes the machine-dependent
 names ``= None``; the next cell runs::
 
-    globals().update(profiles.resolve(profile, "11_train_gpt", globals()))
+    globals().update(profiles.resolve(profile, "14_train_gpt", globals()))
 
 which fills the names still ``None`` from the profile (values that papermill injected, or that
 the learner typed, win) and prints one line. ``world_size`` and ``backend`` keep their literal
@@ -85,14 +85,14 @@ def profile_path(name_or_path) -> pathlib.Path:
 
 
 def load(name_or_path) -> Dict[str, dict]:
-    """A profile's sections (``{"all": {...}, "11_train_gpt": {...}}``), ``cpu.yaml``'s values
+    """A profile's sections (``{"all": {...}, "14_train_gpt": {...}}``), ``cpu.yaml``'s values
     under the profile's own: every profile names every machine-dependent parameter."""
     path = profile_path(name_or_path)
     base = load_params(PROFILE_DIR / f"{BASE}.yaml")
     own = load_params(path)
     merged = {section: dict(values) for section, values in base.items()}
     # the profile's `all` beats the base's per-notebook values too (8gpu's world_size: 8 over
-    # cpu's 11_train_gpt: world_size: 4); then its own sections
+    # cpu's 14_train_gpt: world_size: 4); then its own sections
     for values in merged.values():
         values.update({k: v for k, v in (own.get("all") or {}).items() if k in values})
     for section, values in own.items():

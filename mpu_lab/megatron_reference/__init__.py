@@ -13,7 +13,7 @@ to add it) runs here, in the ranks of a ``launch/`` script, on the same world as
   tensor-parallel layers and mappings, DDP and distributed optimizer, ``MoELayer``, pipeline
   schedules next to mpu_lab's on the same weights (``launch/megatron_core_*.py``);
 * :mod:`~mpu_lab.megatron_reference.collective_layouts` — the layouts of Megatron-LM's
-  tensor-parallel unit tests (``launch/collectives.py``, lab 06).
+  tensor-parallel unit tests (``launch/collectives.py``, lab 08).
 
 It sits above ``perf``, ``training`` and the launcher and below the lab kit: a launch script
 imports it, and each lab's ``megatron_core`` module (in :mod:`mpu_lab.labkit`) starts its job

@@ -1,7 +1,7 @@
 """Megatron's tensor-parallel unit tests, by name, with the layout each one runs on.
 
 The one copy of the layouts: ``launch/collectives.py`` runs each test on these sizes, and
-lab 06's pictures (:func:`mpu_lab.labkit.tp_mappings.viz.collective_views`) and checks
+lab 08's pictures (:func:`mpu_lab.labkit.tp_mappings.viz.collective_views`) and checks
 (:func:`mpu_lab.labkit.tp_mappings.exercises.check_megatron_expectations`) rebuild what each rank should
 hold from them. Standard library only, so a torchrun worker imports it for nothing.
 """

@@ -1,5 +1,5 @@
 """Megatron-core's ``DistributedDataParallel`` and ``DistributedOptimizer`` next to mpu_lab's,
-on the same model, the same data and the same world (lab 03; issue 28).
+on the same model, the same data and the same world (lab 04; issue 28).
 
 Rank side (inside ``launch/megatron_core_ddp.py``'s ranks, with mpu_lab's groups made and
 Megatron-core's parallel state built on the same world by

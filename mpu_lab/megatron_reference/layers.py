@@ -1,5 +1,5 @@
 """Megatron-core's tensor-parallel layers and mappings next to mpu_lab's, on the ranks of
-``launch/megatron_core_side_by_side.py`` (labs 04-06).
+``launch/megatron_core_side_by_side.py`` (labs 06-08).
 
 With both libraries' parallel state built on the same world
 (:func:`mpu_lab.megatron_reference.runtime.initialize`), :func:`compare_linear` runs

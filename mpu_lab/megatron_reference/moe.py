@@ -1,5 +1,5 @@
 """Megatron-core's ``MoELayer`` side by side with mpu_lab's, on the same weights and input: the
-rank side of ``launch/megatron_core_moe.py`` (lab 10 starts it and prints the report with
+rank side of ``launch/megatron_core_moe.py`` (lab 13 starts it and prints the report with
 :mod:`mpu_lab.labkit.mixture_of_experts.megatron_core`).
 
 Each case (``[tpT-]epE[-etpX]/DISPATCHER/topK``, :func:`parse_case`) builds mpu_lab's

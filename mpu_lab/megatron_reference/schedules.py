@@ -1,5 +1,5 @@
 """Megatron-core's pipeline schedules side by side with mpu_lab's, on the same toy stages: the
-rank side of ``launch/megatron_core_schedules.py`` (lab 09 starts it and prints the report with
+rank side of ``launch/megatron_core_schedules.py`` (lab 11 starts it and prints the report with
 :mod:`mpu_lab.labkit.pipeline_parallel.megatron_core`).
 
 Each case runs one iteration of :mod:`mpu_lab.perf.pipeline_toy`'s tied-embedding model
@@ -16,7 +16,7 @@ the twin. The cases (:data:`CASES`):
   ``batch_p2p_comm=False, overlap_p2p_comm=True``;
 * ``interleaved-batched`` — the same with Megatron-core's default batched p2p
   (``batch_p2p_comm=True``): at ``p = 2`` the previous and the next stage are the same rank,
-  and on gloo its gradients come out wrong, silently (a "going further" of lab 09).
+  and on gloo its gradients come out wrong, silently (a "going further" of lab 11).
 
 Megatron-core runs in the job's ranks only, with the CPU patches of
 :mod:`mpu_lab.megatron_reference.cpu`, never in the notebook's kernel. Where it cannot be

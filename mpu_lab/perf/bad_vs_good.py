@@ -14,7 +14,7 @@ That is a lesson about time, so it needs a device per rank. On a CPU the device 
 sets ``OMP_NUM_THREADS`` to cores / ranks), and reads each rank's busy and idle time from its
 own CPU clock (:mod:`mpu_lab.perf.rank_clock`). On GPUs it samples NVML's utilisation.
 
-:func:`speedup_line` is the verdict ``launch/utilisation.py`` and lab 12 end with.
+:func:`speedup_line` is the verdict ``launch/utilisation.py`` and lab 15 end with.
 
 Where the machine has fewer cores than the walkthrough has GPUs, :func:`predicted_bad_vs_remedy`
 gives the bad and the remedy pipeline as a DGX H100 would run them (one stage per GPU): the
@@ -169,7 +169,7 @@ def format_steps(runs: Dict[str, ProfiledRun]) -> str:
 
 def save_runs(runs: Dict[str, ProfiledRun], path) -> str:
     """Write the measured runs as JSON (every field of each :class:`ProfiledRun`), for the
-    pictures of lab 12 to be drawn later from the file (:func:`load_runs`). Returns the path."""
+    pictures of lab 15 to be drawn later from the file (:func:`load_runs`). Returns the path."""
     with open(path, "w") as f:
         json.dump({label: dataclasses.asdict(run) for label, run in runs.items()}, f)
     return str(path)

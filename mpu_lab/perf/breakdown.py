@@ -1,5 +1,5 @@
 """Where a training step's time goes, per rank and per kind of collective
-(``train_gpt.py --breakdown``, lab 12).
+(``train_gpt.py --breakdown``, lab 15).
 
 On each rank a :class:`StepTimer` — a callback of the training loop
 (:class:`mpu_lab.training.training.Callback`: ``train(..., callbacks=[timer])``), in the role of

@@ -10,7 +10,7 @@ backward.
 
 * :class:`CollectiveLog` — ``CommDebugMode`` that also keeps each collective, in order:
   kind, module, pass, the group's global ranks and the bytes of this rank's input.
-* :func:`count_collectives` — a GPT training step's collectives labelled as lab 07 prints
+* :func:`count_collectives` — a GPT training step's collectives labelled as lab 09 prints
   them: ``embedding``, ``layer{n}`` (the layer's ``layer_number``), ``output`` (what
   ``GPTModel`` runs itself, after its decoder: the logits and the loss), each ``.forward`` or
   ``.backward``, and ``grads.sequence_parallel`` for the gradient all-reduce that runs after

@@ -1,7 +1,7 @@
 """Megatron's data parallelism from a real run: the gradient buckets, each bucket's reduction
 starting during backward (``--overlap-grad-reduce``) or after it, and the data-parallel bytes.
 
-What lab 03 calls (one torchrun job of ``launch/dp_overlap.py``)::
+What lab 04 calls (one torchrun job of ``launch/dp_overlap.py``)::
 
     result = run_dp_overlap(nproc=4, num_layers=4, hidden_size=128)
     print(format_buckets(result))          # the buffer's buckets, last layer first
@@ -9,7 +9,7 @@ What lab 03 calls (one torchrun job of ``launch/dp_overlap.py``)::
     print(format_volume_table(result))     # bytes per step: counted vs formula
     print(format_saving(result))           # step and exposed communication, overlap off / on
     viz.plot_dp_timeline(result)           # mpu_lab.labkit.data_parallel.viz
-    # run_dp_overlap(..., profile=True): lab 12's traces of the same steps
+    # run_dp_overlap(..., profile=True): lab 15's traces of the same steps
     viz.plot_kernel_timeline(kernel_timelines(result))
 
 The job trains the small GPT of ``train_gpt.py`` at DP = ``nproc`` with the mirror's
@@ -98,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
                    help="on a CPU: pin each rank (all its threads) to a core of its own, one "
                         "thread: the timing then shows what a device per rank would")
     p.add_argument("--profile-dir", default=None,
-                   help="also run the timed steps under torch.profiler (lab 12's traces): "
+                   help="also run the timed steps under torch.profiler (lab 15's traces): "
                         "DIR/<mode number>/rank<r>.trace.json")
     return p
 
@@ -131,7 +131,7 @@ class DPOverlapResult:
     """What :func:`run_dp_overlap` returns: ``reports`` per rank (rank order), each
     ``{"rank", "d", "device", "modes": {mode: record}}`` (``launch/dp_overlap.py``'s
     ``measure``: ``buckets``, ``steps`` (one record per timed step, ms from its backward's
-    start), ``volume``, lab 12's StepTimer ``breakdown``)."""
+    start), ``volume``, lab 15's StepTimer ``breakdown``)."""
     d: int
     modes: List[str]
     bucket_size: int
@@ -167,7 +167,7 @@ def run_dp_overlap(nproc: int = 4, steps: int = 3, bucket_size: int = DEFAULT_BU
                    env: Optional[Dict[str, str]] = None, **model_kwargs) -> DPOverlapResult:
     """Run ``launch/dp_overlap.py`` at DP = ``nproc`` (ONE torchrun job, every mode in it).
     ``model_kwargs``: train_gpt.py's flags as keywords (``num_layers=4``, ``hidden_size=128``,
-    ...) over :data:`DEFAULT_MODEL`. ``profile``: also record lab 12's profiler traces (for
+    ...) over :data:`DEFAULT_MODEL`. ``profile``: also record lab 15's profiler traces (for
     :func:`kernel_timelines`; slower). ``pin``: on a CPU, each rank on a core of its own with one
     thread (use at most as many ranks as :func:`mpu_lab.perf.rank_clock.usable_cores`). Bad values raise ``ValueError`` before anything starts."""
     model = {**DEFAULT_MODEL, **model_kwargs}
@@ -188,7 +188,7 @@ def run_dp_overlap(nproc: int = 4, steps: int = 3, bucket_size: int = DEFAULT_BU
 
 # ------------------------------------------------------------------ tables
 def kernel_timelines(result: DPOverlapResult, bin_ms: float = 5.0) -> Dict[str, list]:
-    """Lab 12's view of the same steps (``run_dp_overlap(..., profile=True)``): per mode, each
+    """Lab 15's view of the same steps (``run_dp_overlap(..., profile=True)``): per mode, each
     rank's compute / communication / idle from its trace, for ``viz.plot_kernel_timeline``."""
     if "profile" not in result.mode(result.modes[0])[0]["breakdown"]:
         raise ValueError("no profiler traces in this result: run run_dp_overlap(..., "
@@ -207,7 +207,7 @@ def exposed_ms(result: DPOverlapResult, mode: str) -> List[float]:
 
 
 def _dp_wait_ms(rec: dict) -> float:
-    """ms per step lab 12's StepTimer booked to data-parallel calls and waits."""
+    """ms per step lab 15's StepTimer booked to data-parallel calls and waits."""
     return 1e3 * sum(v for k, v in rec["breakdown"]["parts"].items() if k.startswith("dp "))
 
 
@@ -249,7 +249,7 @@ def format_buckets(result: DPOverlapResult, mode: Optional[str] = None) -> str:
 
 def format_overlap_table(result: DPOverlapResult) -> str:
     """Per mode and rank: median step, backward, exposed communication (ms), ``dp wait``
-    (lab 12's StepTimer: data-parallel calls and waits per step, the distributed optimizer's
+    (lab 15's StepTimer: data-parallel calls and waits per step, the distributed optimizer's
     all-gather included), and how many bucket reductions started during backward."""
     lines = [f"{'mode':<31} {'rank':>4} {'step ms':>8} {'backward ms':>11} "
              f"{'exposed comm ms':>15} {'dp wait ms':>10} {'started in backward':>19}"]

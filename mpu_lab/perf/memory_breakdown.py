@@ -1,7 +1,7 @@
 """Where a training run's memory goes, per rank: measured from the run's own tensors, next to the
-cost model's prediction (lab 03).
+cost model's prediction (lab 04).
 
-The names lab 03 calls (stable):
+The names lab 04 calls (stable):
 
 * :func:`measure_state_bytes` ``(state) -> dict`` — one rank of a
   :class:`~mpu_lab.training.TrainState` after at least one ``train_step`` (so Adam's states
@@ -75,7 +75,7 @@ MPU_LAB_PARAMS_DTYPE, MPU_LAB_GRADS_DTYPE = "fp32", "fp32"
 TERMS = ("parameters", "gradients", "optimizer", "activations")
 OPTIMIZERS = {False: "AdamW", True: "distributed"}      # --use-distributed-optimizer
 PHASES = ("model build", "forward", "backward", "optimizer step")
-# the tiny GPT of lab 03 (train_gpt.py flag names without the dashes)
+# the tiny GPT of lab 04 (train_gpt.py flag names without the dashes)
 DEFAULT_MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                      vocab_size=512, micro_batch_size=2)
 _OWN_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",

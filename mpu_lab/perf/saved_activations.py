@@ -21,7 +21,7 @@ matches this package's layer byte for byte:
   ``LinearWithGradAccumulationAndAsyncCommunication`` does
   (:mod:`mpu_lab.core.tensor_parallel.linear_autograd`): the paper's ``/t`` (§4.2.2).
 
-:func:`compare`, :func:`format_comparison` and :func:`format_terms` make lab 07's tables
+:func:`compare`, :func:`format_comparison` and :func:`format_terms` make lab 09's tables
 (``launch/activation_memory.py`` runs the measurement at TP > 1). With dropout on and under
 Megatron's recomputation modes (none / selective / full), the same counting is done by
 :mod:`mpu_lab.perf.recompute`.

@@ -107,7 +107,7 @@ def schedule_utilisation(schedule: str, p: int, m: int, v: int = 1, iterations: 
                          samples_per_slot: int = 4) -> Utilisation:
     """The utilisation picture a perfect machine would show: each pipeline rank 100 % busy
     inside its forward and backward passes and 0 % between them, for ``iterations``
-    back-to-back runs of the logical schedule of lab 09
+    back-to-back runs of the logical schedule of lab 11
     (:func:`mpu_lab.perf.pipeline_simulation.simulate`; a forward takes one time slot).
     ``times`` are in slots, sampled ``samples_per_slot`` times per slot (mid-points)."""
     timeline = simulate(schedule, p, m, v)

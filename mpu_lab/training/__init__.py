@@ -10,7 +10,7 @@ backend and device: ``init``, ``shutdown``, ``get_device``),
 resharding), :mod:`~mpu_lab.training.datasets` and the single-process twin
 (:mod:`~mpu_lab.training.plain_gpt`, :mod:`~mpu_lab.training.dense_twin`). The gradient
 reductions are the mirror's (``core/distributed/finalize_model_grads.py``); AdamW, clipping
-and the fp16 loss scale are in ``mpu_lab/core/optimizer/``. Lab 14's injected
+and the fp16 loss scale are in ``mpu_lab/core/optimizer/``. Lab 17's injected
 faults (``--inject-fault``) live beside the loop (:mod:`mpu_lab.training.faults`) and enter as
 callbacks of the loop (:class:`~mpu_lab.training.training.Callback`) and a checkpoint writer:
 the loop has no fault branch.

@@ -41,7 +41,7 @@ from mpu_lab.training.moe_args import (add_moe_args, check_moe_args, expert_tens
 
 def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     """Megatron's data parallelism: the distributed optimizer, overlapped gradient reduction, buckets."""
-    g = p.add_argument_group("data parallelism (lab 03)")
+    g = p.add_argument_group("data parallelism (lab 04)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron's distributed optimizer (ZeRO-1): gradients reduce-scattered, "
                         "each data-parallel rank updates its shard, parameters all-gathered")
@@ -120,8 +120,8 @@ def _add_logging_and_checkpointing_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_debugging_args(p: argparse.ArgumentParser) -> None:
-    """The dense twin (lab 14)."""
-    g = p.add_argument_group("debugging (lab 14)")
+    """The dense twin (lab 17)."""
+    g = p.add_argument_group("debugging (lab 17)")
     g.add_argument("--dense-twin", action="store_true",
                    help="rank 0 also trains the dense TP=1 twin from the run's initial weights "
                         "and reports its per-iteration losses under \"dense_losses\" "
@@ -139,7 +139,7 @@ ARGUMENT_GROUPS = (add_parallelism_args, add_context_parallel_args, add_moe_args
 def build_parser(extra_args_provider: Optional[Callable[[argparse.ArgumentParser], Any]] = None
                  ) -> argparse.ArgumentParser:
     """The parser of ``launch/train_gpt.py``, one argument group at a time (as Megatron's
-    ``parse_args``); ``extra_args_provider(parser)`` adds more (Megatron's own hook: lab 14's
+    ``parse_args``); ``extra_args_provider(parser)`` adds more (Megatron's own hook: lab 17's
     ``--inject-fault`` comes in this way, from :mod:`mpu_lab.training.faults`)."""
     p = flag_errors.ArgumentParser(
         prog="train_gpt.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -260,7 +260,7 @@ def parse_and_validate_args(argv: Optional[Sequence[str]] = None,
                             ) -> argparse.Namespace:
     """What ``launch/train_gpt.py`` calls first, before any process group starts (the first two
     steps of Megatron's ``initialize_megatron``: ``parse_args``, ``validate_args``), for the
-    world torchrun launched (``WORLD_SIZE``), then ``extra_checks(args)`` (lab 14's fault).
+    world torchrun launched (``WORLD_SIZE``), then ``extra_checks(args)`` (lab 17's fault).
 
     A configuration that cannot work is refused: one message, printed by rank 0 only, exit
     status 2 on every rank (:func:`mpu_lab.training.flag_errors.refuse`). Under plain

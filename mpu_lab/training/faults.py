@@ -1,6 +1,6 @@
 """Faults injected on purpose into ``launch/train_gpt.py`` (``--inject-fault
 KIND[:RANK[:ITERATION]]``), so a learner sees what a broken distributed job does and how it is
-diagnosed (lab 14); and a rank killed in the middle of a checkpoint save
+diagnosed (lab 17); and a rank killed in the middle of a checkpoint save
 (``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION``, the reliability tests).
 
 The lab's own (Megatron-LM has no fault injection), kept in ``training/`` beside the loop it
@@ -194,7 +194,7 @@ def check_fault(fault: Fault, args) -> None:
 def add_fault_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``--inject-fault``: the ``extra_args_provider`` that ``launch/train_gpt.py`` gives
     :func:`mpu_lab.training.parse_args`."""
-    g = parser.add_argument_group("debugging (lab 14): injected faults")
+    g = parser.add_argument_group("debugging (lab 17): injected faults")
     g.add_argument("--inject-fault", default=None, metavar=SPEC,
                    help="make one rank misbehave on purpose (mpu_lab.training.faults): "
                         + ", ".join(FAULT_KINDS) + f"; RANK default {DEFAULT_RANK}, the "

@@ -51,7 +51,7 @@ def test_resolve_fills_only_none_and_prints_one_line(monkeypatch):
               steps=None, layers=None, hidden=None, heads=None, seq_length=None,
               vocab_size=None, dtype=None)
     out = io.StringIO()
-    got = profiles.resolve("auto", "11_train_gpt", ns, device_count=0, out=out)
+    got = profiles.resolve("auto", "14_train_gpt", ns, device_count=0, out=out)
     assert got["tp_sizes"] == [1, 2, 4] and got["steps"] == 60 and got["dtype"] == "fp32"
     assert "tp" not in got                       # not machine-dependent: never touched
     line = out.getvalue()
@@ -65,26 +65,26 @@ def test_explicit_values_win(monkeypatch):
     monkeypatch.delenv("MPU_LAB_DEVICE", raising=False)
     ns = dict(world_size=3, backend="gloo", tp_sizes=[1], resume_tp=None, steps=7, layers=None,
               hidden=None, heads=None, seq_length=None, vocab_size=None, dtype="fp32")
-    got = profiles.resolve("8gpu", "11", ns, device_count=8, out=io.StringIO())
+    got = profiles.resolve("8gpu", "14", ns, device_count=8, out=io.StringIO())
     assert "world_size" not in got and "backend" not in got
     assert "tp_sizes" not in got and "steps" not in got and "dtype" not in got
     assert got["layers"] == 24 and got["resume_tp"] == 8
-    got = profiles.resolve("8gpu", "11", dict(ns, world_size=4, backend="auto"), device_count=8,
+    got = profiles.resolve("8gpu", "14", dict(ns, world_size=4, backend="auto"), device_count=8,
                            out=io.StringIO())
     assert got["world_size"] == 8 and got["backend"] == "nccl"
 
 
 def test_a_bad_profile_name_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown profile '4gpu'.*cpu, 1gpu, 8gpu"):
-        profiles.resolve("4gpu", "11", {}, device_count=0, out=io.StringIO())
+        profiles.resolve("4gpu", "14", {}, device_count=0, out=io.StringIO())
     with pytest.raises(ValueError, match="does not exist"):
         profiles.load("no/such/profile.yaml")
 
 
 def test_a_yaml_path_is_a_profile_on_top_of_cpu(tmp_path):
     path = tmp_path / "mine.yaml"
-    path.write_text("11_train_gpt:\n  steps: 5\n")
-    values = profiles.values_for(profiles.load(str(path)), "11_train_gpt")
+    path.write_text("14_train_gpt:\n  steps: 5\n")
+    values = profiles.values_for(profiles.load(str(path)), "14_train_gpt")
     assert values["steps"] == 5 and values["layers"] == 2
 
 
@@ -146,13 +146,13 @@ def test_params_8gpu_is_the_8gpu_profile():
 
 def test_gpu_profiles_keep_lab_07_comparable():
     """Every TP size must divide the heads and build the same padded vocabulary, or the loss
-    curves of lab 11 could not coincide."""
+    curves of lab 14 could not coincide."""
     from mpu_lab.core.models.gpt.gpt_model import pad_vocab_size
     for name in ("1gpu", "8gpu"):
-        v = profiles.values_for(profiles.load(name), "11_train_gpt")
+        v = profiles.values_for(profiles.load(name), "14_train_gpt")
         sizes = v["tp_sizes"] + [v["resume_tp"], 2]
         assert all(v["heads"] % t == 0 and v["hidden"] % v["heads"] == 0 for t in sizes)
         assert len({pad_vocab_size(v["vocab_size"], 128, t) for t in sizes}) == 1, name
         assert max(sizes) <= v["world_size"]
-    v8 = profiles.values_for(profiles.load("8gpu"), "12_performance")
+    v8 = profiles.values_for(profiles.load("8gpu"), "15_performance")
     assert v8["layers"] % v8["world_size"] == 0 and v8["global_batch"] % v8["world_size"] == 0

@@ -128,7 +128,7 @@ def test_the_notebook_check_reports_no_exercise_problem():
 
 
 def test_an_unknown_lab_has_no_solution_file():
-    with pytest.raises(ValueError, match=r"lab '11' has no solution file; labs with one: "
-                                         r"\['01', '02', '03', '04', '05', '06', '07', '08', '09', '10', "
-                                         r"'14'\]"):
-        solution_source("11")
+    with pytest.raises(ValueError, match=r"lab '14' has no solution file; labs with one: "
+                                         r"\['01', '02', '04', '06', '07', '08', '09', '10', '11', '13', "
+                                         r"'17'\]"):
+        solution_source("14")

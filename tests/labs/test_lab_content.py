@@ -24,7 +24,7 @@ def test_lab06_embedding_groups_at_dp_2_are_megatrons():
     after tp), so the embedding groups (first and last stage) are [0, 6] and [1, 7] — not the
     [0, 3] and [4, 7] of a "ranks d·pp .. d·pp + pp - 1" reading."""
     from mpu_lab.core.parallel_state import generate_rank_groups
-    text = run_cell("09_pipeline_parallel.ipynb", 'groups["embedding"]',
+    text = run_cell("11_pipeline_parallel.ipynb", 'groups["embedding"]',
                     dict(world_size=8, pp=4, generate_rank_groups=generate_rank_groups))
     assert text.splitlines() == ["pipeline [0, 2, 4, 6]: embedding group [0, 6]",
                                  "pipeline [1, 3, 5, 7]: embedding group [1, 7]"]

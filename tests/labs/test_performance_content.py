@@ -1,11 +1,11 @@
-"""Lab 12 (labs/12_performance.ipynb) and the code it prints, against independent references.
+"""Lab 15 (labs/15_performance.ipynb) and the code it prints, against independent references.
 
 - The FLOP counts of ``mpu_lab.perf.cost_model.counts`` against the papers' closed forms expanded
   by hand, and against a figure the paper itself derives from them (Narayanan et al. 2021).
 - MFU and HFU of a prediction against the ratio of the two closed forms.
 - The tables say which FLOPs they count, in step with the published runs' own sources.
 - The explorer's stated assumptions are read from what it ran (switch an option, the line changes);
-  its ranking under error against a probability worked out by integration. (Lab 13 prints the
+  its ranking under error against a probability worked out by integration. (Lab 16 prints the
   explorer and the published runs now; these tests of the package stay here with the counts.)
 - The lab: no measurement typed into its prose, the timing jobs sized to the cores, the remedy
   (more micro-batches) measured and the speed-up line printed from its own run, both FLOP forms
@@ -29,7 +29,7 @@ from mpu_lab.perf.cost_model import (
 from mpu_lab.perf.cost_model.counts import FLOP_FORMS, format_flop_counts, paper_flops_per_iteration
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-LAB = ROOT / "labs" / "12_performance.ipynb"
+LAB = ROOT / "labs" / "15_performance.ipynb"
 GPT3 = ModelShape(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048,
                   vocab_size=51200, name="GPT-3 175B")
 GPT_1T = ModelShape(num_layers=128, hidden_size=25600, num_attention_heads=160, seq_length=2048,
@@ -207,7 +207,7 @@ def test_the_timing_jobs_are_sized_to_the_cores(lab):
     out = _output_text(sizing)
     # the CPU profile on a machine of at least 2 cores; with fewer the note says why
     assert out.strip() == "2 ranks, each on a CPU core of its own" or out.startswith("note: this machine has")
-    assert "world_size: 2" in (ROOT / "labs" / "profiles" / "cpu.yaml").read_text().split("12_performance:")[1]
+    assert "world_size: 2" in (ROOT / "labs" / "profiles" / "cpu.yaml").read_text().split("15_performance:")[1]
 
 
 def test_the_remedy_is_measured_and_printed(lab):

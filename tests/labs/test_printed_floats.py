@@ -1,7 +1,7 @@
 """Stored notebook outputs print floats only to digits that survive another machine.
 
 nbval compares each stored output with a fresh run. A float32 loss printed to 7 digits records
-one machine's rounding: lab 03's DP = 2 loss printed 6.113932 here and 6.113933 on another
+one machine's rounding: lab 04's DP = 2 loss printed 6.113932 here and 6.113933 on another
 machine of the same kind, and its relative difference 0e+00 against 8e-08. So a
 bare float with more than 6 significant digits may appear only in a cell whose output is not
 compared (tagged ``nbval-ignore-output`` / ``nbval-skip``, or with an ``# NBVAL_IGNORE_OUTPUT``
@@ -127,7 +127,7 @@ def _run(label: str, losses: List[float]) -> "gpt_runs.TrainRun":
 
 
 def test_same_batch_table_is_identical_across_a_few_ulps(capsys):
-    """Lab 03's two machines: 6.113932 against 6.113933 (1.6e-7 relative) print the same."""
+    """Lab 04's two machines: 6.113932 against 6.113933 (1.6e-7 relative) print the same."""
     one = [6.255487, 6.174635, 6.113932]
     other = [6.255487, 6.174635, 6.113933]
     dp_lessons.print_same_batch([_run("DP=2", one)], _run("DP=1", one))

@@ -1,4 +1,4 @@
-"""Lab 13's prose states verdicts in words (which dimension is compute- or communication-bound on
+"""Lab 16's prose states verdicts in words (which dimension is compute- or communication-bound on
 which link, which cp and ep the explorer ranks first); these tests tie each sentence to the
 numbers the lab prints, so a change of a preset or a formula that turns one fails here."""
 import dataclasses

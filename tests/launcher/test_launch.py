@@ -99,7 +99,7 @@ def test_half_written_lines_are_joined_to_their_rank_not_glued_to_another():
 def test_prechecks_of_jobs_launched_side_by_side_leave_stdout_and_stderr_as_they_were(
         monkeypatch):
     # Each pre-check swallows what the check prints (argparse's usage) by redirecting the
-    # process's sys.stdout / sys.stderr. Lab 03 launches two jobs from two threads: without a
+    # process's sys.stdout / sys.stderr. Lab 04 launches two jobs from two threads: without a
     # lock the redirections interleave and the notebook's stdout stays a dead buffer (seen:
     # every later cell printed nothing).
     def slow_check(argv, nproc, cwd=None):
@@ -120,7 +120,7 @@ def test_prechecks_of_jobs_launched_side_by_side_leave_stdout_and_stderr_as_they
 
 def test_an_environment_inside_the_repository_is_not_the_repositorys_code():
     """The README puts the virtual environment in the repository (``.venv``): torch's frames
-    there are torch's (lab 14's stacks and the launcher's diagnosis name them as torch's,
+    there are torch's (lab 17's stacks and the launcher's diagnosis name them as torch's,
     without line numbers), not files of this repository."""
     from mpu_lab.labkit.debugging import tools as debugging
     from mpu_lab.launcher import REPO_ROOT, diagnosis

@@ -1,4 +1,4 @@
-"""torchrun worker: lab 08's measurements (mpu_lab.labkit.context_parallel.lessons) on 4 ranks, one CP group.
+"""torchrun worker: lab 10's measurements (mpu_lab.labkit.context_parallel.lessons) on 4 ranks, one CP group.
 
     torchrun --standalone --nproc-per-node 4 tests/mp/cp_lesson_checks.py
 

@@ -145,7 +145,7 @@ def test_bucket_table_and_lab08_views(result):
     table = dp_overlap.format_buckets(result)
     assert "decoder.final_layernorm.bias .. decoder.layers.1.mlp.linear_fc1.weight" in table
     assert f"4 buckets of about {BUCKET_SIZE} elements; {GRAD_ELEMENTS} gradient elements" in table
-    for mode in result.modes:                    # lab 12's StepTimer booked the DP collectives
+    for mode in result.modes:                    # lab 15's StepTimer booked the DP collectives
         assert any(k.startswith("dp ") for k in result.mode(mode)[0]["breakdown"]["parts"])
     with pytest.raises(ValueError, match="profile=True"):
         dp_overlap.kernel_timelines(result)      # traces only when asked for

@@ -1,4 +1,4 @@
-"""GPU peaks by device name and MFU (mpu_lab.perf.hardware), and lab 11's tokens/s and MFU
+"""GPU peaks by device name and MFU (mpu_lab.perf.hardware), and lab 14's tokens/s and MFU
 (mpu_lab.labkit.train_gpt.runs.throughput) on a hand-worked example."""
 import pytest
 

@@ -1,6 +1,6 @@
 """What Megatron's linear does in backward, read from a recorded timeline (mpu_lab.perf.
 linear_overlap): which GEMM ran while which collective was in flight, and bad sizes refused
-before anything starts. The real run is lab 07's 'Going further' section (nbval)."""
+before anything starts. The real run is lab 09's 'Going further' section (nbval)."""
 import pytest
 
 from mpu_lab.perf import linear_overlap

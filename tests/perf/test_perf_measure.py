@@ -277,7 +277,7 @@ def test_schedule_utilisation_is_busy_m_over_m_plus_p_minus_1(p, m):
     assert sorted(util.values) == list(range(p))
 
 
-# --------------------------------------------------------------------------- lab 12 exercises
+# --------------------------------------------------------------------------- lab 15 exercises
 def test_lab08_checkers(capsys):
     from mpu_lab import perf
     from mpu_lab.labkit.performance import exercises

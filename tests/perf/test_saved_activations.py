@@ -9,7 +9,7 @@ from mpu_lab.perf.cost_model import activation_memory_per_layer
 
 # GPT-3 175B as in the paper's Table 3: a = 96 heads, h = 12288, s = 2048, t = 8.
 GPT3 = dict(s=2048, b=1, h=12288, a=96)
-SMALL = dict(s=128, b=2, h=64, a=8)        # lab 07's layer: 5as/h = 80, like GPT-3
+SMALL = dict(s=128, b=2, h=64, a=8)        # lab 09's layer: 5as/h = 80, like GPT-3
 
 
 

@@ -1,6 +1,6 @@
 """The bad / remedy / good benchmark (mpu_lab.perf.bad_vs_good, launch/utilisation.py): its
 configurations, how many ranks it runs, and the speed-up line, against values worked by hand.
-The measured runs themselves are lab 12's and the script's business (timings, not tests)."""
+The measured runs themselves are lab 15's and the script's business (timings, not tests)."""
 import importlib.util
 import pathlib
 
@@ -153,7 +153,7 @@ def test_bad_predicted_sizes_are_refused_with_the_numbers():
 
 
 def test_saved_runs_load_back_with_ranks_as_keys_and_the_same_verdict(tmp_path):
-    # What launch/utilisation.py writes for lab 12's pictures: a run with per-rank tables keyed by
+    # What launch/utilisation.py writes for lab 15's pictures: a run with per-rank tables keyed by
     # rank (JSON makes them strings) and a cropped window comes back equal, field by field.
     util = Utilisation("clock", 0.05, [0.0, 0.05, 0.1], {0: [100.0, 50.0, 0.0], 1: [0.0, 100.0, 100.0]},
                        2, machine=[90.0, 80.0, 70.0], clock_times=[0.0, 0.1],

@@ -141,6 +141,6 @@ class ParamAndGradBuffer:
 
     def table(self) -> List[Dict[str, object]]:
         """One row per bucket: its index, parameters (count), elements (unpadded and padded),
-        whether it is late, and its offset; what lab 03 prints."""
+        whether it is late, and its offset; what lab 04 prints."""
         return [dict(bucket=b.index, params=len(b.params), numel=b.numel_unpadded,
                      padded=b.numel, late=b.late, offset=b.offset) for b in self.buckets]

@@ -176,7 +176,7 @@ def stage_layers(num_layers: int, pipeline_model_parallel_size: int, pipeline_mo
 
 def partition_table(num_layers: int, pipeline_model_parallel_size: int,
                     virtual_pipeline_model_parallel_size: Optional[int] = None) -> List[Dict]:
-    """One row per model chunk, in virtual-stage order: what lab 09 prints as the layer map.
+    """One row per model chunk, in virtual-stage order: what lab 11 prints as the layer map.
 
     >>> [(r["pp_rank"], r["chunk"], list(r["layers"])) for r in partition_table(8, 2, 2)]
     [(0, 0, [0, 1]), (1, 0, [2, 3]), (0, 1, [4, 5]), (1, 1, [6, 7])]

@@ -25,7 +25,7 @@ Backward, step by step (``X`` the input, ``W`` the weight shard, ``dY`` the outp
    ``--gradient-accumulation-fusion``; there a fused CUDA kernel does it) and ``W.grad`` stays
    empty.
 6. Wait for the reduction and return ``dX``. (``async_comm=False`` waits at steps 1 and 4 at
-   once: lab 07's serial baseline; Megatron's ``--no-async-tensor-model-parallel-allreduce``.)
+   once: lab 09's serial baseline; Megatron's ``--no-async-tensor-model-parallel-allreduce``.)
 
 Split backward (zero bubble, Qi et al. 2024 §2; Megatron-core's ``delay_wgrad_compute``): while
 :func:`delay_wgrad_compute` holds a list, step 5's GEMM is appended to it, to run at the ``W``.

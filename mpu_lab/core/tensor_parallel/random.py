@@ -13,7 +13,7 @@ the same tensor-parallel rank (the data-parallel replicas).
 
 Weights: Megatron by default draws each rank's shard on its GPU inside this fork, so TP = 1
 and TP = k start from different numbers; mpu_lab builds the master weight under the default
-generator (Megatron's ``--use-cpu-initialization``, see :mod:`~.layers`); lab 04 shows both.
+generator (Megatron's ``--use-cpu-initialization``, see :mod:`~.layers`); lab 06 shows both.
 
 Simplified: Megatron's ``CudaRNGStatesTracker`` keeps CUDA states only, and also a data- and an
 expert-parallel stream; this one keeps the CPU state (and the GPU's when this rank has one), so

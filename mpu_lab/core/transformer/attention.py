@@ -22,7 +22,7 @@ slicing takes contiguous blocks of ``3D/t`` rows, so rank ``i`` holds heads
 only for a fused weight stored part after part: the first Megatron-LM (2019,
 ``mpu/transformer.py``) stored ``[W_Q; W_K; W_V]`` and built ``query_key_value`` with
 ``stride=3``; Megatron-core's SwiGLU MLP builds ``linear_fc1`` (``[W_gate; W_up]``) with
-``stride=2``. Lab 04 (section 5) shows both layouts. The same head-grouped layout is used by
+``stride=2``. Lab 06 (section 5) shows both layouts. The same head-grouped layout is used by
 :class:`mpu_lab.training.plain_gpt.PlainGPT` so a consolidated checkpoint loads into either.
 
 The attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with
@@ -151,7 +151,7 @@ class SelfAttention(torch.nn.Module):
         """Attention over the whole sequence on this rank: ``[b, n, s, H]`` in and out."""
         dropout_p = self.attention_dropout if self.training else 0.0
         # Each rank holds different heads: their dropout masks must differ, so draw them
-        # from the tensor-parallel RNG stream (Shoeybi et al. 2019, appendix B.2; lab 04).
+        # from the tensor-parallel RNG stream (Shoeybi et al. 2019, appendix B.2; lab 06).
         with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             if self.attention_impl == "explicit":
                 return explicit_causal_attention(q, k, v, dropout_p)

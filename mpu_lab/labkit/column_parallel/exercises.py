@@ -1,4 +1,4 @@
-"""Lab 04's exercises and rank-side helpers.
+"""Lab 06's exercises and rank-side helpers.
 
 * Checks of an answer: a column-parallel weight's shape (:func:`check_column_weight_shape`),
   the rows a strided (fused) split keeps (:func:`check_strided_rows`).

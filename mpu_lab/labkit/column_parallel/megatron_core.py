@@ -1,4 +1,4 @@
-"""Labs 04-06 side by side with Megatron-core: the per-rank numbers of
+"""Labs 06-08 side by side with Megatron-core: the per-rank numbers of
 ``launch/megatron_core_side_by_side.py`` (:mod:`mpu_lab.megatron_reference.layers` on each
 rank) as small tables in rank order."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Labs 04 and 05: a weight cut by columns or by rows across the tensor-parallel ranks.
+"""Labs 06 and 07: a weight cut by columns or by rows across the tensor-parallel ranks.
 
 The shard arithmetic (:func:`shard_shapes`, :func:`print_shard_shapes`, :func:`strided_owners`,
 and for fused weights :func:`fused_row_labels` and :func:`print_rows_kept`) and its pictures:

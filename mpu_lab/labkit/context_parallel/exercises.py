@@ -1,4 +1,4 @@
-"""Lab 08's write-the-code exercises, graded on a live world whose ranks form one CP group
+"""Lab 10's write-the-code exercises, graded on a live world whose ranks form one CP group
 (every rank of the world: ``cp`` = the world size).
 
 * :data:`LSE_MERGE` — ``my_merge(out_a, lse_a, out_b, lse_b)``: fold the attention of the same

@@ -1,4 +1,4 @@
-"""Lab 08's lessons: context parallelism (CP) measured on a live world, and the worked examples.
+"""Lab 10's lessons: context parallelism (CP) measured on a live world, and the worked examples.
 
 The mirror (:mod:`mpu_lab.core.context_parallel`) holds Megatron's algorithm and nothing else; what
 the lab shows about it is measured here, from outside:

@@ -1,4 +1,4 @@
-"""Lab 08's pictures: the ring of context-parallel attention step by step, and the causal work
+"""Lab 10's pictures: the ring of context-parallel attention step by step, and the causal work
 per rank of a contiguous split against Megatron's zig-zag layout.
 
 Both read :mod:`mpu_lab.labkit.context_parallel.lessons`, which takes the block pairs from the mirror's

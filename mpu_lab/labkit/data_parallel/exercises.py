@@ -1,4 +1,4 @@
-"""Lab 03's checks: the optimizer-state bytes per rank with and without the distributed
+"""Lab 04's checks: the optimizer-state bytes per rank with and without the distributed
 optimizer (:func:`check_optimizer_state_gb`), and the write-the-code exercise
 :data:`DISTRIBUTED_STEP`: the distributed optimizer's step for one flat buffer
 (reduce-scatter the gradient, update this rank's shard, all-gather the parameters), run on a

@@ -1,4 +1,4 @@
-"""Lab 03's drivers and printed lessons: data parallelism as Megatron does it.
+"""Lab 04's drivers and printed lessons: data parallelism as Megatron does it.
 
 * :func:`print_dp_groups`, :func:`live_dp_groups` — the data-parallel groups, from the pure
   rank-group arithmetic of :mod:`mpu_lab.core.parallel_state` and from a live playground world;
@@ -18,8 +18,8 @@
   machine (no more ranks than cores, each pinned) and what its measurement shows;
 * :func:`print_memory_table` — the memory job's table, one line per group of ranks that
   printed the same;
-* :func:`fit_counts`, :func:`print_fit_counts` — lab 13's explorer with and without the
-  distributed optimizer (a "going further": the explorer is taught in lab 13).
+* :func:`fit_counts`, :func:`print_fit_counts` — lab 16's explorer with and without the
+  distributed optimizer (a "going further": the explorer is taught in lab 16).
 """
 from __future__ import annotations
 
@@ -307,7 +307,7 @@ def print_megatron_bytes(data_parallel_size: int) -> None:
 
 # --------------------------------------------------------------------------- 6. explorer
 def fit_counts(model, cluster, num_gpus: int, global_batch_size: int) -> Dict[bool, tuple]:
-    """``{distributed_optimizer: (fitting, total, best)}`` from lab 13's explorer."""
+    """``{distributed_optimizer: (fitting, total, best)}`` from lab 16's explorer."""
     out = {}
     for flag in (False, True):
         result = explore(model, cluster, num_gpus, global_batch_size,

@@ -1,4 +1,4 @@
-"""Lab 03 side by side with Megatron-core: what ``launch/megatron_core_ddp.py``'s ranks
+"""Lab 04 side by side with Megatron-core: what ``launch/megatron_core_ddp.py``'s ranks
 report (:mod:`mpu_lab.megatron_reference.ddp`), as one table in rank order."""
 from __future__ import annotations
 

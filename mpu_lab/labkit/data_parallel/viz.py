@@ -1,4 +1,4 @@
-"""Lab 03's pictures: data parallelism on a timeline, from a real run
+"""Lab 04's pictures: data parallelism on a timeline, from a real run
 (:mod:`mpu_lab.perf.dp_overlap`) and as predicted (:mod:`mpu_lab.perf.cost_model.dp_overlap`);
 where a rank's memory goes, measured next to predicted, term by term
 (:mod:`mpu_lab.perf.memory_breakdown`)."""

@@ -1,4 +1,4 @@
-"""Lab 14's broken jobs: ``launch/train_gpt.py`` with one fault each (``--inject-fault``,
+"""Lab 17's broken jobs: ``launch/train_gpt.py`` with one fault each (``--inject-fault``,
 :mod:`mpu_lab.training.faults`), started in the background a few at a time
 (:func:`start_broken_jobs`: they spend most of their time waiting for a collective timeout), and
 what each did (:class:`BrokenRun`): the launcher's whole report, and the part of it that stays

@@ -1,4 +1,4 @@
-"""Lab 14's checks: name the cause of a broken job from its diagnosis (:func:`check_cause`), the
+"""Lab 17's checks: name the cause of a broken job from its diagnosis (:func:`check_cause`), the
 rank to look at first (:func:`check_culprit`), the jobs as the learner meets them (numbered,
 their fault hidden in the launcher's report until the learner has named the cause:
 :func:`print_jobs`, :func:`job_result`, :func:`print_report`, then :func:`reveal`), and the

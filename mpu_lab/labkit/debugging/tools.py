@@ -1,4 +1,4 @@
-"""Lab 14's tools on a live playground world, each printed deterministically:
+"""Lab 17's tools on a live playground world, each printed deterministically:
 
 * :func:`dump_hung_stacks` — a stack dump of every rank of a hung world (``faulthandler`` on a
   signal: what ``kill -USR1 PID`` gives a job that registered it, or ``py-spy dump --pid PID``

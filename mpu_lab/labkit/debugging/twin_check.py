@@ -2,7 +2,7 @@
 :func:`compare_with_dense_twin` compares a run's logged losses with those of its dense TP=1 twin
 (``launch/train_gpt.py --dense-twin``: rank 0 trains the twin from the run's initial weights,
 :func:`mpu_lab.training.dense_twin_losses`). A correct tensor-parallel run matches it to fp32
-rounding, iteration by iteration (lab 11); a run whose shards disagree drifts (lab 14)."""
+rounding, iteration by iteration (lab 14); a run whose shards disagree drifts (lab 17)."""
 from __future__ import annotations
 
 import dataclasses

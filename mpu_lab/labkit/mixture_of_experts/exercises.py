@@ -1,4 +1,4 @@
-"""Lab 10's checks and its write-the-code exercise.
+"""Lab 13's checks and its write-the-code exercise.
 
 Checks (the expected value computed by mpu_lab: the cost model, the router's capacity, the
 rank groups): :func:`check_moe_scaling` (parameters and FLOPs per token as E grows),

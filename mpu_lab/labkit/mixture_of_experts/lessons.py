@@ -1,4 +1,4 @@
-"""Lab 10's lessons: mixture of experts and expert parallelism, from the mirror's own pieces.
+"""Lab 13's lessons: mixture of experts and expert parallelism, from the mirror's own pieces.
 
 Kernel side (pure, no processes):
 

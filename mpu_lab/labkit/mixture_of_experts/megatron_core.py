@@ -1,4 +1,4 @@
-"""Lab 10 side by side with Megatron-core: Megatron-core's ``MoELayer`` against mpu_lab's
+"""Lab 13 side by side with Megatron-core: Megatron-core's ``MoELayer`` against mpu_lab's
 in a torchrun job of their own (``launch/megatron_core_moe.py``, whose ranks run
 :mod:`mpu_lab.megatron_reference.moe`), and its report.
 

@@ -1,4 +1,4 @@
-"""Lab 10: pictures of a mixture-of-experts layer.
+"""Lab 13: pictures of a mixture-of-experts layer.
 
 :func:`plot_routing` (the router's probabilities, token by expert, with the chosen experts
 marked, and the tokens each expert gets), :func:`plot_capacity` (tokens per expert against

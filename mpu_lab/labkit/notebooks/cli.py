@@ -17,7 +17,7 @@ from mpu_lab.labkit.figures import save_figures
 USAGE = '''Instructor tooling for the lab notebooks: re-execute, draw the figures, check the structure.
 
     python -m mpu_lab.labkit.notebooks regenerate                      # every notebook
-    python -m mpu_lab.labkit.notebooks regenerate --only 01 --only 04  # some of them
+    python -m mpu_lab.labkit.notebooks regenerate --only 01 --only 06  # some of them
     python -m mpu_lab.labkit.notebooks regenerate --params labs/params_8gpu.yaml --output-dir /tmp/dgx
     python -m mpu_lab.labkit.notebooks regenerate --profile 1gpu --output-dir /tmp/1gpu
     python -m mpu_lab.labkit.notebooks figures     # figures/*.png, byte for byte

@@ -19,10 +19,10 @@ learner's answer cell), and :func:`find_leaks` searches a notebook for them:
   "No answer yet: ..." line (it restates what to answer), and numbering that is not content
   (``## 9. Exercises``, ``**1.**``, a numbered list's ``2.``);
 * **just below the answer cell**: stored outputs of the code cells that follow it up to the
-  next markdown cell, which sit on the screen while the learner answers (lab 09's bubble share
+  next markdown cell, which sit on the screen while the learner answers (lab 11's bubble share
   printed by the next cell's stored table);
 * **reveal cells stored with outputs**: a code cell tagged ``reveal``, or one that calls
-  ``reveal(...)``, must be stored empty (lab 14's fault named in stored reveal outputs).
+  ``reveal(...)``, must be stored empty (lab 17's fault named in stored reveal outputs).
 
 How an answer is matched (:func:`hits`), by its type:
 
@@ -71,7 +71,7 @@ WEAK_BELOW = 100
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
-    """One graded question's answer(s): ``lab`` ("05"), ``question`` (an id the report quotes),
+    """One graded question's answer(s): ``lab`` ("07"), ``question`` (an id the report quotes),
     ``answers`` (the values, and phrases, that give it away), ``commit``: text found in the
     source of the learner's answer cell (``check_mlp_all_reduces(``), and ``occurrence``: which
     of the cells holding that text (0 = the first) when several do."""
@@ -353,7 +353,7 @@ def find_leaks(nb, answers: Iterable[Answer], lab: str = "") -> List[Leak]:
 
 def notebook_leaks(path: pathlib.Path, answers: Optional[Iterable[Answer]] = None) -> List[Leak]:
     """The leaks of a notebook file, for the answers declared for its lab (its first two
-    characters, ``05_row_parallel.ipynb`` -> ``"05"``) unless ``answers`` are given."""
+    characters, ``07_row_parallel.ipynb`` -> ``"07"``) unless ``answers`` are given."""
     import nbformat
 
     path = pathlib.Path(path)

@@ -139,7 +139,7 @@ def _body_lines(source: str, fn: ast.FunctionDef) -> int:
 
 
 def solution_logic_lines(lab: str) -> Dict[str, int]:
-    """``{learner's function: logic lines of its solution}`` for lab ``lab`` ("09"), from its
+    """``{learner's function: logic lines of its solution}`` for lab ``lab`` ("11"), from its
     file in ``labs/solutions/`` (empty when the lab has none)."""
     if lab not in solutions.SOLUTIONS:
         return {}

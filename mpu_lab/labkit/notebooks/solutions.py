@@ -46,21 +46,21 @@ class Solution:
 SOLUTIONS: Dict[str, Solution] = {
     "01": Solution("01_rank_groups.py", {"my_groups": "solution_groups"}),
     "02": Solution("02_collectives.py", {"my_ring_all_reduce": "solution_ring_all_reduce"}),
-    "04": Solution("04_column_parallel.py", {"my_column_forward": "solution_column_forward"}),
-    "05": Solution("05_row_parallel.py", {"my_row_forward": "solution_row_forward"}),
-    "06": Solution("06_tp_mappings.py", {
+    "06": Solution("06_column_parallel.py", {"my_column_forward": "solution_column_forward"}),
+    "07": Solution("07_row_parallel.py", {"my_row_forward": "solution_row_forward"}),
+    "08": Solution("08_tp_mappings.py", {
         "f_forward": "solution_f_forward", "f_backward": "solution_f_backward",
         "g_forward": "solution_g_forward", "g_backward": "solution_g_backward"}),
-    "07": Solution("07_parallel_transformer.py",
+    "09": Solution("09_parallel_transformer.py",
                    {"my_vocab_parallel_ce": "solution_vocab_parallel_ce",
                     "my_vocab_parallel_ce_backward": "solution_vocab_parallel_ce_backward"}),
-    "08": Solution("08_context_parallel.py", {"my_merge": "solution_merge",
+    "10": Solution("10_context_parallel.py", {"my_merge": "solution_merge",
                                               "my_zigzag": "solution_zigzag"}),
-    "09": Solution("09_pipeline_parallel.py", {"my_1f1b_order": "solution_1f1b_order",
+    "11": Solution("11_pipeline_parallel.py", {"my_1f1b_order": "solution_1f1b_order",
                                               "my_1f1b_loop": "solution_1f1b_loop"}),
-    "10": Solution("10_mixture_of_experts.py", {"my_dispatch": "solution_dispatch"}),
-    "14": Solution("14_debugging.py", {"my_exchange": "solution_exchange"}),
-    "03": Solution("03_data_parallel.py", {"my_grad_ready_hook": "solution_grad_ready_hook",
+    "13": Solution("13_mixture_of_experts.py", {"my_dispatch": "solution_dispatch"}),
+    "17": Solution("17_debugging.py", {"my_exchange": "solution_exchange"}),
+    "04": Solution("04_data_parallel.py", {"my_grad_ready_hook": "solution_grad_ready_hook",
                                            "my_distributed_step": "solution_distributed_step"}),
 }
 
@@ -72,7 +72,7 @@ _VERDICT = re.compile(rf"\bRight: (?:{_EXERCISE_NAMES})\b.*\bagrees\b")
 
 
 def solution_source(lab: str) -> str:
-    """The text of lab ``lab``'s solution file ("04" -> labs/solutions/04_column_parallel.py)."""
+    """The text of lab ``lab``'s solution file ("06" -> labs/solutions/06_column_parallel.py)."""
     if lab not in SOLUTIONS:
         raise ValueError(f"lab {lab!r} has no solution file; labs with one: {sorted(SOLUTIONS)}")
     return SOLUTIONS[lab].path.read_text()

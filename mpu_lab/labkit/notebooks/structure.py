@@ -24,14 +24,14 @@ _PREDICT = re.compile(r"(^|[.!?]\s+|\*\*|_)Predict\b", re.M)
 # None, a function stub, or the check / grader call itself.
 _COMMIT = re.compile(r"=\s*None\b|NotImplementedError|\bcheck_\w+\(|\bgrade\(")
 REVEAL = "reveal"          # tag: the cell shows a prediction's answer; stored without outputs
-WRITE_THE_CODE_LABS = ("01", "02", "04", "05", "06", "07", "08", "09", "10")   # each grades a learner's function
+WRITE_THE_CODE_LABS = ("01", "02", "06", "07", "08", "09", "10", "11", "13")   # each grades a learner's function
 
 
 def lesson_problems(nb, lab_number: str = "") -> List[str]:
     """What would spoil or weaken a lesson: a prediction answered right under its question (the
     first code cell after a "Predict ..." cell must be where the learner commits, or a cell
     tagged ``reveal`` stored without outputs), a ``reveal`` cell with stored outputs or compared
-    by nbval, a lab without an https link to a source, and (labs 01, 04, 05, 06, 07, 09) no write-the-code
+    by nbval, a lab without an https link to a source, and (labs 01, 06, 07, 08, 09, 11) no write-the-code
     exercise graded by ``grade(...)``."""
     problems = []
     cells = nb.cells

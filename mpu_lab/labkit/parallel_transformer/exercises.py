@@ -1,4 +1,4 @@
-"""Lab 07's checks: the lecture's shape table on one rank, the tensor-parallel sizes a layer
+"""Lab 09's checks: the lecture's shape table on one rank, the tensor-parallel sizes a layer
 accepts, a layer's collectives per step (:func:`mpu_lab.perf.comm_counts.expected_layer_counts`: with
 sequence parallelism Megatron's re-gather of each column-parallel input in backward included),
 Korthikanti et al.'s activation memory, and the write-the-code exercises

@@ -1,4 +1,4 @@
-"""Lab 07's overlap verdict, computed from the step times it prints.
+"""Lab 09's overlap verdict, computed from the step times it prints.
 
 ``launch/linear_overlap.py`` times the sequence-parallel MLP overlapped and serial on each rank
 (:func:`mpu_lab.perf.linear_overlap.format_saving` prints them). What those numbers show is

@@ -1,4 +1,4 @@
-"""Lab 07's pictures: one transformer layer under tensor parallelism, its activation
+"""Lab 09's pictures: one transformer layer under tensor parallelism, its activation
 memory, and the backward pass of Megatron's linear on a timeline (the gradient GEMMs on one
 lane, the collectives from issued to known finished on another, overlapped and serial side
 by side; ``launch/linear_overlap.py`` measures them, :mod:`mpu_lab.perf.linear_overlap`)."""

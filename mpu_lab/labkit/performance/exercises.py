@@ -1,5 +1,5 @@
-"""Lab 12's checks: how much faster a fuller pipeline is by its schedule alone, and the fewest
-micro-batches for a bubble budget. Lab 13 imports the two checks against the cost model at
+"""Lab 15's checks: how much faster a fuller pipeline is by its schedule alone, and the fewest
+micro-batches for a bubble budget. Lab 16 imports the two checks against the cost model at
 scale from here: the fastest (t, p) and the communication that dominates an iteration."""
 from __future__ import annotations
 

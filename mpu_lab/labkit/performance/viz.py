@@ -1,9 +1,9 @@
-"""Lab 12: where the time goes — utilisation, step-time breakdowns, bandwidth, the cost model.
+"""Lab 15: where the time goes — utilisation, step-time breakdowns, bandwidth, the cost model.
 
 :func:`plot_utilisation` (one heat row per rank), :func:`plot_kernel_timeline` (compute /
 communication / idle per rank from the profiler's traces), :func:`plot_step_breakdown` (stacked
 milliseconds per step by category) and :func:`plot_bandwidth` (bus bandwidth against message
-size, lab 02's too). Lab 13's pictures of the cost model are in
+size, lab 02's too). Lab 16's pictures of the cost model are in
 :mod:`mpu_lab.labkit.scaling.viz`.
 """
 from __future__ import annotations

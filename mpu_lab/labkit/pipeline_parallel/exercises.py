@@ -1,4 +1,4 @@
-"""Lab 09's checks: the pipeline bubble's share of an iteration, the micro-batches in flight,
+"""Lab 11's checks: the pipeline bubble's share of an iteration, the micro-batches in flight,
 and two write-the-code exercises on a live world, one rank per stage: :data:`ONE_F_ONE_B` (one
 stage's 1F1B order, run with real point-to-point messages between the stages) and
 :data:`ONE_F_ONE_B_LOOP` (the 1F1B loop itself, with Megatron's sends and receives, graded on

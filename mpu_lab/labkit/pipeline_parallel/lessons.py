@@ -1,4 +1,4 @@
-"""Lab 09's printed verdicts, computed from the numbers they print.
+"""Lab 11's printed verdicts, computed from the numbers they print.
 
 :func:`bubble_verdicts` reads a :class:`~mpu_lab.perf.pipeline_bubble.BubbleMeasurement` and
 says, per micro-batch count, whether the measured idle share agrees with the formula

@@ -1,4 +1,4 @@
-"""Lab 09 side by side with Megatron-core: its pipeline schedules against mpu_lab's in a
+"""Lab 11 side by side with Megatron-core: its pipeline schedules against mpu_lab's in a
 torchrun job of their own (``launch/megatron_core_schedules.py``, whose ranks run
 :mod:`mpu_lab.megatron_reference.schedules`), and its report.
 

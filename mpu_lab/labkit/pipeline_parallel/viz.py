@@ -1,4 +1,4 @@
-"""Lab 09's pictures: a pipeline's Gantt chart, one row per stage, from the logical timeline
+"""Lab 11's pictures: a pipeline's Gantt chart, one row per stage, from the logical timeline
 (:func:`mpu_lab.perf.pipeline_simulation.simulate`) or from a real run's records
 (:mod:`mpu_lab.perf.pipeline_timeline`)."""
 from __future__ import annotations

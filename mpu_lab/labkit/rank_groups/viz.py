@@ -1,4 +1,4 @@
-"""Lab 01: Megatron's rank groups on a picture of the machine (and lab 10: the expert groups,
+"""Lab 01: Megatron's rank groups on a picture of the machine (and lab 13: the expert groups,
 ``ep`` / ``expert-dp`` / ``expert-tp``, on the same picture).
 
 :func:`plot_rank_grid`, :func:`plot_group_families` (GPUs in boxes of ``gpus_per_node``,

@@ -1,4 +1,4 @@
-"""Lab 05's checks: a row-parallel weight's shape, the all-reduces of a tensor-parallel MLP, and
+"""Lab 07's checks: a row-parallel weight's shape, the all-reduces of a tensor-parallel MLP, and
 the write-the-code exercise :data:`ROW_FORWARD` (the row-parallel forward, graded on a live
 world)."""
 from __future__ import annotations

@@ -1,3 +1,3 @@
-"""Lab 13, scaling: the back-of-envelope checks (``exercises``) and the roofline of one GPU's links
-(``viz``); the explorer's pictures are lab 12's (:mod:`mpu_lab.labkit.performance.viz`).
+"""Lab 16, scaling: the back-of-envelope checks (``exercises``) and the roofline of one GPU's links
+(``viz``); the explorer's pictures are lab 15's (:mod:`mpu_lab.labkit.performance.viz`).
 """

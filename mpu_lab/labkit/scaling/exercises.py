@@ -1,4 +1,4 @@
-"""Lab 13's checks: predictions made with the back-of-envelope formulas
+"""Lab 16's checks: predictions made with the back-of-envelope formulas
 (:mod:`mpu_lab.perf.back_of_envelope`) before the explorer (:mod:`mpu_lab.perf.explorer`) is run.
 
 Each ``check_*`` prints one verdict; a wrong answer gets a hint that points to the idea, never

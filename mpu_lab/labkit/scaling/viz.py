@@ -1,4 +1,4 @@
-"""Lab 13's pictures: the roofline of one GPU's links, with each parallel dimension placed on
+"""Lab 16's pictures: the roofline of one GPU's links, with each parallel dimension placed on
 it; the cost model against published runs (:func:`plot_published_runs`) and the explorer's
 verdict per ``(t, p)`` (:func:`plot_exploration`).
 

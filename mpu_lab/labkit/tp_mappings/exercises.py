@@ -1,4 +1,4 @@
-"""Lab 06's checks: what Megatron's collective tests leave on each rank, predicted and held to
+"""Lab 08's checks: what Megatron's collective tests leave on each rank, predicted and held to
 Megatron's own assertions (on the layouts of
 :data:`~mpu_lab.megatron_reference.collective_layouts.COLLECTIVE_LAYOUTS`), and the write-the-code
 exercises :data:`F_EXERCISE` and :data:`G_EXERCISE`: the learner writes the forward and the

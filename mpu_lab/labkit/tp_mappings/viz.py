@@ -1,4 +1,4 @@
-"""Lab 06: each rank's tensor before and after a collective.
+"""Lab 08: each rank's tensor before and after a collective.
 
 :func:`plot_collective` draws one column per rank; :func:`collective_views` and
 :func:`show_collective` rebuild the pictures of one test of ``launch/collectives.py``

@@ -1,4 +1,4 @@
-"""Lab 11's checks: the loss of an untrained model, the micro-batches of a launch line, and
+"""Lab 14's checks: the loss of an untrained model, the micro-batches of a launch line, and
 Megatron's padded vocabulary."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Lab 11's printed lessons around its training runs, worked in the notebook's own process:
+"""Lab 14's printed lessons around its training runs, worked in the notebook's own process:
 
 * :func:`loss_floor`, :func:`print_loss_bounds` — the loss of a model that guesses uniformly
   (``ln V``) and the lowest loss a model can reach on the synthetic walk (the entropy of the

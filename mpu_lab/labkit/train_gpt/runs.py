@@ -1,4 +1,4 @@
-"""Lab 11 and 12's GPT training runs: ``launch/train_gpt.py`` started from a notebook, its
+"""Lab 14 and 15's GPT training runs: ``launch/train_gpt.py`` started from a notebook, its
 losses, and the lecture's ``GPT_ARGS`` launch line.
 
 * :func:`gpt_flags` — the small GPT's Megatron-style flags; :func:`command_line` — the

@@ -1,4 +1,4 @@
-"""Lab 11: loss curves that should coincide, and a loss curve redrawn while a job runs.
+"""Lab 14: loss curves that should coincide, and a loss curve redrawn while a job runs.
 
 :func:`plot_loss_curves` (curves drawn so that ones lying on top of each other stay visible;
 their relative differences on a log axis where fp32 rounding is a shaded band and exact zeros

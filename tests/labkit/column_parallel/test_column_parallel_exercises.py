@@ -1,4 +1,4 @@
-"""Lab 04 on a live 4-rank world (tp = 2, dp = 2; the session's ``grading_world``): the
+"""Lab 06 on a live 4-rank world (tp = 2, dp = 2; the session's ``grading_world``): the
 write-the-code exercise ``my_column_forward`` (the solution passes; forgetting the gather,
 gathering rows, leaving out f and the stub each get their verdict), the RNG streams the lab
 teaches (default stream the same on every rank, tensor-parallel stream seed + 2718 + tp rank),
@@ -12,7 +12,7 @@ from mpu_lab.labkit.notebooks.solutions import solution_source
 
 # The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
 # under its own name, and the verdict must name it, not the learner's function.
-OWN_SOLUTION = solution_source("04")
+OWN_SOLUTION = solution_source("06")
 
 # A right answer as a learner writes it.
 SOLUTION = '''

@@ -1,4 +1,4 @@
-"""Labs 04-05's column and row splits and f / g (mpu_lab.labkit.column_parallel.viz), no processes."""
+"""Labs 06-07's column and row splits and f / g (mpu_lab.labkit.column_parallel.viz), no processes."""
 import pytest
 from matplotlib.figure import Figure
 

@@ -1,4 +1,4 @@
-"""Lab 08's write-the-code exercises, on the shared 4-rank grading world (every rank one CP
+"""Lab 10's write-the-code exercises, on the shared 4-rank grading world (every rank one CP
 group: cp = 4).
 
 * ``LSE_MERGE`` (the log-sum-exp merge, run inside a real ring on the world and compared with
@@ -22,7 +22,7 @@ from mpu_lab.labkit.grader import grade
 from mpu_lab.labkit.context_parallel import exercises as cp_exercises
 from mpu_lab.labkit.notebooks.solutions import solution_source
 
-OWN_SOLUTION = solution_source("08")
+OWN_SOLUTION = solution_source("10")
 
 MERGE_STUB = '''
 def my_merge(out_a, lse_a, out_b, lse_b):

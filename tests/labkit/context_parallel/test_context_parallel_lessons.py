@@ -1,4 +1,4 @@
-"""Lab 08's lessons (mpu_lab.labkit.context_parallel.lessons) against values worked by hand and independent
+"""Lab 10's lessons (mpu_lab.labkit.context_parallel.lessons) against values worked by hand and independent
 references, in one process; the measurements on a live world run in the lab itself (nbval) and
 in the grader tests.
 

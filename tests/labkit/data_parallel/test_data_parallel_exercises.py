@@ -1,4 +1,4 @@
-"""Lab 03's checks and its write-the-code exercise, on the shared 4-rank grading world
+"""Lab 04's checks and its write-the-code exercise, on the shared 4-rank grading world
 (tp = 2, so the data-parallel groups are [0, 2] and [1, 3]: d = 2, not the world's 4).
 
 * ``DISTRIBUTED_STEP`` (the distributed optimizer's step on one flat buffer): the lab's
@@ -25,7 +25,7 @@ from mpu_lab.labkit.notebooks.solutions import solution_source
 
 # The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
 # under its own name, and the verdict must name it, not the learner's function.
-OWN_SOLUTION = solution_source("03")
+OWN_SOLUTION = solution_source("04")
 
 STUB = '''
 def my_distributed_step(param, grad, lr, group):

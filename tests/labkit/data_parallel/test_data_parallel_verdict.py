@@ -1,4 +1,4 @@
-"""Lab 03's overlap verdict: the parts it prints add up to the step, and the verdict follows
+"""Lab 04's overlap verdict: the parts it prints add up to the step, and the verdict follows
 from the printed step times with the stated relative tolerance (worked by hand)."""
 from mpu_lab.labkit.data_parallel import lessons
 from mpu_lab.perf.dp_overlap import DPOverlapResult

@@ -1,4 +1,4 @@
-"""Lab 14's checks and its write-the-code exercise, on the shared 4-rank grading world.
+"""Lab 17's checks and its write-the-code exercise, on the shared 4-rank grading world.
 
 * ``check_cause``: the letter of each fault's cause, read back from the printed list of
   suspects (the list the learner reads), is right; another letter, or a word, is not.
@@ -25,7 +25,7 @@ from mpu_lab.labkit.notebooks.solutions import solution_source
 
 # The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
 # under its own name, and the verdict must name it, not the learner's function.
-OWN_SOLUTION = solution_source("14")
+OWN_SOLUTION = solution_source("17")
 
 STUB = '''
 def my_exchange(stage, num_stages, mine):
@@ -260,7 +260,7 @@ def test_one_ranks_fp16_overflow_makes_every_rank_skip_the_step(grading_world, c
 
 # --------------------------------------------------------------------------- the jobs, unnamed
 class _FakeRun:
-    """A broken run's report as the launcher prints it (worked from lab 14's stored hang job)."""
+    """A broken run's report as the launcher prints it (worked from lab 17's stored hang job)."""
     fault = "hang:1"
 
     def show(self):

@@ -1,4 +1,4 @@
-"""Lab 10's write-the-code exercise, ``DISPATCH`` (the all-to-all dispatcher's permutation
+"""Lab 13's write-the-code exercise, ``DISPATCH`` (the all-to-all dispatcher's permutation
 and count exchange), on the shared 4-rank grading world, with real all-to-alls.
 
 * The reference the grader uses (the mirror's dispatcher) is itself checked against an
@@ -22,7 +22,7 @@ from mpu_lab.labkit.grader import grade
 from mpu_lab.labkit.mixture_of_experts import exercises as moe_ex
 from mpu_lab.labkit.notebooks.solutions import solution_source
 
-OWN_SOLUTION = solution_source("10")
+OWN_SOLUTION = solution_source("13")
 
 STUB = '''
 def my_dispatch(tokens, routing_map, group):

@@ -1,4 +1,4 @@
-"""Lab 10's lessons (mpu_lab.labkit.mixture_of_experts.lessons) and pictures (mpu_lab.labkit.mixture_of_experts.viz), the
+"""Lab 13's lessons (mpu_lab.labkit.mixture_of_experts.lessons) and pictures (mpu_lab.labkit.mixture_of_experts.viz), the
 pure parts, against values worked by hand or published: Mixtral 8x7B's 46.7 B / 12.9 B
 parameters (Mistral AI's announcement), Switch's capacity ceil(T k / E x factor), the expert
 groups of an 8-rank world at t = 2, ep = 2 listed by hand, and the bytes of a dispatch.

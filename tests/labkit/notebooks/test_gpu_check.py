@@ -11,7 +11,7 @@ from mpu_lab.labkit import REPO_ROOT
 from mpu_lab.labkit.notebooks import gpu_check
 from mpu_lab.labkit.notebooks.regenerate import Outcome
 
-LABS = ["01", "02", "03"]
+LABS = ["01", "02", "04"]
 THROUGHPUT = {"shape": {"num_layers": 12, "hidden_size": 768, "seq_length": 1024,
                         "micro_batch_size": 16}, "precision": "bf16",
               "tokens_per_s": {"GPTModel(TP=1)": 371004.4, "PlainGPT": 381158.0},
@@ -57,7 +57,7 @@ def test_labs_run_at_once_and_the_table_is_in_the_labs_order(fake, tmp_path):
     assert [line for line in table.splitlines() if line.startswith("| 0")] == [
         "| 01_rank_groups | pass | 12.3 |",
         "| 02_collectives | FAIL: cell 3: boom / again | 12.3 |",
-        "| 03_data_parallel | pass | 12.3 |"]
+        "| 04_data_parallel | pass | 12.3 |"]
     assert "\n- 02_collectives: cell 3: boom | again\n" in table      # in full, below the table
     assert "| GPTModel(TP=1) | 371,004 | 32.1 % |" in table
     assert "| PlainGPT | 381,158 | 33.0 % |" in table
@@ -74,7 +74,7 @@ def test_past_the_time_budget_nothing_more_starts_and_the_table_says_so(fake, tm
     assert code == 1
     assert "| 01_rank_groups | pass | 12.3 |" in table
     assert "| 02_collectives | FAIL: not run: past --time-budget 2 s | 0.0 |" in table
-    assert "| 03_data_parallel | FAIL: not run: past --time-budget 2 s | 0.0 |" in table
+    assert "| 04_data_parallel | FAIL: not run: past --time-budget 2 s | 0.0 |" in table
     assert "throughput benchmark FAILED: not run: past --time-budget 2 s" in table
     assert "Each failure in full" not in table           # what did not run did not fail
     assert fake["benchmarks"] == 0

@@ -32,14 +32,14 @@ def _figure(source, count=1):
 QUESTION = new_markdown_cell("**Predict:** how many all-reduces does the MLP issue forward and "
                              "backward? Answer as a pair `(forward, backward)`.")
 COMMIT = new_code_cell("answer = None   # (forward, backward)\ncheck_mlp_all_reduces(answer)")
-MLP = Answer("05", "mlp all-reduces", ((1, 1),), "check_mlp_all_reduces(")
-BUBBLE = Answer("09", "bubble share", (fractions.Fraction(1, 9),), "check_bubble_share(")
+MLP = Answer("07", "mlp all-reduces", ((1, 1),), "check_mlp_all_reduces(")
+BUBBLE = Answer("11", "bubble share", (fractions.Fraction(1, 9),), "check_bubble_share(")
 
 
 def _clean():
     nb = new_notebook()
     nb.cells = [
-        new_markdown_cell("# Lab 05\n\n## 3. The MLP\n\nThe operator g adds the partial sums."),
+        new_markdown_cell("# Lab 07\n\n## 3. The MLP\n\nThe operator g adds the partial sums."),
         _figure('plot_fg(tp, title="f and g around the MLP")'),
         QUESTION, COMMIT,
         new_code_cell("print(counts)", metadata={"tags": ["reveal", "nbval-ignore-output"]}),
@@ -49,21 +49,21 @@ def _clean():
 
 
 def test_a_clean_notebook_has_no_leak():
-    assert leaks.find_leaks(_clean(), [MLP], "05") == []
+    assert leaks.find_leaks(_clean(), [MLP], "07") == []
 
 
 def test_an_answer_in_the_prose_above_the_question_is_caught():
     nb = _clean()
-    nb.cells[0] = new_markdown_cell("# Lab 05\n\n## 3. The MLP\n\nIt all-reduces (1, 1): f "
+    nb.cells[0] = new_markdown_cell("# Lab 07\n\n## 3. The MLP\n\nIt all-reduces (1, 1): f "
                                     "backward, g forward.")
-    (leak,) = leaks.find_leaks(nb, [MLP], "05")
+    (leak,) = leaks.find_leaks(nb, [MLP], "07")
     assert (leak.cell, leak.where, leak.text, leak.weak) == (0, "prose above", "(1, 1)", False)
 
 
 def test_an_answer_in_a_figure_title_written_in_code_above_is_caught():
     nb = _clean()
     nb.cells[1] = _figure('plot_fg(tp, title="all-reduces per pass (forward, backward): (1, 1)")')
-    (leak,) = leaks.find_leaks(nb, [MLP], "05")
+    (leak,) = leaks.find_leaks(nb, [MLP], "07")
     assert (leak.cell, leak.text) == (1, "(1, 1)")
     assert leak.where.startswith("code above")
 
@@ -71,7 +71,7 @@ def test_an_answer_in_a_figure_title_written_in_code_above_is_caught():
 def test_an_answer_in_a_stored_output_of_an_earlier_section_is_caught():
     nb = _clean()
     nb.cells.insert(1, _run("print(counts)", "forward, backward all-reduces: [1, 1]\n"))
-    (leak,) = leaks.find_leaks(nb, [MLP], "05")
+    (leak,) = leaks.find_leaks(nb, [MLP], "07")
     assert (leak.cell, leak.where, leak.text) == (1, "output above", "[1, 1]")
 
 
@@ -85,7 +85,7 @@ def test_an_answer_printed_by_the_next_cells_stored_output_is_caught():
         new_markdown_cell("The measured share sits above the formula's."),
         _run("print(later)", "0.11 again, after the learner has read on\n", count=3),
     ]
-    (leak,) = leaks.find_leaks(nb, [BUBBLE], "09")
+    (leak,) = leaks.find_leaks(nb, [BUBBLE], "11")
     assert (leak.cell, leak.text) == (2, "0.11")
     assert leak.where == "output below, before the answer cell runs"
 
@@ -97,15 +97,15 @@ def test_reveal_cells_stored_with_outputs_are_caught_tagged_or_calling_reveal():
                          "it was --inject-fault hang:1\n", count=3))
     nb.cells.append(new_code_cell("reveal(check_bounds, traffic)",
                                   metadata={"tags": ["reveal"]}))     # stored empty: fine
-    found = leaks.reveal_leaks(nb, "05")
+    found = leaks.reveal_leaks(nb, "07")
     assert [(x.cell, x.where) for x in found] == [(4, "reveal cell stored with outputs"),
                                                   (6, "reveal cell stored with outputs")]
     assert "hang:1" in found[1].text
-    assert len(leaks.find_leaks(nb, [MLP], "05")) == 2
+    assert len(leaks.find_leaks(nb, [MLP], "07")) == 2
 
 
 def test_the_question_itself_is_not_its_answer_but_the_rest_of_its_cell_is():
-    shape = Answer("04", "weight shape", ((192, 1024),), "check_column_weight_shape(")
+    shape = Answer("06", "weight shape", ((192, 1024),), "check_column_weight_shape(")
     nb = new_notebook()
     nb.cells = [
         new_markdown_cell("## 5. Shapes\n\n**Predict:** with input 1024 and output 768 at "
@@ -120,7 +120,7 @@ def test_the_question_itself_is_not_its_answer_but_the_rest_of_its_cell_is():
 
 
 def test_a_small_number_is_weak_and_searched_only_in_its_own_section():
-    ranks = Answer("10", "expert-DP size", (4,), "check_expert_data_parallel_size(")
+    ranks = Answer("13", "expert-DP size", (4,), "check_expert_data_parallel_size(")
     nb = new_notebook()
     nb.cells = [
         new_markdown_cell("## 1. Experts\n\nA layer has 4 experts."),      # another section
@@ -165,7 +165,7 @@ def test_declared_answers_are_registered_by_lab_and_replaced_by_question():
 
 
 def test_an_answer_cell_that_is_not_there_is_named():
-    missing = Answer("05", "mlp all-reduces", ((1, 1),), "check_mlp_all_reduces(", occurrence=1)
+    missing = Answer("07", "mlp all-reduces", ((1, 1),), "check_mlp_all_reduces(", occurrence=1)
     with pytest.raises(ValueError, match=r"mlp all-reduces.*1 code cell\(s\).*occurrence 1"):
         leaks.find_leaks(_clean(), [missing])
 
@@ -182,7 +182,7 @@ def test_a_notebook_file_is_checked_with_its_labs_declared_answers(tmp_path):
 
 
 def test_numbering_and_the_answer_cells_no_answer_line_are_not_answers():
-    choice = Answer("13", "dominant communication", ("tp", 9), "check_dominant_communication(")
+    choice = Answer("16", "dominant communication", ("tp", 9), "check_dominant_communication(")
     commit = new_code_cell('answer = None   # "tp", "pp" or "dp"\n'
                            'check_dominant_communication(answer)', execution_count=1)
     commit.outputs = [new_output("stream", name="stdout",

@@ -27,8 +27,8 @@ def test_committed_notebooks_have_no_structural_problems():
 def test_the_series_is_start_here_and_labs_01_to_05_and_07_at_least():
     names = [p.name for p in notebooks.notebook_paths(REPO)]
     assert names[0] == "Start_Here.ipynb"
-    for lab in ("01_rank_groups", "04_column_parallel", "05_row_parallel", "06_tp_mappings",
-                "07_parallel_transformer", "11_train_gpt"):
+    for lab in ("01_rank_groups", "06_column_parallel", "07_row_parallel", "08_tp_mappings",
+                "09_parallel_transformer", "14_train_gpt"):
         assert f"{lab}.ipynb" in names
 
 
@@ -53,7 +53,7 @@ def test_lab_outputs_are_executed_in_order_without_widget_state(path):
 def test_start_here_links_the_written_labs_and_lists_coming_ones_without_links():
     text = "\n".join(c.source for c in nbformat.read(REPO / "Start_Here.ipynb", 4).cells
                      if c.cell_type == "markdown")
-    for lab in [f"{n:02d}" for n in range(1, 15)]:
+    for lab in [f"{n:02d}" for n in range(1, 19)]:
         written = list((REPO / "labs").glob(f"{lab}_*.ipynb"))
         row = [line for line in text.splitlines() if line.startswith((f"| {lab} ", f"| [{lab} "))]
         assert row, lab
@@ -127,7 +127,7 @@ def test_lesson_checker_flags_an_answer_stored_under_its_prediction_question(tmp
     nb.cells.append(md("After [Shoeybi et al.](https://arxiv.org/abs/1909.08053)"))
     nb.cells.append(_executed("grade(my_f, exercises.tp_mappings.F, world)"))
     assert len(notebooks.lesson_problems(nb, "01")) == 4
-    assert len(notebooks.lesson_problems(nb, "11")) == 4     # 11: no write-the-code required
+    assert len(notebooks.lesson_problems(nb, "14")) == 4     # 11: no write-the-code required
 
 
 def test_clean_clears_the_outputs_of_reveal_cells_only():
@@ -177,9 +177,9 @@ def test_clean_strips_widget_state_and_timing_metadata():
 def test_only_selects_by_number_or_stem():
     paths = notebooks.notebook_paths(REPO)
     assert [p.stem for p in notebooks.select(paths, ["01"])] == ["01_rank_groups"]
-    assert [p.stem for p in notebooks.select(paths, ["Start_Here", "05_row_parallel"])] == \
-        ["Start_Here", "05_row_parallel"]
-    assert [p.stem for p in notebooks.select(paths, [4, "start"])] == ["Start_Here", "04_column_parallel"]
+    assert [p.stem for p in notebooks.select(paths, ["Start_Here", "07_row_parallel"])] == \
+        ["Start_Here", "07_row_parallel"]
+    assert [p.stem for p in notebooks.select(paths, [6, "start"])] == ["Start_Here", "06_column_parallel"]
     with pytest.raises(SystemExit, match="matches no notebook"):
         notebooks.select(paths, ["42"])
 
@@ -191,9 +191,9 @@ def test_example_instructor_parameters_resolve_for_every_lab():
     got = {p.stem: notebooks.params_for(p, nbformat.read(p, 4), params) for p in paths}
     assert got["Start_Here"] == {}
     assert got["01_rank_groups"] == {"world_size": 8, "backend": "nccl", "tp": 4, "pp": 2}
-    assert got["04_column_parallel"]["tp"] == 8 and got["06_tp_mappings"]["backend"] == "nccl"
-    assert got["07_parallel_transformer"] == {"world_size": 8, "backend": "nccl", "tp": 4}
-    assert got["11_train_gpt"]["tp_sizes"] == [1, 2, 4, 8] and got["11_train_gpt"]["heads"] == 8
+    assert got["06_column_parallel"]["tp"] == 8 and got["08_tp_mappings"]["backend"] == "nccl"
+    assert got["09_parallel_transformer"] == {"world_size": 8, "backend": "nccl", "tp": 4}
+    assert got["14_train_gpt"]["tp_sizes"] == [1, 2, 4, 8] and got["14_train_gpt"]["heads"] == 8
 
 
 def test_parameter_typos_are_refused(tmp_path):

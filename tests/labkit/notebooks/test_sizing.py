@@ -12,7 +12,7 @@ def _lab(tmp_path, name="95_example"):
     nb = new_notebook()
     nb.cells = [
         new_code_cell("world_size = 2", metadata={"tags": ["parameters"]}),   # not counted
-        new_markdown_cell("# Lab 05: an example\n\nSix words of prose here."),  # 9 words
+        new_markdown_cell("# Lab 07: an example\n\nSix words of prose here."),  # 9 words
         new_code_cell("exercises.grade(my_f, EX, world)"),                     # 5 words, 1 exercise
         new_code_cell("answer = None\ncheck_shape(answer)"),                   # 4 words, 1 question
         new_markdown_cell("## Going further: more\n\nthree more words"),       # 6 words, extra
@@ -69,7 +69,7 @@ def test_a_link_target_a_bare_url_and_an_html_tag_are_not_read(tmp_path):
 def test_section_minutes_split_a_lab_by_its_headings(tmp_path):
     path = _lab(tmp_path)
     sections = sizing.section_minutes(path)
-    assert [name for name, _ in sections] == ["Lab 05: an example", "Going further: more"]
+    assert [name for name, _ in sections] == ["Lab 07: an example", "Going further: more"]
     # the title's 9 words + the grade cell (5 words, 10 min) + the check cell (4 words, 2 min)
     assert abs(sections[0][1] - ((9 + 5 + 4) / 120 + 10 + 2)) < 1e-9
     assert abs(sections[1][1] - (8 / 120 + 2)) < 1e-9   # 6 + 2 words and check_other's question

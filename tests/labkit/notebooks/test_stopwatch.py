@@ -18,7 +18,7 @@ from mpu_lab.labkit.notebooks import sizing, stopwatch
 def _lab(folder: pathlib.Path, name="05_demo") -> pathlib.Path:
     nb = new_notebook()
     nb.cells = [new_code_cell("world_size = 2", metadata={"tags": ["parameters"]}),
-                new_markdown_cell("# Lab 05"),
+                new_markdown_cell("# Lab 07"),
                 new_code_cell("x = 1"),
                 new_code_cell("y = x + 1\n"),
                 new_code_cell("def my_f(x):\n    pass"),             # a stub, edited

@@ -1,4 +1,4 @@
-"""Lab 07's write-the-code exercise on the shared 4-rank grading world (tp = 2, dp = 2): the
+"""Lab 09's write-the-code exercise on the shared 4-rank grading world (tp = 2, dp = 2): the
 vocab-parallel cross entropy. The solution passes; each plausible mistake fails with the rank,
 the input, the expected and the got values; the stub says there is no answer yet."""
 import torch
@@ -10,7 +10,7 @@ from mpu_lab.labkit.notebooks.solutions import solution_source
 
 # The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
 # under its own name, and the verdict must name it, not the learner's function.
-OWN_SOLUTION = solution_source("07")
+OWN_SOLUTION = solution_source("09")
 
 STUB = '''
 def my_vocab_parallel_ce(logits_shard, target, vocab_start, vocab_end):

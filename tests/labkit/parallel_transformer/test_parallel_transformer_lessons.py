@@ -1,4 +1,4 @@
-"""Lab 07's overlap verdict follows from the step times (worked by hand)."""
+"""Lab 09's overlap verdict follows from the step times (worked by hand)."""
 from mpu_lab.labkit.parallel_transformer import lessons
 
 

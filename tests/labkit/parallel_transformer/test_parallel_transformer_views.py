@@ -1,4 +1,4 @@
-"""Lab 07's helpers: the lecture's shape table, the layer and memory pictures
+"""Lab 09's helpers: the lecture's shape table, the layer and memory pictures
 (mpu_lab.labkit.parallel_transformer.viz) and the lab's checks."""
 import pytest
 from matplotlib.figure import Figure
@@ -8,7 +8,7 @@ from mpu_lab.labkit.train_gpt import exercises as train_gpt_exercises, runs as g
 from mpu_lab.perf import saved_activations
 
 
-# --------------------------------------------------------------------------- lab 07
+# --------------------------------------------------------------------------- lab 09
 def test_lecture_shapes_are_what_the_live_layer_records_at_d_tp_1(world):
     from mpu_lab.perf.layer_shapes import shape_table
     rows = shape_table(2, 8, 16, 4, tensor_model_parallel_size=1)

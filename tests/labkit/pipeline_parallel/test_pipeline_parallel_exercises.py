@@ -1,4 +1,4 @@
-"""Lab 09's write-the-code exercise on the shared 4-rank grading world, regrouped as 4 pipeline
+"""Lab 11's write-the-code exercise on the shared 4-rank grading world, regrouped as 4 pipeline
 stages: one stage's 1F1B order, run with real sends and receives between the stages. The
 solution passes; an order that cannot run, one that runs but is not 1F1B, one whose messages
 cross and one that deadlocks fail, each naming what happened; the stub says there is no
@@ -9,7 +9,7 @@ from mpu_lab.labkit.notebooks.solutions import solution_source
 
 # The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
 # under its own name, and the verdict must name it, not the learner's function.
-OWN_SOLUTION = solution_source("09")
+OWN_SOLUTION = solution_source("11")
 
 STUB = '''
 def my_1f1b_order(stage, num_stages, num_microbatches):

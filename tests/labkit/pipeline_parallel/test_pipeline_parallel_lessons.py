@@ -1,4 +1,4 @@
-"""Lab 09's bubble verdict: agreement judged with a relative tolerance, from the printed numbers
+"""Lab 11's bubble verdict: agreement judged with a relative tolerance, from the printed numbers
 (issue 38 item 2: 0.19 against 0.11 is not agreement, though it is within 0.1)."""
 from mpu_lab.labkit.pipeline_parallel import lessons
 from mpu_lab.perf.pipeline_bubble import BubbleMeasurement, BubbleRun

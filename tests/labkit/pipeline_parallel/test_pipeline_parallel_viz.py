@@ -1,4 +1,4 @@
-"""Lab 09's pictures (mpu_lab.labkit.pipeline_parallel.viz): the pair of Gantt charts, measured above
+"""Lab 11's pictures (mpu_lab.labkit.pipeline_parallel.viz): the pair of Gantt charts, measured above
 predicted, each with its own title and the idle share of its own records."""
 from mpu_lab.labkit.pipeline_parallel.viz import plot_gantt_pair
 from mpu_lab.perf.pipeline_simulation import simulate

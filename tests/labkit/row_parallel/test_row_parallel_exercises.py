@@ -1,4 +1,4 @@
-"""Lab 05's write-the-code exercise (the row-parallel forward), graded on the shared 4-rank
+"""Lab 07's write-the-code exercise (the row-parallel forward), graded on the shared 4-rank
 grading world (tp = 2, dp = 2): a right answer passes, the classic slips fail with the rank, the
 input, expected and got, and the unanswered stub says so.
 
@@ -13,7 +13,7 @@ from mpu_lab.labkit.notebooks.solutions import solution_source
 
 # The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
 # under its own name, and the verdict must name it, not the learner's function.
-OWN_SOLUTION = solution_source("05")
+OWN_SOLUTION = solution_source("07")
 
 SOLUTION = '''
 def my_row_forward(x, weight, bias, input_is_parallel):

@@ -1,4 +1,4 @@
-"""Lab 13's checks (mpu_lab.labkit.scaling.exercises): right answers worked by hand pass, wrong
+"""Lab 16's checks (mpu_lab.labkit.scaling.exercises): right answers worked by hand pass, wrong
 ones fail with a hint that does not give the value away, no answer is no verdict, and reveal()
 prints the answer."""
 import dataclasses

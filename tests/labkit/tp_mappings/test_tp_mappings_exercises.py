@@ -1,4 +1,4 @@
-"""Lab 06's write-the-code exercises (the forward and backward of f and g, Shoeybi et al. 2019
+"""Lab 08's write-the-code exercises (the forward and backward of f and g, Shoeybi et al. 2019
 §3) on the shared 4-rank grading world (t=2, p=1, d=2: tensor-parallel groups [0, 1] and
 [2, 3]), and the grader's own error paths, which no other test reaches: a stub, input that is
 not a function, a rank that raises, a collective only some ranks enter (the world restarts and
@@ -20,7 +20,7 @@ from mpu_lab.labkit.notebooks.solutions import solution_source
 
 # The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
 # under its own name, and the verdict must name it, not the learner's function.
-OWN_SOLUTION = solution_source("06")
+OWN_SOLUTION = solution_source("08")
 
 CASE_1 = "x = [0, 1, 2, 3] + 10 * rank, grad = ones"
 

@@ -1,4 +1,4 @@
-"""Lab 06: Megatron's collective tests predicted (mpu_lab.labkit.tp_mappings.exercises) and drawn
+"""Lab 08: Megatron's collective tests predicted (mpu_lab.labkit.tp_mappings.exercises) and drawn
 (mpu_lab.labkit.tp_mappings.viz), no processes."""
 import pytest
 

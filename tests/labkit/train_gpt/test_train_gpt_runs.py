@@ -1,4 +1,4 @@
-"""Lab 11's helpers: loss curves (mpu_lab.labkit.train_gpt.viz), the runs and launch lines
+"""Lab 14's helpers: loss curves (mpu_lab.labkit.train_gpt.viz), the runs and launch lines
 (mpu_lab.labkit.train_gpt.runs), the checks and launcher.run's on_line."""
 import pytest
 
@@ -21,7 +21,7 @@ def test_live_plot_outside_a_notebook_draws_without_a_display():
     assert list(plot.line.get_xdata()) == [1, 2]
 
 
-# --------------------------------------------------------------------------- lab 11
+# --------------------------------------------------------------------------- lab 14
 def test_gpt_flags_and_command_line():
     flags = gpt_runs.gpt_flags(20, tensor_model_parallel_size=2, sequence_parallel=True, load=None)
     assert flags[-3:] == ["--tensor-model-parallel-size", "2", "--sequence-parallel"]

@@ -1,6 +1,6 @@
-# Lab 07, the vocabulary-parallel cross-entropy: one answer to my_vocab_parallel_ce and one to
+# Lab 09, the vocabulary-parallel cross-entropy: one answer to my_vocab_parallel_ce and one to
 # my_vocab_parallel_ce_backward. Load it on purpose, in a new cell:
-#     %load solutions/07_parallel_transformer.py
+#     %load solutions/09_parallel_transformer.py
 # run that cell, then grade them:
 #     exercises.grade(solution_vocab_parallel_ce, exercises.parallel_transformer.VOCAB_PARALLEL_CE, world)
 #     exercises.grade(solution_vocab_parallel_ce_backward,

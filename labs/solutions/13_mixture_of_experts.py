@@ -1,5 +1,5 @@
-# Lab 10, "Write the dispatcher": one answer to my_dispatch. Load it on purpose, in a new cell:
-#     %load solutions/10_mixture_of_experts.py
+# Lab 13, "Write the dispatcher": one answer to my_dispatch. Load it on purpose, in a new cell:
+#     %load solutions/13_mixture_of_experts.py
 # run that cell, then grade it:
 #     exercises.grade(solution_dispatch, exercises.mixture_of_experts.DISPATCH, world)
 # It runs on the ranks, where torch and dist exist.

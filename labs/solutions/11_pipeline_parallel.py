@@ -1,5 +1,5 @@
-# Lab 09, section 5: one answer to my_1f1b_order. Load it on purpose, in a new cell:
-#     %load solutions/09_pipeline_parallel.py
+# Lab 11, section 5: one answer to my_1f1b_order. Load it on purpose, in a new cell:
+#     %load solutions/11_pipeline_parallel.py
 # run that cell, then grade it:
 #     exercises.grade(solution_1f1b_order, exercises.pipeline_parallel.ONE_F_ONE_B, world)
 
@@ -12,7 +12,7 @@ def solution_1f1b_order(stage, num_stages, num_microbatches):
     return order + [("B", k) for k in range(num_microbatches - warmup, num_microbatches)]
 
 
-# Lab 09, "Going further: write the 1F1B loop": one answer to my_1f1b_loop. After %load,
+# Lab 11, "Going further: write the 1F1B loop": one answer to my_1f1b_loop. After %load,
 # grade it with
 #     exercises.grade(solution_1f1b_loop, exercises.pipeline_parallel.ONE_F_ONE_B_LOOP, world)
 def solution_1f1b_loop(stage, num_stages, num_microbatches, forward, backward, p2p):

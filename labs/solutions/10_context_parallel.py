@@ -1,5 +1,5 @@
-# Lab 08, section 7: one answer to each exercise. Load it on purpose, in a new cell:
-#     %load solutions/08_context_parallel.py
+# Lab 10, section 7: one answer to each exercise. Load it on purpose, in a new cell:
+#     %load solutions/10_context_parallel.py
 # run that cell, then grade them:
 #     exercises.grade(solution_merge, exercises.LSE_MERGE, world)
 #     exercises.grade(solution_zigzag, exercises.ZIGZAG_LAYOUT, world)

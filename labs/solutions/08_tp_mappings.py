@@ -1,6 +1,6 @@
-# Lab 06, "Write f and g yourself": one answer to f_forward, f_backward, g_forward and
+# Lab 08, "Write f and g yourself": one answer to f_forward, f_backward, g_forward and
 # g_backward. Load it on purpose, in a new cell:
-#     %load solutions/06_tp_mappings.py
+#     %load solutions/08_tp_mappings.py
 # run that cell, then grade it:
 #     exercises.grade((solution_f_forward, solution_f_backward), exercises.tp_mappings.F_EXERCISE, world)
 #     exercises.grade((solution_g_forward, solution_g_backward), exercises.tp_mappings.G_EXERCISE, world)

@@ -1,6 +1,6 @@
-# Lab 14, "Fix it: write the exchange": one answer to my_exchange. Load it on purpose, in a new
+# Lab 17, "Fix it: write the exchange": one answer to my_exchange. Load it on purpose, in a new
 # cell:
-#     %load solutions/14_debugging.py
+#     %load solutions/17_debugging.py
 # run that cell, then grade it:
 #     exercises.grade(solution_exchange, exercises.debugging.EXCHANGE, world)
 # It runs on the ranks, where torch and dist exist.

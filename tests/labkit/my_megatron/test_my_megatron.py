@@ -1,0 +1,81 @@
+"""The learner's package: a right piece is saved from the text the learner typed (as IPython
+keeps a cell's text in linecache), a later save of the same name replaces it and leaves the
+others, and the file is a module the capstone's own reader (an AST walk) and Python import."""
+import ast
+import importlib.util
+import linecache
+
+import pytest
+
+from mpu_lab.labkit import my_megatron
+
+CELL = '''\
+import torch
+
+def my_f(x):
+    """the learner's f"""
+    return x + 1
+
+class RowParallelLinear(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def forward(self, x):
+        return x * self.n, None
+'''
+
+
+def _cell(text, name):
+    """Run ``text`` as IPython runs a cell: its text in linecache under a made-up file name."""
+    filename = f"<ipython-input-{name}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    namespace = {"__name__": "__main__"}
+    exec(compile(text, filename, "exec"), namespace)
+    return namespace
+
+
+def _import(path):
+    spec = importlib.util.spec_from_file_location("learner_piece", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_function_and_a_notebook_class_are_saved_as_typed_and_import(tmp_path):
+    ns = _cell(CELL, "1")
+    path = my_megatron.save_piece([ns["my_f"], ns["RowParallelLinear"]], "layers.py",
+                                  ["f", "RowParallelLinear"], where=tmp_path / "pkg")
+    text = path.read_text()
+    assert '"""the learner\'s f"""' in text and "def f(x):" in text and "def my_f" not in text
+    assert "class RowParallelLinear(torch.nn.Module):" in text
+    module = _import(path)
+    assert module.f(2) == 3
+    assert module.RowParallelLinear(3)(2)[0] == 6
+    assert (tmp_path / "pkg" / "__init__.py").exists()
+    assert my_megatron.saved_names("layers.py", tmp_path / "pkg") == ["f", "RowParallelLinear"]
+
+
+def test_saving_again_replaces_that_piece_only(tmp_path):
+    first = _cell(CELL, "2")
+    my_megatron.save_piece([first["my_f"], first["RowParallelLinear"]], "layers.py",
+                           ["f", "RowParallelLinear"], where=tmp_path)
+    second = _cell("def my_f(x):\n    return x + 2\n", "3")
+    path = my_megatron.save_piece([second["my_f"]], "layers.py", ["f"], where=tmp_path)
+    tree = ast.parse(path.read_text())
+    names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert sorted(names) == ["RowParallelLinear", "f"]          # one f, the class kept
+    assert _import(path).f(2) == 4
+
+
+def test_the_folder_defaults_to_the_environment_then_the_working_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv(my_megatron.ENV, str(tmp_path / "x"))
+    assert my_megatron.folder() == tmp_path / "x"
+    monkeypatch.delenv(my_megatron.ENV)
+    assert str(my_megatron.folder()) == "my_megatron"
+
+
+def test_a_name_count_that_does_not_match_is_refused(tmp_path):
+    ns = _cell(CELL, "4")
+    with pytest.raises(ValueError, match="2 piece"):
+        my_megatron.save_piece([ns["my_f"], ns["RowParallelLinear"]], "x.py", ["f"], where=tmp_path)
