@@ -30,7 +30,8 @@ import dataclasses
 from typing import Dict, Optional
 
 from mpu_lab.perf.cost_model.activations import activation_memory_per_layer
-from mpu_lab.perf.cost_model.counts import in_flight_microbatches, memory_per_gpu
+from mpu_lab.perf.cost_model.counts import (in_flight_microbatches, memory_per_gpu,
+                                            recomputed_share)
 from mpu_lab.perf.cost_model.inputs import Cluster, ModelShape, ParallelConfig
 from mpu_lab.perf.cost_model.predict import predict_iteration
 
@@ -155,16 +156,15 @@ def cp_memory_per_gpu(model: ModelShape, cfg: ParallelConfig, cp: int, dtype_byt
                                           cfg.sequence_parallel, cp)
     no_scores = full - cp_score_bytes(model, cfg, cp)
     chunk = model.s / cp
-    if cfg.recompute == "full":
-        stored = 2 * chunk * cfg.b * model.h / (cfg.tp if cfg.sequence_parallel else 1)
-    elif cfg.flash_attention or cfg.recompute == "selective":
-        stored = no_scores
-    else:
-        stored = full
+    whole = no_scores if cfg.flash_attention or cfg.recompute == "selective" else full
+    stored, share = whole, recomputed_share(model, cfg)
+    if cfg.recompute == "full":        # the block method: only a share of the layers recompute
+        layer_input = 2 * chunk * cfg.b * model.h / (cfg.tp if cfg.sequence_parallel else 1)
+        stored = share * layer_input + (1 - share) * whole
     scale = dtype_bytes / 2
     act = stored * model.L / cfg.pp * in_flight_microbatches(cfg) * scale
-    if cfg.recompute == "full":
-        act += (no_scores if cfg.flash_attention else full) * scale
+    if share == 1:                     # every layer recomputed: one layer's whole set live again
+        act += whole * scale
     out = dict(out, activations=act)
     out["total"] = out["weights"] + out["gradients"] + out["optimizer"] + act
     return out
@@ -219,7 +219,7 @@ def predict_context_parallel(model: ModelShape, cfg: ParallelConfig, cp: int, cl
     base = predict_iteration(twin_model, twin_cfg, cluster, dtype_bytes, grad_bytes)
     chunk = model.s // cp
     tokens_mb = cfg.b * chunk
-    passes = 3 + (1 if cfg.recompute in ("selective", "full") else 0)
+    passes = 3 + (1 if cfg.recompute == "selective" else recomputed_share(model, cfg))
     extra_flops = tokens_mb * passes * 4 * model.h * (model.s - chunk) / cfg.tp
     rate = cluster.peak_flops * cluster.matmul_efficiency
     crosses = cp > 1 and cfg.tp * cp > cluster.gpus_per_node

@@ -23,7 +23,8 @@ import dataclasses
 from typing import Dict, Optional
 
 from mpu_lab.perf.cost_model.activations import activation_memory_per_layer
-from mpu_lab.perf.cost_model.counts import in_flight_microbatches, ring_all_reduce_factor
+from mpu_lab.perf.cost_model.counts import (in_flight_microbatches, recomputed_share,
+                                            ring_all_reduce_factor)
 from mpu_lab.perf.cost_model.inputs import Cluster, ModelShape, ParallelConfig
 from mpu_lab.perf.cost_model.optimizer_state import bytes_per_parameter_terms, dtype_for_bytes
 from mpu_lab.perf.cost_model.predict import ADAM_STEP_BYTES_PER_PARAM, predict_iteration
@@ -193,11 +194,12 @@ def moe_memory_per_gpu(model: MoEModelShape, cfg: ParallelConfig, ep: int,
     layer = no_scores - mlp_dense + mlp_moe
     if cfg.recompute == "none" and not cfg.flash_attention:
         layer += table2 - no_scores                     # the scores are kept too
-    stored = layer
-    if cfg.recompute == "full":                         # only each layer's input survives
-        stored = 2 * s * b * h / (t if cfg.sequence_parallel else 1)
+    stored, share = layer, recomputed_share(model, cfg)
+    if cfg.recompute == "full":       # a recomputed layer keeps only its input; with the block
+        kept = layer + (0 if cfg.flash_attention else table2 - no_scores)   # method the rest
+        stored = share * 2 * s * b * h / (t if cfg.sequence_parallel else 1) + (1 - share) * kept
     act = stored * layers * in_flight_microbatches(cfg) * dtype_bytes / 2
-    if cfg.recompute == "full":
+    if share == 1:
         act += layer * dtype_bytes / 2                  # one layer recomputed at a time
     weights = terms["replicated"]["param"] * (dense + experts)
     grads = terms["replicated"]["grad"] * (dense + experts)

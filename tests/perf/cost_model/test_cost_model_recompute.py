@@ -99,3 +99,33 @@ def test_pick_recompute_takes_the_fastest_mode_that_fits(memory, label, fits):
     cluster = DGX_A100_80GB.replace(memory_bytes=memory)
     pred = pick_recompute(TINY, cfg(), cluster)
     assert (recompute_label(pred.config), pred.fits) == (label, fits)
+
+
+def test_context_and_expert_parallel_memory_follow_the_block_method():
+    """Under CP and EP the block method keeps the input of the first N layers of a stage and
+    everything of the others, as the dense model does (above): N = all layers is full
+    recomputation, and each layer taken out of the block adds back the difference between a
+    whole layer and its input, the same amount for each."""
+    from mpu_lab.perf.cost_model import ModelShape
+    from mpu_lab.perf.cost_model.context import cp_memory_per_gpu
+    from mpu_lab.perf.cost_model.moe import MoEModelShape, moe_memory_per_gpu
+    dense = ModelShape(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=512,
+                       vocab_size=1024)
+    moe = MoEModelShape(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=512,
+                        vocab_size=1024, ffn_hidden_size=512, num_experts=4, top_k=2)
+
+    def acts(memory, **kw):
+        full = memory(recompute="full")["activations"]
+        block = [memory(recompute="full", recompute_num_layers=n)["activations"]
+                 for n in range(1, 9)]
+        none = memory(recompute="none")["activations"]
+        return full, block, none
+
+    for memory in (lambda **kw: cp_memory_per_gpu(dense, cfg(tp=2, **kw), cp=2),
+                   lambda **kw: moe_memory_per_gpu(moe, ParallelConfig(
+                       tp=2, dp=2, micro_batch_size=2, global_batch_size=4, **kw), ep=2)):
+        full, block, none = acts(memory)
+        assert block[-1] == pytest.approx(full, rel=1e-12)
+        steps = [block[i] - block[i + 1] for i in range(6)]       # N = 1..7: no extra layer
+        assert all(st == pytest.approx(steps[0], rel=1e-9) and st > 0 for st in steps)
+        assert block[0] < none and block[0] == pytest.approx(none - steps[0], rel=1e-9)
