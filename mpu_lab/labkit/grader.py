@@ -26,7 +26,10 @@ a raising one and a partial collective on a live world
 
 The learner's function is sent as ipyparallel sends any function: its code, with the rank's
 namespace (``torch``, ``dist``, ``parallel_state``, ``rank``, ``device`` ...) as its globals,
-so it must not call other functions defined only in the notebook.
+so it must not call other functions defined only in the notebook. A class the learner writes
+(a whole module, ``DistributedDataParallel``) travels as its source instead (ipyparallel ships a
+notebook class member by member, and a method that calls ``super()`` refers back to its own
+class, which it cannot ship): each rank defines it again in its namespace (:class:`ClassSource`).
 """
 from __future__ import annotations
 
@@ -91,6 +94,47 @@ class Exercise:
     saves_as: Sequence[str] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class ClassSource:
+    """A class the learner wrote, as it travels to the ranks: its ``source`` (as typed, found
+    by :func:`mpu_lab.labkit.my_megatron.source_of`), compiled on the rank in the rank's
+    namespace at the cell's ``filename`` and ``line``, so a rank's traceback points into the
+    learner's cell."""
+
+    name: str
+    source: str
+    filename: str
+    line: int
+
+    @classmethod
+    def of(cls, klass: type) -> "ClassSource":
+        text = my_megatron.source_of(klass)
+        head = text.lstrip().splitlines()[0].strip()
+        for member in vars(klass).values():
+            code = getattr(getattr(member, "__func__", member), "__code__", None)
+            if code is None:
+                continue
+            lines = linecache.getlines(code.co_filename)
+            starts = [i for i in range(min(code.co_firstlineno, len(lines)))
+                      if lines[i].strip() == head]
+            if starts:
+                return cls(klass.__name__, text, code.co_filename, starts[-1] + 1)
+        return cls(klass.__name__, text, f"<class {klass.__name__}>", 1)
+
+    def define(self) -> type:
+        """Runs inside a rank: the class, defined in a copy of the rank's namespace."""
+        from IPython import get_ipython      # the engine's kernel (ipyparallel, an optional extra)
+        namespace = dict(get_ipython().user_ns)
+        exec(compile("\n" * (self.line - 1) + self.source, self.filename, "exec"), namespace)
+        return namespace[self.name]
+
+
+def _shipped(fn: Callable) -> Any:
+    """What travels to the ranks for the learner's ``fn``: a function as it is, a class as its
+    :class:`ClassSource`."""
+    return ClassSource.of(fn) if isinstance(fn, type) else fn
+
+
 def _regroup(tp: int, pp: int) -> None:
     """Runs inside a rank: Megatron's groups for (tp, pp) over the same world."""
     parallel_state.initialize_model_parallel(tp, pp)
@@ -143,6 +187,7 @@ def _grade_on_rank(run_case: Callable, several: bool, case: Case,
     arguments: ipyparallel ships a notebook function as code only when it is an argument of
     its own, not inside a tuple)."""
     raised: List[str] = []
+    learners = tuple(fn.define() if isinstance(fn, ClassSource) else fn for fn in learners)
     watched = tuple(_watched(fn, raised) for fn in learners)
     try:
         out = run_case(watched if several else watched[0], case)
@@ -161,7 +206,9 @@ def _learner_line(traceback_text: str, learners: Sequence[Callable]) -> str:
     """The learner's line where a rank raised: the deepest frame of the traceback in the
     learner's code, with its source looked up here (the ranks have no copy of the notebook's
     cells, so their traceback shows the file and line number only). '' when none is found."""
-    files = {getattr(getattr(fn, "__code__", None), "co_filename", None) for fn in learners}
+    codes = [getattr(getattr(m, "__func__", m), "__code__", None) for fn in learners
+             for m in ([fn] + (list(vars(fn).values()) if isinstance(fn, type) else []))]
+    files = {getattr(code, "co_filename", None) for code in codes}
     found = [m for m in _FRAME.finditer(traceback_text) if m["file"] in files]
     if not found:
         return ""
@@ -250,6 +297,10 @@ def _save(learners: Tuple[Callable, ...], exercise: Exercise) -> None:
         return
     names = ", ".join(exercise.saves_as or [fn.__name__ for fn in learners])
     print(f"saved: {path.parent.name}/{path.name} ({names})")
+    reads = my_megatron.rank_values_read(learners)
+    if reads:
+        print(f"note: it reads {', '.join(reads)}, which only the grader's ranks define: "
+              f"call those in the code so the capstone can run it")
 
 
 def _timeout_verdict(exc: CollectiveTimeout, case: Case, exercise: Exercise, world,
@@ -290,10 +341,15 @@ def graded_name(learners: Sequence[Callable], exercise: Exercise) -> str:
 
 
 def _grade_cases(learners: Tuple[Callable, ...], exercise: Exercise, world) -> Verdict:
+    try:
+        shipped = tuple(_shipped(fn) for fn in learners)
+    except OSError as exc:          # a class whose source is nowhere (typed outside a cell)
+        print(f"{WRONG} {exc}.")
+        return Verdict(False)
     for case in exercise.cases:
         try:
             replies = world.run(_grade_on_rank, exercise.run_case, bool(exercise.parts), case,
-                                *learners)
+                                *shipped)
         except CollectiveTimeout as exc:
             world.restart()
             _timeout_verdict(exc, case, exercise, world, learners)

@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import mpu_lab
 from mpu_lab.core import parallel_state, tensor_parallel
+from mpu_lab.core.utils import get_device
 from mpu_lab.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
@@ -73,6 +75,31 @@ def source_of(obj: Callable) -> str:
             raise
         text = _class_source(obj)
     return textwrap.dedent(text)
+
+
+# Values the playground gives each rank that a module cannot hold (they are known only once the
+# rank has started): a saved piece that reads them works in the grader and not in the capstone.
+RANK_VALUES = {"device": "get_device()", "rank": "dist.get_rank()",
+               "world_size": "dist.get_world_size()"}
+
+
+def _global_names(obj) -> set:
+    """The global names the code of a function, or of a class's methods, reads."""
+    codes = [getattr(getattr(m, "__func__", m), "__code__", None)
+             for m in (vars(obj).values() if isinstance(obj, type) else [obj])]
+    names, todo = set(), [c for c in codes if c is not None]
+    while todo:
+        code = todo.pop()
+        names.update(code.co_names)
+        todo += [c for c in code.co_consts if hasattr(c, "co_names")]
+    return names
+
+
+def rank_values_read(pieces: Sequence[Callable]) -> List[str]:
+    """The per-rank values (``device``, ``rank``, ``world_size``) ``pieces`` read as globals,
+    each with what a module should call instead."""
+    used = set().union(*(_global_names(p) for p in pieces)) if pieces else set()
+    return [f"{name} (use {RANK_VALUES[name]})" for name in sorted(RANK_VALUES) if name in used]
 
 
 def _renamed(text: str, old: str, new: str) -> str:

@@ -165,7 +165,7 @@ def describe_choice(device_count: Optional[int] = None) -> str:
     """Start Here's note: what ``auto`` picks on this machine and how to pick another."""
     found = detect(device_count)
     return (f'This machine: {found.seen}, so profile = "auto" picks {found}.\n'
-            f"Profiles: {', '.join(NAMES)} (labs/profiles/<name>.yaml). To choose another, "
+            f"Profiles: {', '.join(NAMES)} (labs/profiles/<name>.yaml). To choose another,\n"
             f'set profile = "1gpu" (or a YAML path) in a lab\'s parameters cell, or run\n'
             f"  python -m mpu_lab.labkit.notebooks regenerate --profile 1gpu "
             f"--output-dir runs/1gpu")

@@ -148,8 +148,8 @@ def tensor_parallel(h: int, tokens: int, t: int, dtype_bytes: int = 2,
     core = 0 if seq_length is None else 4 * _positive("seq_length", seq_length) * h
     flops = 3 * tokens * (8 * h * h + 4 * h * ffn + core) / t
     sent = 4 * 2 * (t - 1) / t * tokens * h * dtype_bytes
-    return Traffic("tp", "one layer, one micro-batch", flops, sent, "h", h,
-                   "3·T·(8h² + 4h·ffn)/t", "4 · 2(t−1)/t · T·h·B", "9h / ((t−1)·B)",
+    return Traffic("tp", "a layer, a micro-batch", flops, sent, "h", h,
+                   "3·T·(8h² + 4h·ffn)/t", "8(t−1)/t · T·h·B", "9h / ((t−1)·B)",
                    f"t={t}, h={h}, T={tokens}")
 
 
@@ -178,7 +178,7 @@ def pipeline_parallel(h: int, tokens: int, layers: int, t: int = 1,
     for name, value in (("h", h), ("tokens", tokens), ("layers", layers), ("t", t),
                         ("dtype_bytes", dtype_bytes)):
         _positive(name, value)
-    return Traffic("pp", "one stage, one micro-batch", 72 * tokens * h * h * layers / t,
+    return Traffic("pp", "a stage, a micro-batch", 72 * tokens * h * h * layers / t,
                    2 * tokens * h * dtype_bytes / t, "h·(L/p)", h * layers,
                    "72·T·h²·(L/p)/t", "2·T·h·B/t", "36·h·(L/p) / B",
                    f"L/p={layers}, h={h}, t={t}")
@@ -200,7 +200,7 @@ def context_parallel(h: int, seq_length: int, b: int, c: int, t: int = 1,
         raise ValueError(f"c = {c} must divide seq_length {seq_length}")
     chunk = seq_length // c
     sent = 6 * chunk * b * h * dtype_bytes / t if c > 1 else 0.0
-    return Traffic("cp", "one ring step (forward + backward)", 6 * chunk * chunk * b * h / t,
+    return Traffic("cp", "a ring step, fwd + bwd", 6 * chunk * chunk * b * h / t,
                    sent, "s/c (tokens per rank)", chunk,
                    "3 · ½ · 4·(s/c)²·b·h/t", "6·(s/c)·b·h·B/t", "(s/c) / B",
                    f"c={c}, s={seq_length}, t={t}")
@@ -218,7 +218,7 @@ def expert_parallel(h: int, tokens: int, ffn: int, k: int, e: int, gated: bool =
         _positive(name, value)
     n = 3 if gated else 2
     sent = 4 * tokens * k * h * dtype_bytes * (e - 1) / e
-    return Traffic("ep", "one MoE layer, one micro-batch", 6 * k * n * h * ffn * tokens, sent,
+    return Traffic("ep", "an MoE layer, a micro-batch", 6 * k * n * h * ffn * tokens, sent,
                    "ffn (expert width)", ffn, f"6·k·{n}·h·ffn·T", "4·T·k·h·B·(e−1)/e",
                    f"{1.5 * n:g}·ffn·e / ((e−1)·B)", f"e={e}, k={k}, ffn={ffn}")
 
@@ -232,15 +232,16 @@ def links_of(cluster: Cluster = DGX_H100) -> Dict[str, float]:
 def format_formulas(cases: Sequence[Traffic]) -> str:
     """One row per case: the span of work it counts, its FLOPs, bytes and intensity as
     formulas (B: bytes per value)."""
-    lines = [f"{'dim':<5}{'per':<36}{'FLOPs (one GPU)':<26}{'bytes sent (one GPU)':<24}"
-             f"intensity, FLOPs per byte"]
-    seen = set()
+    rows, seen = [], set()
     for c in cases:
         if c.strategy not in seen:
             seen.add(c.strategy)
-            lines.append(f"{c.strategy:<5}{c.span:<36}{c.flops_formula:<26}"
-                         f"{c.bytes_formula:<24}{c.intensity_formula}")
-    return "\n".join(lines)
+            rows.append((c.strategy, c.span, c.flops_formula, c.bytes_formula,
+                         c.intensity_formula))
+    head = ("dim", "per", "FLOPs", "bytes sent", "FLOPs per byte")
+    width = [max(len(r[i]) for r in rows + [head]) + 2 for i in range(4)]
+    return "FLOPs and bytes of one GPU (B: bytes per value)\n" + "\n".join(
+        "".join(f"{x:<{w}}" for x, w in zip(r, width)) + r[4] for r in [head] + rows)
 
 
 def format_strategies(cases: Sequence[Traffic], cluster: Cluster = DGX_H100,
@@ -249,21 +250,27 @@ def format_strategies(cases: Sequence[Traffic], cluster: Cluster = DGX_H100,
                       per: str = "GPU") -> str:
     """One row per case: its intensity, and for each link (default: ``cluster``'s NVLink and
     InfiniBand, :func:`links_of`; or ``links``, name -> bytes/s) next to ``peak_flops``
-    (default: the cluster's datasheet peak, no efficiency) the verdict and the knob value
-    below which it turns communication-bound. ``per``: what the peak is of ("GPU", "rank")."""
+    (default: the cluster's datasheet peak, no efficiency) the verdict (compute- or
+    communication-bound) and the knob value below which it turns communication-bound; each
+    dimension's knob is named on the last line. ``per``: what the peak is of ("GPU", "rank")."""
     links = links_of(cluster) if links is None else dict(links)
     peak = cluster.peak_flops if peak_flops is None else peak_flops
     ridges = ", ".join(f"{link} {ridge(peak, bw):,.0f}" for link, bw in links.items())
+    wide = max([len("setting")] + [len(c.setting) for c in cases]) + 2
     lines = [f"{name or cluster.name}: {peak / 1e12:,.3g} TFLOP/s per {per}; ridge F/W in FLOPs "
              f"per byte: {ridges}",
-             f"{'dim':<5}{'setting':<28}{'knob':<22}{'FLOP/B':>11}"
-             + "".join(f"  | {'on ' + link:<20}{'knob >=':>9}" for link in links)]
+             f"{'':<{5 + wide + 10}}" + "".join(f" | {'on ' + link:<23}" for link in links),
+             f"{'dim':<5}{'setting':<{wide}}{'FLOP/B':>10}"
+             + "".join(f" | {'bound':<14}{'knob >=':>9}" for _ in links)]
+    knobs = {}
     for c in cases:
-        row = f"{c.strategy:<5}{c.setting:<28}{c.knob:<22}{c.intensity:>11,.0f}"
+        row = f"{c.strategy:<5}{c.setting:<{wide}}{c.intensity:>10,.0f}"
         for bw in links.values():
-            row += f"  | {c.bound(peak, bw):<20}{c.critical(peak, bw):>9,.0f}"
-        lines.append(row)
-    return "\n".join(lines)
+            row += f" | {c.bound(peak, bw).replace('-bound', ''):<14}{c.critical(peak, bw):>9,.0f}"
+        lines.append(row.rstrip())
+        knobs.setdefault(c.strategy, c.knob)
+    lines.append("knob: " + "; ".join(f"{dim} {knob}" for dim, knob in knobs.items()))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def format_tp_sizes(h: int, tokens: int, sizes: Sequence[int], cluster: Cluster = DGX_H100,
@@ -272,7 +279,7 @@ def format_tp_sizes(h: int, tokens: int, sizes: Sequence[int], cluster: Cluster 
     of the time its all-reduces take when nothing overlaps, on NVLink (only while t fits in a
     node of ``cluster``) and on the network (datasheet rates)."""
     peak, links = cluster.peak_flops, links_of(cluster)
-    lines = [f"h = {h:,}: tensor-parallel all-reduces, share of the time if not overlapped "
+    lines = [f"h = {h:,}: TP all-reduces, share of the time if not overlapped "
              f"({cluster.name}, {cluster.gpus_per_node} GPUs per node)",
              f"{'t':>4}{'FLOP/B':>9}{'NVLink':>12}{'InfiniBand':>12}"]
     for t in sizes:

@@ -262,14 +262,14 @@ def format_predicted(timelines: Dict[str, LogicalTimeline], micro_batch_size: in
     p = next(iter(timelines.values())).pipeline_parallel_size
     m = max(tl.num_microbatches for tl in timelines.values())
     lines = [f"PREDICTED for a {cluster.name} ({model.name}, {m * micro_batch_size} sequences "
-             f"of {model.seq_length} tokens per step, one pipeline stage per GPU; cost model + "
-             f"1F1B simulator, point-to-point messages left out):"]
+             f"of {model.seq_length} tokens per step,", "one pipeline stage per GPU; cost model + "
+             "1F1B simulator, point-to-point messages left out):"]
     for label, tl in timelines.items():
         share = tl.bubble_share
         lines.append(f"  {label}: step {float(tl.makespan) * 1e3:6.1f} ms, each GPU busy "
                      f"{1 - share} of it, idle {share}")
     lines.append(f"predicted speed-up of the remedy over the bad configuration: "
-                 f"{predicted_speedup(timelines):.2f} x (the schedule alone: p·m/(m+p-1) = "
+                 f"{predicted_speedup(timelines):.2f} x\n  (the schedule alone: p·m/(m+p-1) = "
                  f"{p * m}/{m + p - 1} = {p * m / (m + p - 1):.2f})")
     return "\n".join(lines)
 
@@ -282,7 +282,7 @@ def measured_vs_predicted_line(runs: Dict[str, ProfiledRun], timelines: Dict[str
     for name, have in (("measured runs", measured), ("predicted timelines", predicted)):
         if "bad" not in have or "remedy" not in have:
             raise ValueError(f"the {name} need a bad and a remedy entry, got {list(have.values())}")
-    return (f"remedy's speed-up over the bad configuration: measured here "
-            f"({measured['remedy'].split(': ', 1)[1]}) {speedups(runs)['remedy']:.2f} x; "
+    return (f"remedy's speed-up over the bad configuration:\n  measured here "
+            f"({measured['remedy'].split(': ', 1)[1]}) {speedups(runs)['remedy']:.2f} x\n  "
             f"PREDICTED for a {cluster.name} ({predicted['remedy'].split(': ', 1)[1]}) "
             f"{predicted_speedup(timelines):.2f} x")

@@ -38,6 +38,7 @@ from mpu_lab.perf.cost_model import (Cluster, IterationPrediction, ModelShape, P
 from mpu_lab.perf.cost_model import predict as predict_module
 from mpu_lab.perf.cost_model.predict import pick_recompute, recompute_label  # noqa: F401
 from mpu_lab.perf.explorer_examples import long_sequence_example, moe_example  # noqa: F401
+from mpu_lab.perf.printing import fit
 from mpu_lab.core.utils import divisors
 
 __all__ = ["Candidate", "Exploration", "enumerate_configs", "explore", "diagnose",
@@ -235,7 +236,7 @@ class Exploration:
                 + (f"{'recompute':>11}" if mixed else "")
                 + f"{'time s':>9}{'TFLOP/s':>9}{'MFU':>6}{'mem GB':>8}  flags")
         lines = [f"{self.model.name or 'model'} on {self.num_gpus} GPUs ({self.cluster.name}), "
-                 f"global batch {self.global_batch_size}; TFLOP/s and MFU count model FLOPs "
+                 f"global batch {self.global_batch_size};\nTFLOP/s and MFU count model FLOPs "
                  f"(the 72 form, no recomputation)", head, "-" * (len(head) + 12)]
         for c in rows:
             rank = self.candidates.index(c) + 1
@@ -311,7 +312,7 @@ class Exploration:
             f"between nodes (each way, per GPU) at {cl.bandwidth_efficiency:.2f} of it, "
             f"{cl.latency_s * 1e6:.0f} us per collective; {cl.memory_bytes / 1e9:.0f} GB per GPU",
             "- not modelled: " + "; ".join(not_modelled())]
-        return "\n".join(lines)
+        return fit("\n".join(lines))
 
     def ranking_under_error(self, error: float, trials: int = 2000, seed: int = 0) -> dict:
         """How much of the ranking survives a model error of up to ``±error`` (a share, e.g.
@@ -355,7 +356,7 @@ class Exploration:
             lines.append(f"{i + 1:>6}{c.config.tp:>4}{c.config.pp:>4}{c.config.dp:>5}"
                          f"{c.config.b:>3}{c.prediction.total_s:>13.3f}"
                          f"{r['first'].get(i + 1, 0.0):>10.0%}")
-        return "\n".join(lines)
+        return fit("\n".join(lines))
 
     def explain(self, candidate: Candidate) -> str:
         """Why this candidate is where it is: its breakdown and its flags in words."""
@@ -365,7 +366,7 @@ class Exploration:
                  f"{pr.total_s:.3f} s per iteration, MFU {pr.mfu:.2f}, "
                  f"{pr.memory_gb:.1f} GB per GPU", f"  time: {parts}"]
         lines += [f"  - {r}" for r in candidate.reasons] or ["  - nothing flagged"]
-        return "\n".join(lines)
+        return fit("\n".join(lines))
 
 
 def explore(model: ModelShape, cluster: Cluster, num_gpus: int, global_batch_size: int,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+from mpu_lab.perf.printing import fit
 from mpu_lab.perf.cost_model import (DGX_H100, GPT3_175B, MIXTRAL_8X7B, Cluster,
                                      rank_context_parallel, rank_expert_parallel)
 
@@ -16,7 +17,7 @@ __all__ = ["long_sequence_example", "moe_example"]
 
 def _scaling_table(title: str, rows, key: str, top: int) -> str:
     head = f"{'#':>3}{'t':>4}{'p':>4}{'d':>5}{key:>4}{'time s':>9}{'mem GB':>8}  fits"
-    lines = [title, head, "-" * len(head)]
+    lines = [fit(title), head, "-" * len(head)]
     for i, r in enumerate(rows[:top]):
         c = r.config
         lines.append(f"{i + 1:>3}{c.tp:>4}{c.pp:>4}{c.dp:>5}{getattr(r, key):>4}"

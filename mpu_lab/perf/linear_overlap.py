@@ -197,9 +197,10 @@ def predicted_backward(seq: int, batch: int, hidden: int, t: int, cluster: Clust
 
 
 def format_predicted(report: dict) -> str:
-    """One line: the predicted backward of both modes and the share overlap saves."""
+    """Two lines: the predicted GEMM and collective, then the backward of both modes and the
+    share overlap saves."""
     over = report["modes"]["overlap"]["backward_ms"]
     serial = report["modes"]["serial"]["backward_ms"]
     return (f"{report['device']}, t = {report['t']}: each GEMM {report['gemm_ms']:.3f} ms, each "
-            f"collective {report['collective_ms']:.3f} ms; backward overlapped {over:.3f} ms, "
+            f"collective {report['collective_ms']:.3f} ms;\nbackward overlapped {over:.3f} ms, "
             f"serial {serial:.3f} ms ({100 * (serial - over) / serial:.0f} % saved)")

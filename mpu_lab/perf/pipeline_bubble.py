@@ -127,7 +127,7 @@ def machine_note(ranks: int, env: Optional[Dict[str, str]] = None) -> str:
     shared = (f"{_count(gpus, 'GPU')}: the ranks share "
               f"{'them' if gpus > 1 else 'it'}" if gpus else
               f"{cores} CPU cores and no GPU: the ranks share cores")
-    return (f"{ranks} ranks on {shared}, so the measured chart is not a bubble. Below it, the "
+    return (f"{ranks} ranks on {shared}, so the measured chart is not a bubble.\nBelow it, the "
             f"same schedule PREDICTED for a DGX H100.")
 
 

@@ -158,14 +158,17 @@ def worst_error(rows: Sequence[dict]) -> float:
 
 def format_published_comparison(rows: Sequence[dict]) -> str:
     """A fixed-width text table of :func:`published_runs_comparison` (deterministic). The
-    TFLOP/s of a row count the FLOPs its source counts (:data:`FLOP_CONVENTIONS`)."""
-    head = (f"{'run':<24}{'GPUs':>6}{'t':>3}{'p':>4}{'d':>5}{'m':>5}{'v':>3}"
-            f"{'reported':>10}{'predicted':>11}{'error':>8}  {'TFLOP/s count':<15}note")
-    lines = [head, "-" * len(head)]
+    TFLOP/s of a row count the FLOPs its source counts (:data:`FLOP_CONVENTIONS`); the last
+    column gives the efficiency fitted on the calibration runs."""
+    wide = max([len("run")] + [len(r["name"]) for r in rows])
+    head = (f"{'run':<{wide}}{'GPUs':>6}{'t':>3}{'p':>4}{'d':>5}{'m':>5}{'v':>3}"
+            f"{'reported':>9}{'predicted':>10}{'error':>8}  {'TFLOP/s count':<15}fitted")
+    lines = [head, "-" * (len(head) + 4)]
     for r in rows:
-        note = f"fitted here (eff {r['efficiency']:.3f})" if r["calibration"] else ""
-        lines.append(f"{r['name']:<24}{r['gpus']:>6}{r['t']:>3}{r['p']:>4}{r['d']:>5}{r['m']:>5}"
-                     f"{r['v']:>3}{r['reported_tflops']:>10.1f}{r['predicted_tflops']:>11.1f}"
-                     f"{100 * r['error']:>7.1f}%  {FLOP_CONVENTIONS[r['metric']]:<15}{note}")
+        note = f"eff {r['efficiency']:.3f}" if r["calibration"] else ""
+        lines.append(f"{r['name']:<{wide}}{r['gpus']:>6}{r['t']:>3}{r['p']:>4}{r['d']:>5}"
+                     f"{r['m']:>5}{r['v']:>3}{r['reported_tflops']:>9.1f}"
+                     f"{r['predicted_tflops']:>10.1f}{100 * r['error']:>7.1f}%  "
+                     f"{FLOP_CONVENTIONS[r['metric']]:<15}{note}".rstrip())
     return "\n".join(lines)
 

@@ -139,13 +139,20 @@ def measured_vs_predicted(run: ProfiledRun, prediction) -> Dict[str, Any]:
 def format_measured_vs_predicted(rows: Sequence[Dict[str, Any]]) -> str:
     """Rows of :func:`measured_vs_predicted` as a table, milliseconds."""
     causes = list(_MODEL_TO_MEASURED)
-    lines = [f"{'run':<30}{'measured ms':>12}{'predicted ms':>13}{'ratio':>7}   "
-             + "  ".join(f"{c + ' m/p':>22}" for c in causes)]
+    wide = max([len("run")] + [len(r["label"]) for r in rows]) + 2
+    lines = [f"{'run':<{wide}}{'measured ms':>12}{'predicted ms':>13}{'ratio':>7}"]
     for r in rows:
-        cells = [f"{r['causes'][c]['measured_s'] * 1e3:9.1f}/"
-                 f"{r['causes'][c]['predicted_s'] * 1e3:<9.1f}" for c in causes]
-        lines.append(f"{r['label']:<30}{r['measured_s'] * 1e3:12.1f}{r['predicted_s'] * 1e3:13.1f}"
-                     f"{r['ratio']:7.2f}   " + "  ".join(f"{c:>22}" for c in cells))
+        lines.append(f"{r['label']:<{wide}}{r['measured_s'] * 1e3:12.1f}"
+                     f"{r['predicted_s'] * 1e3:13.1f}{r['ratio']:7.2f}")
+    # the causes in a second table, each run by its name before the colon ("bad", "remedy")
+    name = {r["label"]: r["label"].split(":")[0] for r in rows}
+    short = max([len("run")] + [len(n) for n in name.values()]) + 2
+    lines += ["", "ms per step by cause, measured / predicted:",
+              f"{'run':<{short}}" + "".join(f"{c:>19}" for c in causes)]
+    for r in rows:
+        cells = [f"{r['causes'][c]['measured_s'] * 1e3:.1f} / {r['causes'][c]['predicted_s'] * 1e3:.1f}"
+                 for c in causes]
+        lines.append(f"{name[r['label']]:<{short}}" + "".join(f"{c:>19}" for c in cells))
     return "\n".join(lines)
 
 

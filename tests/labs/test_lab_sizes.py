@@ -36,14 +36,11 @@ def test_each_going_further_says_the_course_does_not_depend_on_it(path):
             assert re.search(r"does\s+not\s+depend", opening), cell.source[:200]
 
 
-# Cores over the budget by the honest count (stored outputs read, a minute per figure, exercises
-# by the size of their solutions), as measured when that count arrived: each may only shrink
-# until it fits; the cut (depth moved to Going further, or a lab split) is still to do.
-OVER_BUDGET_CEILING = {"01_rank_groups": 46, "02_collectives": 49, "04_data_parallel": 55,
-                       "06_column_parallel": 48, "08_tp_mappings": 50,
-                       "09_parallel_transformer": 47, "11_pipeline_parallel": 47,
-                       "13_mixture_of_experts": 55, "14_train_gpt": 53, "15_performance": 46,
-                       "16_scaling": 55, "17_debugging": 54}
+# Cores over the budget by the honest count (stored outputs read, a minute per figure), as
+# measured when that count arrived, then with the builds' writing time reported beside the core
+# and not in it (issue 42): each may only shrink until it fits; the cut (depth moved to Going
+# further, or a lab split) is still to do.
+OVER_BUDGET_CEILING = {"15_performance": 46, "17_debugging": 47}
 
 
 def test_every_core_fits_one_sitting_or_shrinks_towards_it():
@@ -55,3 +52,11 @@ def test_every_core_fits_one_sitting_or_shrinks_towards_it():
     fits = [s.name for s in sizes if s.name in OVER_BUDGET_CEILING
             and s.core_minutes <= sizing.CORE_BUDGET_MIN]
     assert fits == [], f"now within the budget: remove from OVER_BUDGET_CEILING: {fits}"
+
+
+def test_each_marked_build_grades_the_piece_it_names():
+    """A ``### Build: <piece>`` section holds a write-the-code exercise (a ``grade(`` call):
+    its writing time is what Start_Here prints beside the core."""
+    empty = [(s.name, b.name) for s in sizing.lab_sizes(LABS) for b in s.builds
+             if b.marked and not b.exercises]
+    assert empty == [], f"build sections without a graded exercise: {empty}"

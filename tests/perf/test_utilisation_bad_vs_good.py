@@ -125,20 +125,22 @@ def test_the_predicted_dgx_timelines_follow_the_schedule_worked_by_hand():
 def test_the_prediction_is_printed_labelled_and_beside_the_measured_line():
     timelines = bad_vs_good.predicted_bad_vs_remedy(8, 8)
     lines = bad_vs_good.format_predicted(timelines).splitlines()
+    assert max(map(len, lines)) <= 100
     assert lines[0].startswith("PREDICTED for a DGX H100 (GPT-3 XL (1.3 B), 8 sequences of 2048 "
                                "tokens per step")
-    assert lines[1].startswith("  bad: PP=8, 1 micro-batch: step ")
-    assert lines[1].endswith("each GPU busy 1/8 of it, idle 7/8")
-    assert lines[2].endswith("each GPU busy 8/15 of it, idle 7/15")
-    assert lines[3] == ("predicted speed-up of the remedy over the bad configuration: 4.27 x "
-                        "(the schedule alone: p·m/(m+p-1) = 64/15 = 4.27)")
+    assert lines[2].startswith("  bad: PP=8, 1 micro-batch: step ")
+    assert lines[2].endswith("each GPU busy 1/8 of it, idle 7/8")
+    assert lines[3].endswith("each GPU busy 8/15 of it, idle 7/15")
+    assert lines[4:] == ["predicted speed-up of the remedy over the bad configuration: 4.27 x",
+                         "  (the schedule alone: p·m/(m+p-1) = 64/15 = 4.27)"]
     runs = {"bad: PP=2, 1 micro-batch": _run("bad", [1.1], [1.0]),
             "remedy: PP=2, 8 micro-batches": _run("remedy", [0.5], [0.4]),
             "good: DP=2": _run("good", [0.55], [0.5])}
     # measured: 1.1 / 0.5 = 2.20 x
     assert bad_vs_good.measured_vs_predicted_line(runs, timelines) == (
-        "remedy's speed-up over the bad configuration: measured here (PP=2, 8 micro-batches) "
-        "2.20 x; PREDICTED for a DGX H100 (PP=8, 8 micro-batches) 4.27 x")
+        "remedy's speed-up over the bad configuration:\n"
+        "  measured here (PP=2, 8 micro-batches) 2.20 x\n"
+        "  PREDICTED for a DGX H100 (PP=8, 8 micro-batches) 4.27 x")
 
 
 def test_bad_predicted_sizes_are_refused_with_the_numbers():

@@ -21,6 +21,10 @@ others are the mirror's:
 The linear layers enter through Megatron-core's layer spec
 (:func:`~mpu_lab.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec`); the others as
 explicit arguments of the job's model building and training step (Megatron has no seam there).
+
+Lab 18 (``labs/18_your_megatron.ipynb``) runs it: :mod:`~mpu_lab.labkit.capstone.lesson` surveys
+the learner's folder (which lab builds each piece), writes a piece broken on purpose and says a
+run's outcome; :mod:`~mpu_lab.labkit.capstone.exercises` holds the lab's questions.
 """
 from mpu_lab.labkit.capstone.args import build_parser, check_args, parse_args
 from mpu_lab.labkit.capstone.run import CapstoneResult, run_capstone

@@ -98,18 +98,21 @@ def plot_losses(mirror: List[float], learner: List[float], path) -> pathlib.Path
 def run_capstone(code, tensor_model_parallel_size: int = 2, pipeline_model_parallel_size: int = 2,
                  data_parallel_size: int = 1, train_iters: int = 3, plot=None,
                  sequence_parallel: bool = False, tolerance: float = 1e-5, echo: bool = True,
-                 timeout_s: float = TIMEOUT_S) -> CapstoneResult:
+                 timeout_s: float = TIMEOUT_S, backend: str = "auto") -> CapstoneResult:
     """Run the capstone from a notebook or a script; prints its lines when ``echo``. Raises
-    ``FlagError`` for flags that cannot work (before any process starts)."""
+    ``FlagError`` for flags that cannot work (before any process starts). ``backend``:
+    ``"auto"`` (the ranks' own choice, :func:`mpu_lab.training.initialize.init`), ``"gloo"``
+    or ``"nccl"``."""
     argv = ["--code", str(code), "--tensor-model-parallel-size", str(tensor_model_parallel_size),
             "--pipeline-model-parallel-size", str(pipeline_model_parallel_size),
             "--data-parallel-size", str(data_parallel_size), "--train-iters", str(train_iters),
             "--tolerance", str(tolerance)] + (["--plot", str(plot)] if plot else []) \
         + (["--sequence-parallel"] if sequence_parallel else [])
-    return run_checked(parse_args(argv), echo=echo, timeout_s=timeout_s)
+    return run_checked(parse_args(argv), echo=echo, timeout_s=timeout_s, backend=backend)
 
 
-def run_checked(a, echo: bool = True, timeout_s: float = TIMEOUT_S) -> CapstoneResult:
+def run_checked(a, echo: bool = True, timeout_s: float = TIMEOUT_S,
+                backend: str = "auto") -> CapstoneResult:
     """:func:`run_capstone` for flags already parsed and checked."""
     check_args(a)
     nproc = a.tensor_model_parallel_size * a.pipeline_model_parallel_size * a.data_parallel_size
@@ -119,7 +122,9 @@ def run_checked(a, echo: bool = True, timeout_s: float = TIMEOUT_S) -> CapstoneR
            "--train-iters", str(a.train_iters), "--tolerance", str(a.tolerance)] \
         + (["--sequence-parallel"] if a.sequence_parallel else [])
     try:
-        result = launcher.run(SCRIPT, job, nproc=nproc, timeout_s=timeout_s, show="none")
+        env = {} if backend == "auto" else {"MPU_LAB_BACKEND": backend}
+        result = launcher.run(SCRIPT, job, nproc=nproc, timeout_s=timeout_s, show="none",
+                              env=env)
     except launcher.LaunchError as e:
         lines = [f"capstone: the job failed before the losses could be compared: {e}"]
         if echo:

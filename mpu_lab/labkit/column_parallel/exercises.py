@@ -26,6 +26,8 @@ from mpu_lab.labkit.verdict import (
     verdict,
 )
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare, show
+from mpu_lab.labkit.notebooks.leaks import declare_answers
+from mpu_lab.labkit import profiles
 from mpu_lab.labkit.column_parallel.viz import shard_shapes, strided_owners
 
 
@@ -279,3 +281,19 @@ def check_copy_to_grad(answer: Any, rank: int, world_size: int, tp: int, pp: int
                          f"the sum of r + 1 over the group {group}.",
                          f"Hint: f's backward all-reduces dL/dy over rank {rank}'s "
                          f"tensor-parallel group {group}; each rank r sent r + 1.")
+
+
+# --------------------------------------------------------------------------- answers in sight
+# Lab 06's graded answers, computed by the graders above from the arguments the notebook's
+# check cells pass (at the stored run's profile, labs/profiles/cpu.yaml, where a cell passes a
+# parameter): tests/labs/test_no_answer_before_commit.py searches the notebook for them above
+# each answer cell (mpu_lab.labkit.notebooks.leaks).
+_STORED = profiles.values_for(profiles.load("cpu"), "06_column_parallel")
+_COPY_GRAD = copy_to_grad_expected(_STORED["world_size"] - 1, _STORED["world_size"], _STORED["tp"])
+_STRIDED = [row for row, owner in enumerate(strided_owners(16, 4, 2)) if owner == 1]
+declare_answers([
+    ("06", "f's x.grad on the last rank", [_COPY_GRAD], "check_copy_to_grad("),
+    ("06", "column weight shape", [_column_weight_shape(1024, 768, 4)],
+     "check_column_weight_shape("),
+    ("06", "strided rows of rank 1", [_STRIDED], "check_strided_rows("),
+])

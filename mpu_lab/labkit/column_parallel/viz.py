@@ -262,3 +262,44 @@ def plot_fg(tp: int = 2) -> Figure:
     ax.set_title(f"f and g around a tensor-parallel MLP, t = {tp} (one lane per rank)", loc="left")
     fig.tight_layout()
     return fig
+
+
+# --------------------------------------------------------------------------- the options' job
+def _calls(counts: dict) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none"
+
+
+def format_options(results: Sequence[dict], name_width: int = 24) -> str:
+    """``launch/linear_options.py``'s per-rank reports (``job.results``, rank order) as one
+    table: a row per option with what every rank agrees on (the output's shape, the
+    collectives of each pass, whether every rank matched its dense twin), then a line per rank
+    for what differs between ranks (the master rows a fused layer keeps). An option named in
+    more than ``name_width`` characters is shown by its layer and spelled out below."""
+    per_case = list(zip(*(res["cases"] for res in results)))
+    header = ("option", "output", "forward", "backward", "= dense")
+    rows, notes = [], []
+    for cases in per_case:
+        first = cases[0]
+        output = str(first["output_shape"])
+        if "returned_bias_shape" in first:
+            output += f", bias {first['returned_bias_shape']}"
+        if "input_shape" in first:
+            output += f", input {first['input_shape']}"
+        agree = all((c["output_shape"], c["forward"], c["backward"]) ==
+                    (first["output_shape"], first["forward"], first["backward"]) for c in cases)
+        name = first["name"]
+        if len(name) > name_width:
+            notes.append(f"{first['layer']}: {name}")
+            name = first["layer"]
+        rows.append((name, output if agree else "differs by rank", _calls(first["forward"]),
+                     _calls(first["backward"]), str(all(c["matches_dense"] for c in cases))))
+        if "row_blocks" in first:
+            notes += [f"{first['name']}, master rows kept on rank {res['rank']}: "
+                      + " ".join(f"{a}-{b}" for a, b in c["row_blocks"])
+                      for res, c in zip(results, cases)]
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    layers = ", ".join(dict.fromkeys(c["layer"] for c in results[0]["cases"]))
+    lines = [f"{layers}, tp={results[0]['tp']}: one row per option, the same on all "
+             f"{len(results)} ranks", "(= dense: every rank matched its dense twin)"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows]
+    return "\n".join(lines + notes)

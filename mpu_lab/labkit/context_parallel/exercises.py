@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import fractions
 from typing import Any, Callable, Optional
 
 import torch
@@ -27,6 +28,7 @@ from mpu_lab.core.context_parallel.ring_attention import block_pair
 from mpu_lab.labkit.context_parallel.lessons import attention_inputs, causal_work, dense_lse
 from mpu_lab.labkit.verdict import Verdict, unanswered, verdict
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare
+from mpu_lab.labkit.notebooks import leaks
 
 
 def _two_ranks_or_more(world_size: int, tp: int, pp: int) -> Optional[str]:
@@ -171,3 +173,12 @@ def check_last_rank_share(answer: Any, cp: int, atol: float = 0.01) -> Verdict:
                    f"{answer!r} is not it. Hint: the last slice holds positions from "
                    f"(cp-1)s/cp to s; a query at p sees p + 1 keys; all queries together see "
                    f"about s^2/2 pairs.")
+
+
+# --------------------------------------------------------------------------- answers
+# What the lab's graded question answers, for the leak check (mpu_lab.labkit.notebooks.leaks):
+# the last rank's share at cp = 4 as lab 10 asks it, 7/16.
+leaks.declare_answers([
+    ("10", "last rank share", [fractions.Fraction(last_rank_share(4)).limit_denominator(1000)],
+     "check_last_rank_share("),
+])

@@ -275,7 +275,7 @@ def format_work(seq_length: int, cp: int, measured: Optional[List[dict]] = None)
         line = f"{layout:>10}: pairs per rank {work}, max/mean {max(work) * cp / sum(work):.2f}"
         if measured:
             flops = [m[layout] for m in measured]
-            line += (f"; measured FLOPs {flops}, max/mean "
+            line += (f";\n{'':>12}measured FLOPs per rank {flops}, max/mean "
                      f"{max(flops) * cp / sum(flops):.2f}")
         lines.append(line)
     return "\n".join(lines)
@@ -328,13 +328,15 @@ def bytes_rows(messages: Dict[str, List[dict]], seq_length: int, b: int, h: int,
 
 def format_bytes_rows(rows: List[dict], block: float) -> str:
     """:func:`bytes_rows` in bytes and in K-or-V blocks of ``block`` bytes."""
-    lines = [f"{'comm_type':<10} {'forward':>8} {'formula':>8} {'backward':>9} {'formula':>8}"
-             f"  {'(in blocks: fwd, formula / bwd, formula)':<41} collectives"]
+    lines = [f"{'':<10} {'forward':>8} {'formula':>8} {'backward':>9} {'formula':>8}"
+             f"  {'in K/V blocks':<19}",
+             f"{'comm_type':<10} {'bytes':>8} {'bytes':>8} {'bytes':>9} {'bytes':>8}"
+             f"  {'fwd, f. / bwd, f.':<19} collectives"]
     for r in rows:
         blocks = (f"{r['forward'] / block:g}, {r['forward_formula'] / block:g} / "
                   f"{r['backward'] / block:g}, {r['backward_formula'] / block:g}")
         lines.append(f"{r['comm_type']:<10} {r['forward']:>8g} {r['forward_formula']:>8g} "
-                     f"{r['backward']:>9g} {r['backward_formula']:>8g}  {blocks:<41} "
+                     f"{r['backward']:>9g} {r['backward_formula']:>8g}  {blocks:<19} "
                      f"{r['calls']}")
     return "\n".join(lines)
 
@@ -343,5 +345,5 @@ def format_ranks_once(title: str, tables: Sequence[str]) -> str:
     """One table where every rank produced the same one, saying that they agree; else one per
     rank, each under its rank's title (a rank that differs is the thing to read)."""
     if all(t == tables[0] for t in tables):
-        return f"{title}; the {len(tables)} ranks agree, one table for all:\n{tables[0]}"
+        return f"{title};\nthe {len(tables)} ranks agree, one table for all:\n{tables[0]}"
     return "\n".join(f"rank {r}: {title}\n{t}" for r, t in enumerate(tables))

@@ -18,6 +18,7 @@ from mpu_lab.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradB
 from mpu_lab.labkit.c10d_calls import C10dCall, C10dCalls
 from mpu_lab.labkit.verdict import Verdict, unanswered, verdict
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare
+from mpu_lab.labkit.notebooks.leaks import declare_answers
 from mpu_lab.perf.cost_model import bytes_per_parameter_terms
 
 
@@ -329,3 +330,15 @@ BUCKET_HOOK = Exercise(
     hint="a bucket is ready when each of its parameters has had one gradient per micro-batch, "
          "not before; then its all-reduce must not hold backward up. What does dist.all_reduce "
          "return when asked not to wait?")
+
+
+# --------------------------------------------------------------------------- answers in sight
+# Lab 04's graded answers, computed by the graders above from the arguments the notebook's
+# check cells pass (at the stored run's profile, labs/profiles/cpu.yaml, where a cell passes a
+# parameter): tests/labs/test_no_answer_before_commit.py searches the notebook for them above
+# each answer cell (mpu_lab.labkit.notebooks.leaks).
+_STATE_GB = optimizer_state_bytes(1.2e9, 4, distributed_optimizer=True) / 1e9
+declare_answers([
+    ("04", "optimizer state GB per rank", [_STATE_GB, f"{_STATE_GB:g} GB"],
+     "check_optimizer_state_gb("),
+])

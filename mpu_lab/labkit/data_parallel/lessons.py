@@ -36,7 +36,7 @@ from mpu_lab.labkit.train_gpt import runs as gpt_runs
 from mpu_lab.labkit.rank_groups.viz import format_groups
 from mpu_lab.perf import explore
 from mpu_lab.perf.dp_overlap import overlap_saving
-from mpu_lab.perf.cost_model import bytes_per_parameter_terms, format_bytes_per_parameter
+from mpu_lab.perf.cost_model import bytes_per_parameter_terms
 from mpu_lab.perf.memory_breakdown import format_memory_table, mpu_lab_bytes_per_parameter
 from mpu_lab.perf.rank_clock import cores_note, usable_cores
 
@@ -275,8 +275,8 @@ def print_bytes_per_parameter(rows: Sequence[dict]) -> None:
     for r in rows:
         if r["rank"] == 0 and r["term"] in ("parameters", "gradients", "optimizer"):
             cells.setdefault((r["config"], r["optimizer"], r["dp"]), {})[r["term"]] = r["measured"]
-    print("rank 0's bytes per parameter, measured: parameters + gradients + optimizer = total "
-          "(mpu_lab's fp32 figure)")
+    print("rank 0's bytes per parameter, measured:\n"
+          "parameters + gradients + optimizer = total (mpu_lab's fp32 figure)")
     for (config, optimizer, d), got in cells.items():
         n = got["parameters"] / 4
         per = {k: got[k] / n for k in ("parameters", "gradients", "optimizer")}
@@ -286,23 +286,40 @@ def print_bytes_per_parameter(rows: Sequence[dict]) -> None:
               f"({ours:g})")
 
 
-def print_megatron_bytes(data_parallel_size: int) -> None:
-    """Megatron-core's bytes per parameter (its distributed-optimizer guide), the distributed
-    optimizer at ``data_parallel_size``; its bf16 training (bf16 weights, fp32 gradients) and
-    mpu_lab's fp32 training spelled out: what every rank keeps, and what the distributed
-    optimizer splits over the d ranks."""
+def format_megatron_bytes(data_parallel_size: int) -> str:
+    """Megatron-core's bytes per parameter (its distributed-optimizer guide) for each pair of
+    parameter and gradient dtypes, from :func:`mpu_lab.perf.cost_model.bytes_per_parameter_terms`:
+    what every rank keeps, what the optimizer keeps (the distributed optimizer splits it over
+    the d ranks), the sum without and with it, and that sum at ``data_parallel_size``. Lines
+    of at most 100 characters: "main" is an fp32 main copy, m and v are Adam's moments."""
     d = data_parallel_size
-    print("Megatron-core's bytes per parameter (its distributed-optimizer guide):")
-    print(format_bytes_per_parameter(d))
-    for who, params, grads in (("Megatron's bf16 training", "bf16", "fp32"),
-                               ("mpu_lab's fp32 training", "fp32", "fp32")):
+    if d < 1 or int(d) != d:
+        raise ValueError(f"data_parallel_size must be a whole number >= 1, got {d!r}")
+    short = {"fp32 main param": "main param", "fp32 main grad": "main grad", "Adam m": "m",
+             "Adam v": "v"}
+    header = ("params / grads", "every rank keeps", "the optimizer keeps", "plain",
+              "dist. opt.", f"d = {d}")
+    rows = []
+    for params, grads in (("fp16", "fp16"), ("bf16", "fp32"), ("fp32", "fp32")):
         terms = bytes_per_parameter_terms(params, grads)
         kept, split = sum(terms["replicated"].values()), sum(terms["sharded"].values())
-        print(f"{who} ({params} weights, {grads} gradients):\n  every rank keeps {kept} (" +
-              " + ".join(f"{v} {k}" for k, v in terms["replicated"].items()) +
-              f");\n  the optimizer keeps {split} (" +
-              " + ".join(f"{v} {k}" for k, v in terms["sharded"].items()) +
-              f"):\n  {kept + split} plain, {kept} + {split}/d = {kept + split / d:g} at d = {d}")
+        rows.append((f"{params} / {grads}",
+                     " + ".join(f"{v} {k}" for k, v in terms["replicated"].items()),
+                     " + ".join(f"{v} {short.get(k, k)}" for k, v in terms["sharded"].items()),
+                     str(kept + split), f"{kept} + {split}/d", f"{kept + split / d:g}"))
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    right = {3, 4, 5}
+    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w)
+                       for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in [header] + rows]
+    return "\n".join(["Megatron-core's bytes per parameter (its distributed-optimizer guide)",
+                      "main: an fp32 main copy; m, v: Adam's moments; dist. opt.: with the "
+                      "distributed optimizer"] + lines)
+
+
+def print_megatron_bytes(data_parallel_size: int) -> None:
+    """Print :func:`format_megatron_bytes`."""
+    print(format_megatron_bytes(data_parallel_size))
 
 
 # --------------------------------------------------------------------------- 6. explorer
@@ -320,5 +337,5 @@ def print_fit_counts(counts: Dict[bool, tuple]) -> None:
     for flag, (fits, total, best) in counts.items():
         c, p = best.config, best.prediction
         print(f"distributed optimizer {'on ' if flag else 'off'}: {fits:>3} of {total} "
-              f"configurations fit; the fastest t={c.tp} p={c.pp} d={c.dp} b={c.b}: "
+              f"configurations fit;\n  the fastest t={c.tp} p={c.pp} d={c.dp} b={c.b}: "
               f"{p.total_s:.1f} s per iteration, {p.memory_gb:.1f} GB per GPU")

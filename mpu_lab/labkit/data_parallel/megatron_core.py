@@ -35,6 +35,6 @@ def format_ddp_results(results: List[Dict[str, object]], tol: float = TOL) -> st
                          f"{first['modes'][i]['buckets'][lib]:>8}{_num(grad):>11}"
                          f"{_num(par):>29}")
     ok = worst(results) <= tol
-    lines.append(f"every difference within {tol:g} (fp32 rounding): {'yes' if ok else 'NO'}; "
+    lines.append(f"every difference within {tol:g} (fp32 rounding): {'yes' if ok else 'NO'};\n"
                  f"'-': with the distributed optimizer a rank holds only its shard's average")
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import re
+import textwrap
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -110,6 +111,23 @@ def steady_state(state: str, after: Optional[int] = None) -> str:
     return _steady(f"raised at {m['where']}: {m['message']}")
 
 
+WIDTH = 100    # the longest line the lab prints
+
+
+def wrap_lines(text: str, width: int = WIDTH) -> str:
+    """``text`` with every line longer than ``width`` broken at spaces, the continuation lines
+    indented four spaces past the line's own indent (a path or a message stays readable)."""
+    out = []
+    for line in text.splitlines():
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip()))
+        out += textwrap.wrap(line, width, subsequent_indent=indent + "    ",
+                             break_long_words=False, break_on_hyphens=False) or [line]
+    return "\n".join(out)
+
+
 @dataclasses.dataclass
 class BrokenRun:
     """What one broken job did: ``error`` (the :class:`~mpu_lab.launcher.LaunchError`) when it
@@ -130,11 +148,12 @@ class BrokenRun:
         text = str(self.error) if self.error else ""
         return text.split("Traceback (most recent call last)")[0].rstrip().splitlines()
 
-    def show(self) -> None:
-        """The command, how it ended and after how long, and the launcher's message but its
-        likely cause (timings and ports change from run to run; the tracebacks are in
-        ``run.error.traceback``)."""
-        print(self.job.command)
+    def show(self, command: bool = True) -> None:
+        """The command (unless ``command`` is False), how it ended and after how long, and the
+        launcher's message but its likely cause (timings and ports change from run to run; the
+        tracebacks are in ``run.error.traceback``)."""
+        if command:
+            print(self.job.command)
         after = f" after {self.elapsed_s:.1f} s" if self.elapsed_s is not None else ""
         if self.error is None:
             print(f"finished{after}, exit code 0")
@@ -177,7 +196,7 @@ class BrokenRun:
     def likely_cause(self) -> None:
         """The launcher's one-sentence guess at the cause."""
         lines = [_steady(ln) for ln in self.report if "likely cause" in ln.lower()]
-        print("\n".join(lines) if lines else "(the launcher names no likely cause)")
+        print(wrap_lines("\n".join(lines)) if lines else "(the launcher names no likely cause)")
 
 
 class BrokenJobs:

@@ -21,7 +21,8 @@ from mpu_lab.training import initialize
 from mpu_lab.core import parallel_state
 from mpu_lab.labkit.verdict import Verdict, as_int, unanswered, verdict
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare, show
-from mpu_lab.labkit.debugging.broken_jobs import FOREGROUND
+from mpu_lab.labkit.debugging.broken_jobs import FOREGROUND, NOT_RUN, lab_jobs, wrap_lines
+from mpu_lab.labkit.notebooks import leaks
 from mpu_lab.labkit.debugging.tools import overflow_demo
 from mpu_lab.training.faults import FAULT_KINDS
 from mpu_lab.megatron_reference import runtime as megatron_core
@@ -47,7 +48,7 @@ def letter_of(kind: str) -> str:
 def print_suspects() -> None:
     """Print the causes, one per line, with their letters."""
     for letter, cause in suspects().items():
-        print(f"{letter}. {cause}")
+        print(wrap_lines(f"{letter}. {cause}").replace("\n    ", "\n   "))
 
 
 def check_cause(answer: Any, kind: str) -> Verdict:
@@ -116,11 +117,12 @@ def _name(jobs, number: int) -> str:
 
 
 def print_jobs(jobs) -> None:
-    """The jobs by number: ranks and flags, with the injected fault hidden."""
+    """The jobs by number: ranks and flags, the injected fault left out."""
+    print("each job: launch/train_gpt.py --inject-fault ? (the fault hidden), and")
     for k, name in enumerate(job_names(jobs), start=1):
         job = jobs.jobs[name]
         how = "  (you start this one yourself)" if name in FOREGROUND else ""
-        print(f"job {k}  {job.nproc} ranks  --inject-fault ?  " + " ".join(job.flags) + how)
+        print(wrap_lines(f"job {k}  {job.nproc} ranks  " + " ".join(job.flags) + how))
 
 
 def lab_job(jobs, number: int):
@@ -141,11 +143,13 @@ def _printed(show: Callable[[], None]) -> str:
 
 
 def print_report(run, part: str = "show") -> None:
-    """The launcher's report of a broken job, ``run.show()`` (``part="show"``) or
-    ``run.diagnosis()`` (``part="diagnosis"``), with the fault's name hidden (:func:`masked`)."""
+    """The launcher's report of a broken job, ``run.show()`` without the command (``part="show"``;
+    :func:`print_jobs` lists the jobs) or ``run.diagnosis()`` (``part="diagnosis"``), with the
+    fault's name hidden (:func:`masked`) and lines cut at 100 characters."""
     if part not in ("show", "diagnosis"):
         raise ValueError(f"part must be 'show' or 'diagnosis', got {part!r}")
-    print(masked(_printed(getattr(run, part))), end="")
+    show = (lambda: run.show(command=False)) if part == "show" else run.diagnosis
+    print(wrap_lines(masked(_printed(show))))
 
 
 def run_playground_job(world) -> List[Dict[str, Any]]:
@@ -158,7 +162,7 @@ def reveal(fault: str, run=None) -> None:
     """After the learner has named the cause: the fault (``--inject-fault`` as given), what it
     does, and, for a job, the launcher's own likely cause."""
     kind = str(fault).split(":")[0]
-    print(f"it was --inject-fault {fault}: {FAULT_KINDS[kind]['what']}")
+    print(wrap_lines(f"it was --inject-fault {fault}: {FAULT_KINDS[kind]['what']}"))
     if run is not None:
         run.likely_cause()
 
@@ -316,7 +320,7 @@ def compare_with_megatron(fn: Callable, num_stages: int = 4) -> Optional[Dict[in
     try:
         yours = {s: learner_calls(fn, s, num_stages) for s in range(num_stages)}
     except NotImplementedError:
-        print(f"No answer yet: {fn.__name__} still raises NotImplementedError. Write it and "
+        print(f"No answer yet: {fn.__name__} still raises NotImplementedError.\nWrite it and "
               f"grade it first; then this cell shows your order next to Megatron-core's.")
         return None
     except Exception as exc:   # noqa: BLE001 -- the learner's code: say what stopped it
@@ -341,3 +345,22 @@ def compare_with_megatron(fn: Callable, num_stages: int = 4) -> Optional[Dict[in
           "in the order they were posted, so with NCCL the order matters even for non-blocking "
           "calls.")
     return {s: (yours[s], theirs[s]) for s in range(num_stages)}
+
+
+# --------------------------------------------------------------------------- answers
+# What lab 17's graded questions answer, for the leak check (mpu_lab.labkit.notebooks.leaks):
+# each job's fault (job k is the k-th of lab_jobs that runs as a job), its letter in quotes and
+# its --inject-fault flag; the culprit, the fault's rank. The lab asks for the cause of jobs
+# 1, 2, 3, 4, 6, then 5 and 7 in Going further, then of the playground's fault.
+def _lab_answers():
+    faults = [job.fault for name, job in lab_jobs(4).items() if name not in NOT_RUN]
+    asked = [faults[k - 1] for k in (1, 2, 3, 4, 6, 5, 7)] + [PLAYGROUND_FAULT]
+    causes = [("17", f"cause {i}: {fault.split(':')[0]}",
+               [letter_of(fault.split(":")[0]), f"inject-fault {fault.split(':')[0]}"],
+               "check_cause(", i) for i, fault in enumerate(asked)]
+    culprits = [("17", f"culprit of job {k}", [int(faults[k - 1].split(":")[1])],
+                 "check_culprit(", i) for i, k in enumerate((1, 5))]
+    return causes + culprits
+
+
+leaks.declare_answers(_lab_answers())

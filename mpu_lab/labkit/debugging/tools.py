@@ -260,14 +260,15 @@ _FIELD = re.compile(r"(OpType|TensorShape)=(\[[^\]]*\]|\w+)")
 
 def fingerprint_report(message: str) -> str:
     """``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s mismatch error as one line: each rank's operation
-    and shape, and the aspects it names (``Tensor shapes``, ``Op type``...)."""
+    with its tensor's shape, ``ALLREDUCE([2])``, and the aspects it names (``Tensor shapes``,
+    ``Op type``...)."""
     if "Detected mismatch between collectives" not in message:
         return message.splitlines()[0] if message else ""
     parts = []
     for rank, body in _FINGERPRINT.findall(message):
         fields = dict(_FIELD.findall(body))
-        parts.append(f"rank {rank} runs {fields.get('OpType', '?')} of shape "
-                     f"{fields.get('TensorShape', '?')}")
+        parts.append(f"rank {rank} runs {fields.get('OpType', '?')}"
+                     f"({fields.get('TensorShape', '?')})")
     differ = message.split("Collectives differ in the following aspects:")[-1]
     aspects = sorted(set(_ASPECT.findall(differ)))
     return "; ".join(parts) + (f" (they differ in: {', '.join(aspects)})" if aspects else "")
@@ -289,9 +290,9 @@ def overflow_demo(world, bad_rank: int = 1, factor: float = 2.0 ** 64) -> List[D
     gradient overflowed, whether it did after the data-parallel all-reduce, whether the
     model-parallel group agreed to skip the step, and the loss scale before and after."""
     rows = world.run(_overflow_step, bad_rank, factor)
+    print("rank  inf in its own gradient  inf after the DP all-reduce  step skipped  loss scale")
     for rank, row in enumerate(rows):
-        print(f"rank {rank}: inf in its own gradient {row['own']!s:5}, after the data-parallel "
-              f"all-reduce {row['after_dp']!s:5}; step skipped {row['skipped']!s:5}; loss scale "
+        print(f"{rank:>4}  {row['own']!s:<24}  {row['after_dp']!s:<27}  {row['skipped']!s:<12}  "
               f"{row['before']:g} -> {row['after']:g}")
     return rows
 

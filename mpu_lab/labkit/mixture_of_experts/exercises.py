@@ -36,6 +36,7 @@ from mpu_lab.training import initialize
 from mpu_lab.core import parallel_state
 from mpu_lab.labkit.verdict import Verdict, as_floats, as_int, unanswered, verdict
 from mpu_lab.labkit.grader import Case, Exercise, Outcome
+from mpu_lab.labkit.notebooks import leaks
 from mpu_lab.core.transformer.moe import MoEAlltoAllTokenDispatcher, get_capacity
 from mpu_lab.core.parallel_state import generate_rank_groups
 from mpu_lab.perf.cost_model.moe import (MIXTRAL_8X7B, MoEModelShape, moe_flops_per_token,
@@ -286,3 +287,29 @@ DISPATCH = Exercise(
 __all__: List[str] = ["check_moe_scaling", "check_capacity", "check_expert_data_parallel_size",
                        "check_expert_ranks",
                        "DISPATCH", "case_inputs", "checked_all_to_all", "split_mismatches", "reference_dispatch", "run_dispatch_case"]
+
+
+# --------------------------------------------------------------------------- answers
+# What lab 13's graded questions answer, for the leak check (mpu_lab.labkit.notebooks.leaks),
+# computed as the checks compute them, at the arguments the lab passes.
+def _scaling(from_experts: int, to_experts: int, model: MoEModelShape = MIXTRAL_8X7B):
+    small, large = _with_experts(model, from_experts), _with_experts(model, to_experts)
+    return (moe_parameter_count(large)["total"] / moe_parameter_count(small)["total"],
+            moe_flops_per_token(large)["total"] / moe_flops_per_token(small)["total"])
+
+
+def _expert_ranks(world_size: int, tp: int, pp: int, ep: int) -> int:
+    groups = generate_rank_groups(world_size, tp, pp, expert_model_parallel_size=ep)
+    return len(groups["expert-tp"][0]) * len(groups["expert-dp"][0])
+
+
+_PARAMS_8_TO_64, _FLOPS_8_TO_64 = _scaling(8, 64)
+leaks.declare_answers([
+    ("13", "moe scaling 8 -> 64", [(round(_PARAMS_8_TO_64, 1), round(_FLOPS_8_TO_64, 2)),
+                                   f"{_PARAMS_8_TO_64:.1f}x", f"{_FLOPS_8_TO_64:.2f}x"],
+     "check_moe_scaling("),
+    ("13", "capacity", [get_capacity(32 * 1, 4, 1.0),
+                        f"{get_capacity(32 * 1, 4, 1.0)} tokens per expert"], "check_capacity("),
+    ("13", "expert ranks", [_expert_ranks(16, 2, 2, 2),
+                            f"{_expert_ranks(16, 2, 2, 2)} ranks"], "check_expert_ranks("),
+])

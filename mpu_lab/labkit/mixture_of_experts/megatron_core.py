@@ -49,18 +49,21 @@ def format_results(side_by_side: Dict[str, object], tol: float = TOL) -> str:
     if "skipped" in side_by_side:
         return str(side_by_side["skipped"])
     ranks = side_by_side["results"]
+    names = [c["case"] for c in ranks[0]["cases"]]
+    wide = max(len("case"), *map(len, names)) + 2
     lines = [f"megatron-core {side_by_side['version']} vs mpu_lab, {len(ranks)} CPU ranks "
-             f"(gloo), {EXPERTS_PER_RANK} experts per ep rank, aux loss {AUX_LOSS}: "
-             f"largest |difference| over the ranks",
-             f"  {'case':<30}{'same names':<12}{'output':<10}{'input grad':<12}"
-             f"{'router grad':<13}{'expert grads':<14}Megatron-core's own init"]
-    for name in [c["case"] for c in ranks[0]["cases"]]:
+             f"(gloo), {EXPERTS_PER_RANK} experts per ep rank, aux loss {AUX_LOSS}:",
+             "largest |difference| over the ranks; own init: Megatron-core's output with its own "
+             "initial weights",
+             f"  {'case':<{wide}}{'same names':<12}{'output':<10}{'input grad':<12}"
+             f"{'router grad':<13}{'expert grads':<14}own init"]
+    for name in names:
         w = worst(side_by_side, name)
         cells = ["yes" if w["same_names"] else "NO"] + [
             f"< {tol:g}" if w[k] < tol else f"{w[k]:.2g}" for k in ("out", "dx", "router",
                                                                    "experts")]
         own = "differs" if w["own_init_out"] > 1e-3 else "SAME (vacuous check)"
-        lines.append(f"  {name:<30}{cells[0]:<12}{cells[1]:<10}{cells[2]:<12}{cells[3]:<13}"
+        lines.append(f"  {name:<{wide}}{cells[0]:<12}{cells[1]:<10}{cells[2]:<12}{cells[3]:<13}"
                      f"{cells[4]:<14}{own}")
     return "\n".join(lines)
 

@@ -24,8 +24,18 @@ a learner reads and writes, not only the prose):
 * :data:`MINUTES_PER_QUESTION` for a question checked by ``check_*``;
 * the cells' compute, as measured.
 
-Start_Here prints the table; the core of each lab is meant to stay within
-:data:`CORE_BUDGET_MIN`.
+**Builds** (issue 42): a write-the-code exercise is the learner's writing time, which depends on
+the learner far more than reading does, so it is not part of the core's estimate; each is
+reported on its own. A build is a section that opens with a markdown heading
+``### Build: <piece>`` (:data:`BUILD_HEADING`) and runs to the next heading of level 1 to 3;
+its minutes are those of the ``grade(`` calls inside it. A ``grade(`` call of the core outside
+any such section is a build too, unmarked, named after the functions it grades. The core is
+then reading and running (prose, outputs, figures, questions and the compute); a lab's builds
+are printed beside it (:attr:`LabSize.build_minutes`, :attr:`LabSize.builds`). Writing in a
+"Going further" section stays in that section's minutes.
+
+Start_Here prints the table (:func:`print_lab_sizes`); the core of each lab is meant to stay
+within :data:`CORE_BUDGET_MIN`.
 """
 from __future__ import annotations
 
@@ -56,6 +66,9 @@ _WORD = re.compile(r"[A-Za-z0-9_$\\]+")
 # what a reader skips in markdown: a link's target (its text is read), a bare URL, an HTML tag
 _UNREAD = re.compile(r"(?<=\])\([^)\s]*\)|https?://\S+|</?[A-Za-z][^>\n]*>")
 _HEADING = re.compile(r"^(#{1,2})\s+(.+)$", re.M)
+# a build section's heading, and any heading that ends one (levels 1 to 3)
+BUILD_HEADING = re.compile(r"^###\s+Build:\s*(.+?)\s*$", re.M)
+_ENDS_BUILD = re.compile(r"^#{1,3}\s", re.M)
 _GRADED = re.compile(r"\bgrade\(\s*(\([^()]*\)|[A-Za-z_]\w*)")
 
 
@@ -78,11 +91,27 @@ class Parts:
         return self
 
     @property
+    def reading_minutes(self) -> float:
+        """Reading, figures and questions: the writing of exercises and the compute left out."""
+        return ((self.words + self.output_words) / WORDS_PER_MINUTE
+                + MINUTES_PER_FIGURE * self.figures + MINUTES_PER_QUESTION * self.questions)
+
+    @property
     def minutes(self) -> float:
         """Reading, figures, exercises and questions (compute left out)."""
-        return ((self.words + self.output_words) / WORDS_PER_MINUTE
-                + MINUTES_PER_FIGURE * self.figures + self.exercise_min
-                + MINUTES_PER_QUESTION * self.questions)
+        return self.reading_minutes + self.exercise_min
+
+
+@dataclasses.dataclass
+class Build:
+    """One build of a lab's core: ``name`` (the ``### Build:`` heading's text, or the graded
+    functions' names where no heading marks it), its write-the-code ``exercises`` and their
+    estimated writing ``minutes``; ``marked``: it has its heading."""
+
+    name: str
+    exercises: int = 0
+    minutes: float = 0.0
+    marked: bool = True
 
 
 @dataclasses.dataclass
@@ -93,6 +122,7 @@ class LabSize:
     core: Parts
     extra: Parts
     compute_s: Optional[float]
+    builds: List[Build] = dataclasses.field(default_factory=list)
 
     @property
     def core_words(self) -> int:
@@ -112,9 +142,14 @@ class LabSize:
 
     @property
     def core_minutes(self) -> float:
-        """The core's reading, figures, exercises and questions, and the measured compute of
-        the whole notebook."""
-        return self.core.minutes + (self.compute_s or 0.0) / 60
+        """The core's reading and running: its words, outputs, figures and questions, and the
+        measured compute of the whole notebook; the builds' writing is not in it."""
+        return self.core.reading_minutes + (self.compute_s or 0.0) / 60
+
+    @property
+    def build_minutes(self) -> float:
+        """The estimated writing time of the core's builds, all together."""
+        return sum(b.minutes for b in self.builds)
 
     @property
     def extra_minutes(self) -> float:
@@ -128,37 +163,54 @@ def exercise_minutes(logic_lines: int) -> float:
     return EXERCISE_BASE_MIN + logic_lines / LOGIC_LINES_PER_MINUTE
 
 
-def _body_lines(source: str, fn: ast.FunctionDef) -> int:
-    body = fn.body
+def _statement_lines(node) -> set:
+    """The line numbers a learner writes in a function's or class's body: the docstring and,
+    in a class, the methods' ``def`` lines (the stub gives both) left out."""
+    body = node.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]                  # the docstring is the exercise's, not the learner's
+    numbers = set()
+    for stmt in body:
+        if isinstance(node, ast.ClassDef) and isinstance(stmt, (ast.FunctionDef,
+                                                                 ast.AsyncFunctionDef)):
+            numbers |= _statement_lines(stmt)
+        else:
+            numbers |= set(range(stmt.lineno, stmt.end_lineno + 1))
+    return numbers
+
+
+def _body_lines(source: str, fn) -> int:
     lines = source.splitlines()
-    numbers = {n for node in body for n in range(node.lineno, node.end_lineno + 1)}
-    return sum(1 for n in numbers if lines[n - 1].strip()
+    return sum(1 for n in _statement_lines(fn) if lines[n - 1].strip()
                and not lines[n - 1].strip().startswith("#"))
 
 
 def solution_logic_lines(lab: str) -> Dict[str, int]:
-    """``{learner's function: logic lines of its solution}`` for lab ``lab`` ("11"), from its
-    file in ``labs/solutions/`` (empty when the lab has none)."""
+    """``{learner's function or class: logic lines of its solution}`` for lab ``lab`` ("11"),
+    from its file in ``labs/solutions/`` (empty when the lab has none). A class's lines are
+    those of its methods' bodies and its class-level statements."""
     if lab not in solutions.SOLUTIONS:
         return {}
     source = solutions.solution_source(lab)
     fns = {n.name: n for n in ast.walk(ast.parse(source))
-           if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+           if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     return {learner: _body_lines(source, fns[sol])
             for learner, sol in solutions.SOLUTIONS[lab].names.items() if sol in fns}
 
 
-def _graded_minutes(source: str, lines: Dict[str, int]) -> List[float]:
-    """Minutes of each ``grade(`` call in a cell: by the solutions of the functions it grades
-    (its first argument, one name or a tuple of them)."""
+def _graded(source: str, lines: Dict[str, int]) -> List[tuple]:
+    """``[(names, minutes)]`` of each ``grade(`` call in a cell: the functions it grades (its
+    first argument, one name or a tuple of them) and the minutes by their solutions."""
     out = []
     for m in _GRADED.finditer(source):
         names = re.findall(r"[A-Za-z_]\w*", m.group(1))
         known = [lines[n] for n in names if n in lines]
-        out.append(exercise_minutes(sum(known)) if known else MINUTES_PER_EXERCISE)
+        out.append((names, exercise_minutes(sum(known)) if known else MINUTES_PER_EXERCISE))
     return out
+
+
+def _graded_minutes(source: str, lines: Dict[str, int]) -> List[float]:
+    return [minutes for _, minutes in _graded(source, lines)]
 
 
 def _words(source: str, markdown: bool = False) -> int:
@@ -210,30 +262,58 @@ def lab_size(path: pathlib.Path, compute: Optional[Dict[str, float]] = None) -> 
     nb = nbformat.read(str(path), as_version=4)
     lines = solution_logic_lines(path.name[:2])
     core, extra = Parts(), Parts()
+    builds: List[Build] = []
+    build: Optional[Build] = None      # the marked build whose section this cell is in
     in_core = True
     for cell in nb.cells:
         if cell.cell_type == "markdown" and stopwatch.GOING_FURTHER.search(cell.source):
             in_core = False
-        if in_core:
-            core += _cell_parts(cell, lines)
-        else:
+        if cell.cell_type == "markdown" and _ENDS_BUILD.search(cell.source):
+            marked = BUILD_HEADING.findall(cell.source)
+            build = Build(marked[-1]) if marked and in_core else None
+            if build is not None:
+                builds.append(build)
+        if not in_core:
             extra += _cell_parts(cell, lines)
-    return LabSize(path.stem, core, extra, (compute or {}).get(path.stem))
+            continue
+        core += _cell_parts(cell, lines)
+        if cell.cell_type == "code" and "parameters" not in cell.metadata.get("tags", []):
+            for names, minutes in _graded(cell.source, lines):
+                if build is None:
+                    builds.append(Build(", ".join(names), marked=False))
+                    target = builds[-1]
+                else:
+                    target = build
+                target.exercises += 1
+                target.minutes += minutes
+    return LabSize(path.stem, core, extra, (compute or {}).get(path.stem), builds)
 
 
 def section_minutes(path: pathlib.Path) -> List[tuple]:
-    """``[(heading, minutes)]`` for each ``#``/``##`` section of one notebook, compute left out:
-    where a lab's reading, figures and exercises go, to see which depth could move to "Going
-    further"."""
+    """``[(heading, minutes)]`` for each ``#``/``##`` section of one notebook and each build
+    (``### Build: <piece>``, named ``Build: <piece>``), compute left out: where a lab's
+    reading, figures and exercises go, to see which depth could move to "Going further". What
+    follows a build under a later ``###`` heading is its ``##`` section's again, named
+    ``<heading> (cont.)``."""
     import nbformat
 
     nb = nbformat.read(str(path), as_version=4)
     lines = solution_logic_lines(path.name[:2])
     sections = [["(before the title)", 0.0]]
+    outer, in_build = sections[0][0], False
     for cell in nb.cells:
-        heading = _HEADING.search(cell.source) if cell.cell_type == "markdown" else None
-        if heading:
-            sections.append([heading.group(2).strip(), 0.0])
+        if cell.cell_type == "markdown":
+            heading = _HEADING.search(cell.source)
+            build = BUILD_HEADING.search(cell.source)
+            if heading:
+                outer, in_build = heading.group(2).strip(), False
+                sections.append([outer, 0.0])
+            if build:
+                in_build = True
+                sections.append([f"Build: {build.group(1)}", 0.0])
+            elif in_build and _ENDS_BUILD.search(cell.source):
+                in_build = False
+                sections.append([f"{outer} (cont.)", 0.0])
         sections[-1][1] += _cell_parts(cell, lines).minutes
     return [(name, minutes) for name, minutes in sections if minutes or name != sections[0][0]]
 
@@ -265,25 +345,42 @@ def lab_sizes(labs: Optional[Sequence[pathlib.Path]] = None) -> List[LabSize]:
 def format_lab_sizes(sizes: Sequence[LabSize], measured: Optional[Dict[str, tuple]] = None,
                      measured_title: str = "measured") -> str:
     """The table Start_Here prints (lines of at most 100 characters): one row per lab, the
-    core's parts and estimate, then (where a stopwatch file holds any) the minutes measured
+    core's parts and estimate (reading and running), its builds beside it (how many, and
+    their writing time together), then (where a stopwatch file holds any) the minutes measured
     while working through the core, and the optional depth last."""
     measured = measured or {}
     shown = f" {measured_title:>11}" if measured else ""
-    lines = [f"{'lab':<23} {'words':>5} {'output':>6} {'figs':>4} {'exercises':>9} "
-             f"{'questions':>9} {'compute':>7} {'core, est.':>10}{shown} {'further':>7}"]
+    width = max([23] + [len(s.name) for s in sizes])
+    lines = [f"{'lab':<{width}} {'words':>5} {'output':>6} {'figs':>4} {'checks':>6} "
+             f"{'compute':>7} {'core, est.':>10} {'builds':>9}{shown} {'further':>7}"]
     for s in sizes:
         compute = "n/a" if s.compute_s is None else f"{s.compute_s / 60:.1f} min"
         extra = f"+{s.extra_minutes:.0f} min" if s.extra_minutes else "-"
-        work = f"{s.core.exercises}: {s.core.exercise_min:.0f} min" if s.core.exercises else "-"
+        work = f"{len(s.builds)}: {s.build_minutes:.0f} min" if s.builds else "-"
         mine = ""
         if measured:
             minutes, learners = measured.get(s.name, (None, 0))
             mine = f" {'-':>11}" if minutes is None else \
                 f" {f'{minutes:.0f} min' + (f' ({learners})' if learners > 1 else ''):>11}"
-        lines.append(f"{s.name:<23} {s.core.words:>5,} {s.core.output_words:>6,} "
-                     f"{s.core.figures:>4} {work:>9} {s.core.questions:>9} {compute:>7} "
-                     f"{s.core_minutes:>6.0f} min{mine} {extra:>7}")
+        lines.append(f"{s.name:<{width}} {s.core.words:>5,} {s.core.output_words:>6,} "
+                     f"{s.core.figures:>4} {s.core.questions:>6} {compute:>7} "
+                     f"{s.core_minutes:>6.0f} min {work:>9}{mine} {extra:>7}")
     return "\n".join(lines)
+
+
+def format_builds(sizes: Sequence[LabSize]) -> str:
+    """Each lab's builds with their writing time, one lab a paragraph (lines of at most 100
+    characters); a build no ``### Build:`` heading marks is named by what it grades, with
+    ``(unmarked)``."""
+    paragraphs = []
+    for s in sizes:
+        if not s.builds:
+            continue
+        said = "; ".join(f"{b.name}{'' if b.marked else ' (unmarked)'}\xa0{b.minutes:.0f}\xa0min"
+                         for b in s.builds)
+        paragraphs.append(textwrap.fill(f"{s.name}: {said}", 100, subsequent_indent="    ",
+                                        break_on_hyphens=False).replace("\xa0", " "))
+    return "\n".join(paragraphs)
 
 
 def print_lab_sizes(labs: Optional[Sequence[pathlib.Path]] = None,
@@ -298,12 +395,17 @@ def print_lab_sizes(labs: Optional[Sequence[pathlib.Path]] = None,
     measured = stopwatch.median_minutes(files)
     title = "yours" if not times else "measured"
     print(format_lab_sizes(sizes, measured, title))
-    print(f"\ncore, est. = (words + output words read) / {WORDS_PER_MINUTE} per minute\n"
+    print(f"\ncore, est. = reading and running: (words + output words read) / "
+          f"{WORDS_PER_MINUTE} per minute\n"
           f"  + {MINUTES_PER_FIGURE} min per figure\n"
-          f"  + per write-the-code exercise {EXERCISE_BASE_MIN} min + 1 min per "
-          f"{LOGIC_LINES_PER_MINUTE} logic lines of its solution\n"
-          f"  + {MINUTES_PER_QUESTION} min per question\n"
-          f"  + the compute, measured when the lab was last re-executed\n    ({machine}).")
+          f"  + {MINUTES_PER_QUESTION} min per question checked (checks)\n"
+          f"  + the compute, measured when the lab was last re-executed\n    ({machine}).\n"
+          f"builds = the write-the-code exercises of the core, your writing time (not in the "
+          f"core):\n  per exercise {EXERCISE_BASE_MIN} min + 1 min per "
+          f"{LOGIC_LINES_PER_MINUTE} logic lines of its solution.")
+    listed = format_builds(sizes)
+    if listed:
+        print(f"\nThe builds, lab by lab (writing time, est.):\n{listed}")
     if measured:
         whose = ("your own sittings" if not times else
                  f"the median over {len(files)} learners' files (how many worked through it)")

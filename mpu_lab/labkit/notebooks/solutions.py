@@ -46,8 +46,12 @@ class Solution:
 SOLUTIONS: Dict[str, Solution] = {
     "01": Solution("01_rank_groups.py", {"my_groups": "solution_groups"}),
     "02": Solution("02_collectives.py", {"my_ring_all_reduce": "solution_ring_all_reduce"}),
-    "06": Solution("06_column_parallel.py", {"my_column_forward": "solution_column_forward"}),
-    "07": Solution("07_row_parallel.py", {"my_row_forward": "solution_row_forward"}),
+    "03": Solution("03_device_memory.py", {"my_checkpoint": "solution_checkpoint"}),
+    "06": Solution("06_column_parallel.py", {"my_column_forward": "solution_column_forward",
+                                             "MyColumnParallelLinear":
+                                                 "SolutionColumnParallelLinear"}),
+    "07": Solution("07_row_parallel.py", {"my_row_forward": "solution_row_forward",
+                                          "MyRowParallelLinear": "SolutionRowParallelLinear"}),
     "08": Solution("08_tp_mappings.py", {
         "f_forward": "solution_f_forward", "f_backward": "solution_f_backward",
         "g_forward": "solution_g_forward", "g_backward": "solution_g_backward"}),
@@ -58,10 +62,17 @@ SOLUTIONS: Dict[str, Solution] = {
                                               "my_zigzag": "solution_zigzag"}),
     "11": Solution("11_pipeline_parallel.py", {"my_1f1b_order": "solution_1f1b_order",
                                               "my_1f1b_loop": "solution_1f1b_loop"}),
+    "12": Solution("12_zero_bubble.py", {"my_zbh1_order": "solution_zbh1_order"}),
     "13": Solution("13_mixture_of_experts.py", {"my_dispatch": "solution_dispatch"}),
     "17": Solution("17_debugging.py", {"my_exchange": "solution_exchange"}),
+    "05": Solution("05_sharded_data_parallel.py", {"my_fully_shard": "solution_fully_shard",
+                                                   "my_sharded_step": "solution_sharded_step"}),
     "04": Solution("04_data_parallel.py", {"my_grad_ready_hook": "solution_grad_ready_hook",
-                                           "my_distributed_step": "solution_distributed_step"}),
+                                           "my_distributed_step": "solution_distributed_step",
+                                           "MyDistributedDataParallel":
+                                               "SolutionDistributedDataParallel",
+                                           "MyDistributedOptimizer":
+                                               "SolutionDistributedOptimizer"}),
 }
 
 LEARNER_NAMES = frozenset(n for s in SOLUTIONS.values() for n in s.names)
@@ -94,7 +105,8 @@ def _functions(source: str) -> List[ast.FunctionDef]:
         tree = ast.parse("\n".join(lines))
     except SyntaxError:
         return []
-    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [n for n in ast.walk(tree)      # a class the learner writes (a whole layer) too
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
 
 
 def _output_text(out) -> str:

@@ -24,7 +24,7 @@ _PREDICT = re.compile(r"(^|[.!?]\s+|\*\*|_)Predict\b", re.M)
 # None, a function stub, or the check / grader call itself.
 _COMMIT = re.compile(r"=\s*None\b|NotImplementedError|\bcheck_\w+\(|\bgrade\(")
 REVEAL = "reveal"          # tag: the cell shows a prediction's answer; stored without outputs
-WRITE_THE_CODE_LABS = ("01", "02", "06", "07", "08", "09", "10", "11", "13")   # each grades a learner's function
+WRITE_THE_CODE_LABS = ("01", "02", "03", "05", "06", "07", "08", "09", "10", "11", "12", "13")   # each grades a learner's function
 
 
 def lesson_problems(nb, lab_number: str = "") -> List[str]:

@@ -16,6 +16,7 @@ from mpu_lab.training import initialize
 from mpu_lab.core import parallel_state, tensor_parallel
 from mpu_lab.labkit.verdict import Verdict, as_int_list, unanswered, verdict
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare, show
+from mpu_lab.labkit.notebooks.leaks import declare_answers
 from mpu_lab.core.transformer import TransformerConfig
 from mpu_lab.perf.layer_shapes import lecture_shapes
 from mpu_lab.perf.cost_model import activation_memory_per_layer
@@ -224,3 +225,24 @@ VOCAB_PARALLEL_CE_BACKWARD = Exercise(
     hint="the derivative of log-sum-exp(z) - z_y with respect to z is the softmax of z minus the "
          "one-hot of y, and the chain rule multiplies each token's row by its grad_output. "
          "Which rank's slice holds the 1 of the one-hot, and what do the other ranks subtract?")
+
+
+# --------------------------------------------------------------------------- answers in sight
+# Lab 09's graded answers, computed by the graders above from the arguments the notebook's
+# check cells pass (at the stored run's profile, labs/profiles/cpu.yaml, where a cell passes a
+# parameter): tests/labs/test_no_answer_before_commit.py searches the notebook for them above
+# each answer cell (mpu_lab.labkit.notebooks.leaks).
+_A_SHAPE = lecture_shapes(B=4, L=1024, D=1024, n_H=16, d_tp=2)["A"][0]
+_SP_COUNTS = expected_layer_counts(True, 2)
+_SP_TOTALS = tuple(_collective_total(_SP_COUNTS, k)
+                   for k in ("all_reduce", "all_gather", "reduce_scatter"))
+_ACT_MIB = activation_memory_per_layer(2048, 1, 12288, 96, 8, True) / 2 ** 20
+declare_answers([
+    ("09", "shape of A on one rank", [tuple(_A_SHAPE)], "check_layer_shape("),
+    ("09", "valid tensor-parallel sizes", [valid_tensor_parallel_sizes(768, 12)],
+     "check_tensor_parallel_sizes("),
+    ("09", "layer collectives with sequence parallelism", [_SP_TOTALS],
+     "check_layer_collectives("),
+    ("09", "activation memory MiB per layer", [_ACT_MIB, f"{_ACT_MIB:.0f} MiB"],
+     "check_activation_memory_mib("),
+])

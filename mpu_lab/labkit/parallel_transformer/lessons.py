@@ -39,3 +39,44 @@ def overlap_verdict(reports: Sequence[dict], cores: int, tolerance: float = TOLE
         line += ("\nWith every core busy with a rank, gloo's thread has no idle unit to run on:"
                  "\nthis is not the GPU's overlap (see the prediction below), whatever its sign.")
     return line
+
+
+# --------------------------------------------------------------------------- tables
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def format_split_shapes(dense_rows: Sequence[dict], split_rows: Sequence[dict], tp: int) -> str:
+    """The lecture's two tables side by side, from :func:`mpu_lab.perf.layer_shapes.shape_table`
+    rows measured at d_tp = 1 and at d_tp = ``tp``: each tensor's lecture shape, the two
+    measured shapes and how many of it a rank holds at ``tp``; ``*`` marks the rows ``tp``
+    changed."""
+    if [r["name"] for r in dense_rows] != [r["name"] for r in split_rows]:
+        raise ValueError(f"the tables list different tensors: {[r['name'] for r in dense_rows]} "
+                         f"and {[r['name'] for r in split_rows]}")
+    header = ("tensor", "lecture", "d_tp = 1", f"d_tp = {tp}", "per rank", "")
+    body = []
+    for one, split in zip(dense_rows, split_rows):
+        changed = one["shape"] != split["shape"] or one["per_rank"] != split["per_rank"]
+        body.append((one["name"], one["lecture"], " x ".join(map(str, one["shape"])),
+                     " x ".join(map(str, split["shape"])), str(split["per_rank"]),
+                     "*" if changed else ""))
+    widths = [max(len(x[i]) for x in [header] + body) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
+                     for line in [header] + body)
+
+
+def format_layer_counts(per_layer: dict, expected: dict) -> str:
+    """One row per layer and direction: the collectives counted on the ranks
+    (``per_layer["layer0.forward"] = {"all_reduce": 2}``), then whether every layer issued the
+    analysis's counts (``expected = {"forward": {...}, "backward": {...}}``)."""
+    layers = sorted({tag.split(".")[0] for tag in per_layer if tag.startswith("layer")},
+                    key=lambda name: int(name[len("layer"):]))
+    lines = [f"{'layer':<8}{'direction':<11}" + "".join(f"{k:>16}" for k in KINDS)]
+    same = bool(layers)
+    for name in layers:
+        for direction in ("forward", "backward"):
+            got = per_layer.get(f"{name}.{direction}", {})
+            same = same and got == expected[direction]
+            lines.append(f"{name:<8}{direction:<11}" + "".join(f"{got.get(k, 0):>16}" for k in KINDS))
+    lines.append(f"every layer issued the analysis's counts: {same}")
+    return "\n".join(lines)

@@ -3,11 +3,13 @@ micro-batches for a bubble budget. Lab 16 imports the two checks against the cos
 scale from here: the fastest (t, p) and the communication that dominates an iteration."""
 from __future__ import annotations
 
+import fractions
 from typing import Any
 
 from mpu_lab.labkit.verdict import Verdict, as_floats, as_int, as_int_list, unanswered, verdict
 from mpu_lab.perf.cost_model import bubble_fraction, predict_iteration
 from mpu_lab.perf import explore
+from mpu_lab.labkit.notebooks import leaks
 
 
 def check_best_config(answer: Any, model, cluster, num_gpus: int, global_batch_size: int,
@@ -82,6 +84,16 @@ _COMM_NAMES = {"tp": "tp", "tensor": "tp", "pp": "pp", "pipeline": "pp", "p2p": 
                "dp": "dp", "data": "dp"}
 
 
+def _communication_times(pred) -> dict:
+    return {"tp": pred.tp_comm_s, "pp": pred.pp_p2p_s, "dp": pred.dp_comm_s}
+
+
+def expected_dominant_communication(model, config, cluster) -> str:
+    """The answer :func:`check_dominant_communication` grades: ``"tp"``, ``"pp"`` or ``"dp"``."""
+    times = _communication_times(predict_iteration(model, config, cluster))
+    return max(times, key=times.get)
+
+
 def check_dominant_communication(answer: Any, model, config, cluster) -> Verdict:
     """Which communication the cost model puts the most time on for ``config``: ``"tp"``
     (tensor-parallel collectives), ``"pp"`` (pipeline send/recv) or ``"dp"`` (the exposed
@@ -89,7 +101,7 @@ def check_dominant_communication(answer: Any, model, config, cluster) -> Verdict
     if unanswered(answer, '"tp", "pp" or "dp"'):
         return Verdict(False)
     pred = predict_iteration(model, config, cluster)
-    times = {"tp": pred.tp_comm_s, "pp": pred.pp_p2p_s, "dp": pred.dp_comm_s}
+    times = _communication_times(pred)
     expected = max(times, key=times.get)
     given = _COMM_NAMES.get(str(answer).strip().lower().split()[0] if str(answer).strip() else "")
     shares = ", ".join(f"{k} {v / pred.total_s:.1%}" for k, v in times.items())
@@ -99,3 +111,20 @@ def check_dominant_communication(answer: Any, model, config, cluster) -> Verdict
                     f"d = {config.dp}, which groups exist at all, and which of them moves the "
                     f"most bytes per iteration over the slowest link?")
 
+
+# --------------------------------------------------------------------------- answers
+# What lab 15's graded questions answer, for the leak check (mpu_lab.labkit.notebooks.leaks),
+# as the checks compute them: the first at the CPU profile's 2 ranks and 8 micro-batches (the
+# lab is stored run on it).
+def _min_microbatches(p: int, max_bubble: float, v: int = 1) -> int:
+    m = 1
+    while bubble_fraction(p, m, v) > max_bubble + 1e-12:
+        m += 1
+    return m
+
+
+leaks.declare_answers([
+    ("15", "remedy speed-up p=2 m=8", [fractions.Fraction(2 * 8, 8 + 2 - 1)], "check_pipeline_speedup(", 0),
+    ("15", "fewest micro-batches", [_min_microbatches(8, 0.05)], "check_min_microbatches("),
+    ("15", "speed-up p=4 m=8", [fractions.Fraction(4 * 8, 8 + 4 - 1)], "check_pipeline_speedup(", 1),
+])

@@ -15,6 +15,7 @@ from mpu_lab.training import initialize
 from mpu_lab.core import parallel_state
 from mpu_lab.labkit.verdict import Verdict, as_int, unanswered, verdict
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare
+from mpu_lab.labkit.notebooks import leaks
 from mpu_lab.core.pipeline_parallel import p2p_communication as p2p
 from mpu_lab.core.pipeline_parallel import schedules
 from mpu_lab.perf.pipeline_order import Message, Op, communication_plan, schedule_order
@@ -299,3 +300,20 @@ ONE_F_ONE_B_LOOP = Exercise(
          "reaches without waiting in turn. Keep the micro-batches in flight in the order they "
          "came: the gradient that comes back is always for the oldest.",
     layout=_all_stages)
+
+
+# --------------------------------------------------------------------------- answers
+# What lab 11's graded questions answer, for the leak check (mpu_lab.labkit.notebooks.leaks),
+# from the functions the checks grade with, at the arguments the lab passes.
+def _in_flight(schedule: str, p: int, m: int) -> int:
+    return simulate(schedule, p, m).peak_in_flight[0]
+
+
+leaks.declare_answers([
+    ("11", "bubble share p=2 m=8", [analytic_bubble(2, 8)["share"]], "check_bubble_share(", 0),
+    ("11", "peak in flight 1f1b", [_in_flight("1f1b", 8, 32)], "check_peak_in_flight(", 0),
+    ("11", "peak in flight gpipe", [_in_flight("gpipe", 8, 32)], "check_peak_in_flight(", 1),
+    ("11", "bubble share p=8 m=32", [analytic_bubble(8, 32)["share"]], "check_bubble_share(", 1),
+    ("11", "bubble share p=8 m=32 v=4", [analytic_bubble(8, 32, 4)["share"]],
+     "check_bubble_share(", 2),
+])

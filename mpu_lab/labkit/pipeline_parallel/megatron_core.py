@@ -43,16 +43,18 @@ def format_results(side_by_side: Dict[str, object], cases: Optional[Sequence[str
     if "skipped" in side_by_side:
         return str(side_by_side["skipped"])
     ranks = side_by_side["results"]
+    names = cases or [r["case"] for r in ranks[0]["cases"]]
+    wide = max(len("schedule"), *(len(CASES[name].label) for name in names))
     lines = [f"p = {len(ranks)} stages on the CPU (gloo); largest |difference| of the stage "
              f"gradients over all stages:",
-             f"  {'schedule':<64} {'Megatron-core':>14} {'Megatron-core':>14} {'mpu_lab':>9}",
-             f"  {'':<64} {'vs mpu_lab':>14} {'vs the twin':>14} {'vs twin':>9}"]
-    for name in cases or [r["case"] for r in ranks[0]["cases"]]:
+             f"  {'schedule':<{wide}} {'Megatron-core':>13} {'Megatron-core':>13} {'mpu_lab':>7}",
+             f"  {'':<{wide}} {'vs mpu_lab':>13} {'vs the twin':>13} {'vs twin':>7}"]
+    for name in names:
         rows = [next(c for c in r["cases"] if c["case"] == name) for r in ranks]
         worst = [max(r[key] for r in rows)
                  for key in ("megatron_vs_mpu_lab", "megatron_vs_twin", "mpu_lab_vs_twin")]
-        lines.append(f"  {CASES[name].label:<64} {_num(worst[0], tol):>14} "
-                     f"{_num(worst[1], tol):>14} {_num(worst[2], tol):>9}")
+        lines.append(f"  {CASES[name].label:<{wide}} {_num(worst[0], tol):>13} "
+                     f"{_num(worst[1], tol):>13} {_num(worst[2], tol):>7}")
     return "\n".join(lines)
 
 

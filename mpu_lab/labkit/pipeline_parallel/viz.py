@@ -17,7 +17,8 @@ GANTT_COLORS = {("F", 0): "#4C72B0", ("F", 1): "#8DA9D6", ("B", 0): "#DD8452", (
 
 
 def plot_gantt(records: Sequence[Sequence[Record]], title: Optional[str] = None, ax=None,
-               time_unit: str = "units", label_microbatches: bool = True) -> Figure:
+               time_unit: str = "units", label_microbatches: bool = True,
+               time_limit: Optional[float] = None) -> Figure:
     """Gantt chart: one row per pipeline stage (stage 0 on top), forwards blue, backwards
     orange, odd model chunks lighter; the number in a box is its micro-batch, written wherever
     it fits inside the box (never over its neighbours); the title ends
@@ -26,8 +27,9 @@ def plot_gantt(records: Sequence[Sequence[Record]], title: Optional[str] = None,
     ``records[k]`` are stage ``k``'s ``(kind, microbatch, chunk, start, end)``: ``.records`` of
     :func:`~mpu_lab.perf.pipeline_simulation.simulate`, or the ``"records"`` of
     :func:`mpu_lab.perf.pipeline_timeline.pipeline_records` (times in seconds are shifted to
-    start at 0; pass ``time_unit="s"``, or ``"ms"``, which scales them by 1000). Returns the
-    ``Figure`` (drawn into ``ax`` when given).
+    start at 0; pass ``time_unit="s"``, or ``"ms"``, which scales them by 1000). The time axis
+    ends at ``time_limit`` (in ``time_unit``) when given, else at the last record; the labels
+    are fitted to that axis. Returns the ``Figure`` (drawn into ``ax`` when given).
     """
     with matplotlib.rc_context(STYLE):
         if ax is None:
@@ -38,6 +40,11 @@ def plot_gantt(records: Sequence[Sequence[Record]], title: Optional[str] = None,
         factor = 1000.0 if time_unit == "ms" else 1.0
         t0 = min(float(r[3]) for recs in records for r in recs)
         span = (max(float(r[4]) for recs in records for r in recs) - t0) * factor
+        if time_limit is not None:
+            if time_limit < span:
+                raise ValueError(f"time_limit {time_limit:g} {time_unit} would cut the chart, "
+                                 f"whose last record ends at {span:g} {time_unit}")
+            span = float(time_limit)
         px_per_unit = ax.bbox.width / span if span > 0 else 0.0    # display pixels per time unit
         for stage, recs in enumerate(records):
             y = len(records) - 1 - stage
@@ -68,12 +75,22 @@ def plot_gantt(records: Sequence[Sequence[Record]], title: Optional[str] = None,
 
 
 def plot_gantt_pair(top: Sequence[Sequence[Record]], bottom: Sequence[Sequence[Record]],
-                    top_title: str, bottom_title: str, time_unit: str = "ms") -> Figure:
+                    top_title: str, bottom_title: str, time_unit: str = "ms",
+                    same_time_axis: bool = False) -> Figure:
     """Two Gantt charts one above the other (e.g. a measured run and a predicted one), each on
-    its own time axis; ``time_unit`` as in :func:`plot_gantt`. Returns the ``Figure``."""
+    its own time axis, or with ``same_time_axis`` both on the longer one (to compare their
+    lengths; each box keeps its label only where it fits on that axis); ``time_unit`` as in
+    :func:`plot_gantt`. Returns the ``Figure``."""
     rows = max(len(top), len(bottom))
     fig = Figure(figsize=(10, 2 * (0.55 * rows + 1.6)), dpi=100)
     upper, lower = fig.subplots(2, 1)
-    plot_gantt(top, title=top_title, ax=upper, time_unit=time_unit)
-    plot_gantt(bottom, title=bottom_title, ax=lower, time_unit=time_unit)
+    factor = 1000.0 if time_unit == "ms" else 1.0
+    limit = max(_span(top), _span(bottom)) * factor if same_time_axis else None
+    plot_gantt(top, title=top_title, ax=upper, time_unit=time_unit, time_limit=limit)
+    plot_gantt(bottom, title=bottom_title, ax=lower, time_unit=time_unit, time_limit=limit)
     return fig
+
+
+def _span(records: Sequence[Sequence[Record]]) -> float:
+    return (max(float(r[4]) for recs in records for r in recs)
+            - min(float(r[3]) for recs in records for r in recs))

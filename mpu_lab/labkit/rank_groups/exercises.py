@@ -12,7 +12,24 @@ from mpu_lab.training import initialize
 from mpu_lab.core import parallel_state
 from mpu_lab.labkit.verdict import Verdict, as_int, as_int_list, unanswered, verdict
 from mpu_lab.labkit.grader import Case, Exercise, Outcome
+from mpu_lab.labkit.notebooks.leaks import declare_answers
 from mpu_lab.labkit.rank_groups.viz import groups_crossing_nodes
+
+
+def group_of_rank(rank: int, family: str, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1,
+                  order: str = parallel_state.DEFAULT_ORDER) -> List[int]:
+    """The ``family`` group that holds ``rank``, in Megatron's order."""
+    groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order)
+    (group,) = [g for g in groups[family] if rank in g]
+    return group
+
+
+def crossing_groups(family: str, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1,
+                    order: str = parallel_state.DEFAULT_ORDER,
+                    gpus_per_node: int = 8) -> List[List[int]]:
+    """The ``family`` groups with ranks in more than one box of ``gpus_per_node`` GPUs."""
+    groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order)
+    return groups_crossing_nodes(groups[family], gpus_per_node)
 
 
 def check_group_of_rank(answer: Any, rank: int, family: str, world_size: int, tp: int = 1,
@@ -20,8 +37,7 @@ def check_group_of_rank(answer: Any, rank: int, family: str, world_size: int, tp
     """Is ``answer`` the ``family`` group (e.g. ``"dp"``) that holds ``rank``, in Megatron's order?"""
     if unanswered(answer, f"the list of ranks in rank {rank}'s {family} group"):
         return Verdict(False)
-    groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order)
-    (expected,) = [g for g in groups[family] if rank in g]
+    expected = group_of_rank(rank, family, world_size, tp, pp, cp, order)
     given = as_int_list(answer)
     if given is not None and sorted(given) == sorted(expected) and given != expected:
         return verdict(False, "", f"the right ranks, but Megatron lists them as {expected}; "
@@ -39,7 +55,7 @@ def check_crossing_count(answer: Any, family: str, world_size: int, tp: int = 1,
     if unanswered(answer, f"the number of {family} groups that cross a node boundary"):
         return Verdict(False)
     groups = parallel_state.generate_rank_groups(world_size, tp, pp, cp, order)
-    crossing = groups_crossing_nodes(groups[family], gpus_per_node)
+    crossing = crossing_groups(family, world_size, tp, pp, cp, order, gpus_per_node)
     return verdict(as_int(answer) == len(crossing),
                     f"{len(crossing)} of {len(groups[family])} {family} groups cross a node "
                     f"boundary: {crossing}.",
@@ -199,3 +215,17 @@ RANK_GROUPS = Exercise(
           "group holds the ranks that share every coordinate except that family's. List each "
           "group in ascending rank order."),
 )
+
+
+# --------------------------------------------------------------------------- answers in sight
+# Lab 01's graded answers, computed by the graders above from the arguments the notebook's
+# check cells pass: tests/labs/test_no_answer_before_commit.py searches the notebook for them
+# above each answer cell (mpu_lab.labkit.notebooks.leaks).
+_DP_GROUP = group_of_rank(rank=6, family="dp", world_size=32, tp=4, pp=2)
+_CROSSING = crossing_groups("tp", world_size=24, tp=4, pp=2, gpus_per_node=6)
+declare_answers([
+    ("01", "rank 6's dp group", [_DP_GROUP], "check_group_of_rank("),
+    ("01", "tp groups crossing a node", [len(_CROSSING), _CROSSING,
+                                         f"{len(_CROSSING)} tp groups cross"],
+     "check_crossing_count("),
+])

@@ -189,8 +189,22 @@ def show_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1
 
 
 # What a saved notebook shows in place of the sliders (they live only while a kernel runs).
-WIDGET_HINT = ("[interactive view: sliders for world size, tp, pp, cp, ep, order and GPUs per node "
-               "appear here when you run this cell in Jupyter]")
+WIDGET_HINT = "[sliders for world size, tp, pp, cp, ep, order and box size: run this cell in Jupyter]"
+
+
+def format_job_ranks(results) -> str:
+    """One row per rank of a ``launch/rank_groups.py`` job (``job.results``, rank order): its
+    coordinates, its tensor, data and pipeline groups, and the all-reduce of the rank numbers
+    over each group (``sums``)."""
+    fams = ("tp", "dp", "pp")
+    rows = [("rank", "tp_rank", "dp_rank", "pp_rank", "tp group", "dp group", "pp group",
+             "sum tp", "sum dp", "sum pp")]
+    for res in results:
+        rows.append((str(res["rank"]), *(str(res[f"{f}_rank"]) for f in fams),
+                     *(str(res["groups"][f]) for f in fams), *(str(res["sums"][f]) for f in fams)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i < 4 or i > 6 else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
 
 
 def interactive_rank_groups(world_size: int = 16, tp: int = 2, pp: int = 4, cp: int = 1,

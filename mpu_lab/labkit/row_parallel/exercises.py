@@ -21,6 +21,8 @@ from mpu_lab.labkit.verdict import (
     verdict,
 )
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare, show
+from mpu_lab.labkit.notebooks.leaks import declare_answers
+from mpu_lab.labkit import profiles
 from mpu_lab.core.tensor_parallel.layers import RowParallelLinear
 from mpu_lab.labkit.column_parallel.viz import shard_shapes
 
@@ -232,3 +234,20 @@ def check_reduce_from(answer: Any, rank: int, world_size: int, tp: int, pp: int 
                          f"arange(4) times the sum of r + 1 over the group {group}.",
                          f"Hint: g all-reduces (sums) over rank {rank}'s tensor-parallel group "
                          f"{group}, element by element.")
+
+
+# --------------------------------------------------------------------------- answers in sight
+# Lab 07's graded answers, computed by the graders above from the arguments the notebook's
+# check cells pass (at the stored run's profile, labs/profiles/cpu.yaml, where a cell passes a
+# parameter): tests/labs/test_no_answer_before_commit.py searches the notebook for them above
+# each answer cell (mpu_lab.labkit.notebooks.leaks).
+_STORED = profiles.values_for(profiles.load("cpu"), "07_row_parallel")
+_ROW_SHAPE = shard_shapes("row", 1024, 512, 4)[0][::-1]      # W_i = A_i^T
+declare_answers([
+    ("07", "mlp all-reduces (forward, backward)",
+     [(MLP_ALL_REDUCES["forward"], MLP_ALL_REDUCES["backward"])], "check_mlp_all_reduces("),
+    ("07", "g's output on the last rank",
+     [reduce_from_expected(_STORED["world_size"] - 1, _STORED["world_size"], _STORED["tp"])],
+     "check_reduce_from("),
+    ("07", "row weight shape", [tuple(_ROW_SHAPE)], "check_row_weight_shape("),
+])

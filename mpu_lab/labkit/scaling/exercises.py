@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Sequence, Tuple
 
 from mpu_lab.labkit.verdict import Verdict, as_int, as_floats, unanswered, verdict
+from mpu_lab import perf
+from mpu_lab.labkit.notebooks import leaks
+from mpu_lab.labkit.performance.exercises import expected_dominant_communication
+from mpu_lab.perf import back_of_envelope as be, explorer
 from mpu_lab.perf.back_of_envelope import Traffic, links_of, ridge
 from mpu_lab.perf.cost_model import Cluster
 
@@ -152,3 +156,40 @@ def reveal(check: Callable, *args, **kwargs) -> None:
     kwargs.pop("tol", None)
     _, why = _ANSWERS[check](*args, **kwargs)
     print(f"Answer: {why}")
+
+
+# --------------------------------------------------------------------------- answers
+# What lab 16's graded questions answer, for the leak check (mpu_lab.labkit.notebooks.leaks):
+# the same expected_* the checks and reveal() use, at the arguments the lab passes (its models
+# and clusters rebuilt here; the explorer's calls take milliseconds).
+def _lab_answers():
+    h100 = perf.DGX_H100
+    gpt3 = perf.ModelShape(num_layers=96, hidden_size=12288, num_attention_heads=96,
+                           seq_length=2048, vocab_size=51200, name="GPT-3 175B")
+    share, _ = expected_tp_share(perf.explore(gpt3, perf.DGX_A100_80GB.replace(num_nodes=16),
+                                              num_gpus=128, global_batch_size=1536), 32, 4, 8)
+    critical, _ = expected_critical(be.tensor_parallel(4096, 4096, t=4), h100.peak_flops,
+                                    h100.intra_node_bandwidth)
+    cp, _ = expected_smallest_cp(explorer.long_sequence_example())
+    ep, _ = expected_best_ep(explorer.moe_example())
+    gpt39 = perf.ModelShape(num_layers=48, hidden_size=8192, num_attention_heads=64,
+                            seq_length=2048, vocab_size=51200)
+    best = perf.explore(gpt39, perf.DGX_A100_80GB.replace(num_nodes=8), 64, 512).best.config
+    gpt13 = perf.ModelShape(num_layers=24, hidden_size=2048, num_attention_heads=16,
+                            seq_length=2048, vocab_size=51200)
+    split = perf.ParallelConfig(tp=2, pp=2, dp=8, micro_batch_size=1, global_batch_size=512,
+                                sequence_parallel=True, recompute="selective")
+    dominant = expected_dominant_communication(gpt13, split,
+                                               perf.DGX_A100_80GB.replace(num_nodes=4))
+    return [
+        ("16", "critical width", [round(critical)], "check_critical("),
+        ("16", "tp share t=32", [share, f"{share:.0%} of"], "check_tp_share("),
+        ("16", "smallest cp", [cp, f"cp={cp}: fits", f"cp = {cp}"], "check_smallest_cp("),
+        ("16", "best ep", [ep, f"ep = {ep}", f"ep={ep}"], "check_best_ep("),
+        ("16", "best (t, p)", [(best.tp, best.pp), f"t={best.tp} p={best.pp}"],
+         "check_best_config("),
+        ("16", "dominant communication", [dominant], "check_dominant_communication("),
+    ]
+
+
+leaks.declare_answers(_lab_answers())

@@ -17,6 +17,8 @@ from mpu_lab.training import initialize
 from mpu_lab.megatron_reference.collective_layouts import COLLECTIVE_LAYOUTS
 from mpu_lab.labkit.verdict import Verdict, as_int, check_tensor, tp_group_of, unanswered, verdict
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare
+from mpu_lab.labkit.notebooks.leaks import declare_answers
+from mpu_lab.labkit import profiles
 from mpu_lab.megatron_reference.layers import MAPPINGS as MEGATRON_NAMES
 from mpu_lab.core.tensor_parallel import mappings
 
@@ -282,3 +284,20 @@ def check_reduce_scatter_to_sequence(answer: Any, rank: int, world_size: int, tp
                          f"row {group.index(rank)} of the sum over the group {group}.",
                          f"Hint: sum the ({tp}, 2) tensors of the group {group}, then rank "
                          f"{rank} keeps row {group.index(rank)} (its tensor-parallel rank).")
+
+
+# --------------------------------------------------------------------------- answers in sight
+# Lab 08's graded answers, computed by the graders above from the arguments the notebook's
+# check cells pass (at the stored run's profile, labs/profiles/cpu.yaml, where a cell passes a
+# parameter): tests/labs/test_no_answer_before_commit.py searches the notebook for them above
+# each answer cell (mpu_lab.labkit.notebooks.leaks).
+_STORED_N = profiles.values_for(profiles.load("cpu"), "08_tp_mappings")["world_size"]
+declare_answers([
+    ("08", "all-reduce of rank numbers on rank 5", group_sum_of_ranks(5, 8, tp=2, pp=4),
+     "check_all_reduce_of_ranks("),
+    ("08", "gather_split on rank 3", [gather_split_expected(3, 8, tp=4, pp=2)],
+     "check_gather_split("),
+    ("08", "reduce-scatter to the sequence on rank 5",
+     [reduce_scatter_sequence_expected(5, _STORED_N, tp=4, pp=2)],
+     "check_reduce_scatter_to_sequence("),
+])

@@ -9,6 +9,7 @@ jobs' logs and reports as text.
 """
 from __future__ import annotations
 
+import textwrap
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -32,8 +33,9 @@ def _as_2d(values) -> Optional[np.ndarray]:
     return arr
 
 
-def _summary(arr: np.ndarray) -> str:
-    """``2x4, all 3`` / ``1x16: 0 x8, 1 x8`` (runs, when few) / ``8x8``."""
+def _summary(arr: np.ndarray, max_chars: Optional[int] = None) -> str:
+    """``2x4, all 3`` / ``1x16: 0 x8, 1 x8`` (runs, when few) / ``8x8``; only the shape when the
+    runs would be longer than ``max_chars`` (the caption under a panel must not reach the next)."""
     shape = f"{arr.shape[0]}x{arr.shape[1]}"
     flat = arr.ravel()
     if not flat.size:
@@ -45,10 +47,16 @@ def _summary(arr: np.ndarray) -> str:
         else:
             runs.append([v, 1])
     if len(runs) == 1:
-        return f"{shape}, all {runs[0][0]:g}"
-    if len(runs) <= 4:
-        return f"{shape}: " + ", ".join(f"{v:g} x{n}" for v, n in runs)
-    return shape
+        text = f"{shape}, all {runs[0][0]:g}"
+    elif len(runs) <= 4:
+        text = f"{shape}: " + ", ".join(f"{v:g} x{n}" for v, n in runs)
+    else:
+        text = shape
+    return text if max_chars is None or len(text) <= max_chars else shape
+
+
+# characters of a 7-point caption per inch of panel (about 0.55 em per character)
+_CAPTION_CHARS_PER_INCH = 72 / (0.55 * 7)
 
 
 @styled
@@ -72,7 +80,10 @@ def plot_collective(title: str, before: Sequence, after: Sequence,
     vmin, vmax = float(values.min()), float(values.max())
     if vmin == vmax:
         vmin, vmax = vmin - 1, vmax + 1
-    fig = new_figure(max(6.0, 1.25 * n + 1.0), 3.3)
+    width = max(6.0, 1.25 * n + 1.0)
+    fig = new_figure(width, 3.3)
+    # a panel is about 0.8 of its column: its caption stays inside it
+    max_chars = int(0.8 * (width - 0.6) / n * _CAPTION_CHARS_PER_INCH)
     axes = fig.subplots(2, n, squeeze=False)
     group_of = {}
     if groups:
@@ -103,11 +114,13 @@ def plot_collective(title: str, before: Sequence, after: Sequence,
                     shade = (v - vmin) / (vmax - vmin)
                     ax.text(j, i, f"{v:g}", ha="center", va="center", fontsize=7,
                             color="white" if shade < 0.6 else "black")
-            ax.set_xlabel(_summary(arr), fontsize=7)
+            ax.set_xlabel(_summary(arr, max_chars), fontsize=7)
     sub = ""
     if groups:
         sub = "  (groups: " + " ".join(str(list(g)) for g in groups) + ")"
-    fig.suptitle(title + sub, x=0.01, ha="left", fontsize=10)
+    # a 10-point title: about 13 characters an inch, wrapped to the figure's width
+    fig.suptitle(textwrap.fill(title + sub, int(13 * (width - 0.2))), x=0.01, ha="left",
+                 fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -201,10 +214,66 @@ def print_test_log(lines: Sequence[str], name: str) -> None:
     print_log_section(lines, f"== {name} ", f"{name}: ")
 
 
+def _rank_list(ranks: Sequence[int]) -> str:
+    """``0-3`` for consecutive ranks, ``0, 4`` otherwise."""
+    ranks = list(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(str(r) for r in ranks)
+
+
+def _test_inputs(name: str, tp: int) -> str:
+    return {
+        "broadcast": "each group's first rank holds keys 0-7 (8x8 tensors of k), the others None",
+        "copy": "rank r holds [r]; f's backward",
+        "reduce": "rank r holds [r]; g's forward",
+        "scatter": f"every rank holds arange({8 * tp}) as (8, {tp})",
+        "gather": "rank r holds 8 copies of r",
+        "gather_split": "rank r holds a (2, 4) tensor of r",
+        "sequence": f"every rank holds arange({8 * tp}) as ({2 * tp}, 4); reduce-scatter: row i "
+                    f"of ({tp}, 4) is i",
+    }[name]
+
+
+def _test_after(name: str, got: dict, tp: int) -> str:
+    if name == "broadcast":
+        return f"keys [0, 1] from rank {got['src']}, means {got['means'][0]:g}, {got['means'][1]:g}"
+    if name in ("copy", "reduce"):
+        return f"[{got['value']:g}], the sum over the group"
+    if name == "scatter":
+        c = got["column"]
+        return f"column {c}: {[c + tp * i for i in range(8)]}"
+    if name == "gather":
+        return f"8 copies each of {got['blocks']}"
+    if name == "gather_split":
+        runs = _summary(np.asarray(got["output"], dtype=float).reshape(1, -1)).split(": ", 1)[-1]
+        return f"{runs} ({len(got['output'])} values)"
+    if name == "sequence":
+        a, b = got["rows"]
+        return f"scatter keeps rows [{a}, {b}); reduce-scatter keeps [{got['reduce_scatter']:g}]"
+    raise ValueError(f"unknown test {name!r}; known: {sorted(COLLECTIVE_LAYOUTS)}")
+
+
+def print_test_table(name: str, results: Sequence[dict], log: Sequence[str] = ()) -> None:
+    """Test ``name`` of ``launch/collectives.py`` as one table: a row per set of ranks that end
+    with the same tensor (they agree, so one row says it for all of them), from the job's
+    per-rank reports; ``log`` (rank 0's lines) says whether every rank passed its asserts."""
+    tp, pp = COLLECTIVE_LAYOUTS[name]
+    rows: dict = {}
+    for res in results:
+        rows.setdefault(_test_after(name, res["tests"][name], tp), []).append(res["rank"])
+    passed = next((line for line in log if line.startswith(f"{name}: passed")), None)
+    print(f"{name} (tp={tp}, pp={pp}): {_test_inputs(name, tp)}")
+    print(f"{'ranks':<12}after (the same on every rank of the row)")
+    for after, ranks in rows.items():
+        print(f"{_rank_list(ranks):<12}{after}")
+    print(passed[len(name) + 2:] if passed else "the log holds no 'passed' line: see job.output(0)")
+
+
 def print_parallel_linear(results: Sequence[dict], kind: str = "column") -> None:
     """One row per rank of a ``launch/parallel_linear.py`` job, floats reduced to verdicts."""
     print(f"{kind} parallel, tp={results[0]['tp']}")
-    print("rank  tp_rank  A_i            weight         shard = slice of master  "
+    print("rank  tp_rank  A_i            weight         slice of master  "
           "output == dense  grads within 1e-6")
     for res in results:
         r = res[kind]
@@ -212,6 +281,6 @@ def print_parallel_linear(results: Sequence[dict], kind: str = "column") -> None
         exact = ("bit-exact" if r["output_bit_exact"] else
                  "within 1e-6" if r["output_error"] <= 1e-6 else "NO")
         print(f"{res['rank']:>4}  {r['tp_rank']:>7}  {str(r['A_shape']):<13}  "
-              f"{str(r['weight_shape']):<13}  {str(r['shard_is_master_slice']):<23}  "
+              f"{str(r['weight_shape']):<13}  {str(r['shard_is_master_slice']):<15}  "
               f"{exact:<15}  {grads}")
 

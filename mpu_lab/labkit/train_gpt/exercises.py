@@ -6,7 +6,8 @@ import math
 from typing import Any
 
 from mpu_lab.labkit.verdict import Verdict, as_floats, as_int, unanswered, verdict
-from mpu_lab.labkit.train_gpt.runs import derived
+from mpu_lab.labkit.notebooks import leaks
+from mpu_lab.labkit.train_gpt.runs import LECTURE_GPT_ARGS, derived
 from mpu_lab.core.models.gpt import pad_vocab_size
 
 
@@ -50,3 +51,18 @@ def check_initial_loss(answer: Any, padded_vocab_size: int, rtol: float = 0.02) 
                     f"{answer!r} is not it. Hint: at iteration 1 the weights are small and random, "
                     f"so every id gets about the same logit. What probability does the softmax "
                     f"then give the right id, and what is -ln of it?")
+
+
+# --------------------------------------------------------------------------- answers
+# What lab 14's graded questions answer, for the leak check (mpu_lab.labkit.notebooks.leaks):
+# the first run's vocabulary (512 ids at TP = 2, the CPU profile's), the lecture's line on
+# 16 GPUs, GPT-2's vocabulary at TP = 4.
+_FIRST_VOCAB = pad_vocab_size(512, 128, 2)
+_LECTURE_ON_16 = derived(LECTURE_GPT_ARGS, 16)["num_micro_batches"]
+leaks.declare_answers([
+    ("14", "initial loss", [math.log(_FIRST_VOCAB), f"ln {_FIRST_VOCAB}", f"ln({_FIRST_VOCAB})"],
+     "check_initial_loss("),
+    ("14", "micro-batches on 16 GPUs", [_LECTURE_ON_16, f"{_LECTURE_ON_16} micro-batch"],
+     "check_micro_batches("),
+    ("14", "padded vocabulary", [pad_vocab_size(50257, 128, 4)], "check_padded_vocab("),
+])

@@ -26,7 +26,7 @@ import torch
 from mpu_lab.training import checkpointing, datasets
 from mpu_lab import training
 from mpu_lab.training.checkpointing import vocab_padding
-from mpu_lab.labkit.train_gpt.runs import TrainRun, print_agreement
+from mpu_lab.labkit.train_gpt.runs import TrainRun, fit, print_agreement
 from mpu_lab.training.plain_gpt import PlainGPT
 from mpu_lab.core.models.gpt import pad_vocab_size
 from mpu_lab.core.optimizer import build_optimizer
@@ -101,14 +101,18 @@ def print_precision_bytes(data_parallel_size: int = 8) -> None:
     distributed optimizer, the latter at ``data_parallel_size``), what ``--fp16`` costs there,
     and mpu_lab's measured figure."""
     print("Megatron-core's bytes per parameter (its distributed-optimizer guide; d = "
-          "data-parallel size):")
-    print(format_bytes_per_parameter(data_parallel_size))
+          "data-parallel size;\nP, G: the fp32 main param and grad; m, v: Adam's moments):")
+    print(format_bytes_per_parameter(data_parallel_size, short=_SHORT_TERMS))
     parts = precision_bytes()
     for who, total in (("megatron --fp16", bytes_per_parameter("fp16", "fp16")),
                        ("mpu_lab --fp16", mpu_lab_bytes_per_parameter())):
         terms = parts[who.split()[0]]
-        print(f"{who:>15}: " + " + ".join(f"{n} {k}" for k, n in terms.items())
+        print(f"{who:>15}: " + " + ".join(f"{n} {_SHORT_TERMS.get(k, k)}" for k, n in terms.items())
               + f" = {total:g} bytes per parameter")
+
+
+# the optimizer's terms in one letter each, so the table fits 100 characters
+_SHORT_TERMS = {"fp32 main param": "P", "fp32 main grad": "G", "Adam m": "m", "Adam v": "v"}
 
 
 # --------------------------------------------------------------------------- padding
@@ -200,14 +204,14 @@ def print_repad_effect(effect: Dict[str, object]) -> None:
     e = effect
     print(f"saved at TP={e['saved_tp']}: {e['saved_rows']} rows; loaded at TP={e['tp']}: "
           f"{e['rows']} rows")
-    print("the loader: " + vocab_padding.describe(e["vocab_size"], e["saved_rows"], e["rows"]))
+    print(fit("the loader: " + vocab_padding.describe(e["vocab_size"], e["saved_rows"], e["rows"])))
     print(f"on the batch of iteration {e['iteration']}, the dense twin with the saved table and "
           f"with the re-padded one:")
     print(f"  largest change of a real id's logit: {e['logit_change']:.3g}")
     print(f"  loss over the padded vocabulary: {e['loss_before']:.4f} -> {e['loss_after']:.4f} "
           f"({e['loss_after'] - e['loss_before']:+.4f})")
-    print(f"  predicted from the saved logits, mean log(sum exp(logits kept) + rows added) - "
-          f"log(sum exp(saved logits)): {e['rise_predicted']:+.4f}")
+    print(f"  predicted from the saved logits, mean log(sum exp(kept) + rows added) - "
+          f"log(sum exp(saved)): {e['rise_predicted']:+.4f}")
     print(f"  loss over the {e['vocab_size']} real ids only: {e['real_before']:.4f} -> "
           f"{e['real_after']:.4f}")
 

@@ -28,6 +28,7 @@ import pathlib
 import re
 import statistics
 import tempfile
+import textwrap
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mpu_lab.training import checkpointing
@@ -92,10 +93,34 @@ def agreement_rtol(dtype: str) -> float:
     return AGREEMENT_RTOL[dtype]
 
 
-def command_line(flags: Sequence, nproc: int) -> str:
-    """The same job typed into a terminal."""
-    return (f"torchrun --standalone --nproc-per-node {nproc} launch/train_gpt.py "
+WIDTH = 100    # the longest line the labs print
+
+
+def fit(line: str, width: int = WIDTH) -> str:
+    """``line`` as it is when it fits in ``width`` characters, else broken at spaces with the
+    continuation lines indented four spaces."""
+    if len(line) <= width:
+        return line
+    return textwrap.fill(line, width, subsequent_indent="    ", break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def command_line(flags: Sequence, nproc: int, width: Optional[int] = None) -> str:
+    """The same job typed into a terminal: one line, or, with ``width``, shell lines of at
+    most ``width`` characters joined by `` \\``, a flag and its value kept together."""
+    line = (f"torchrun --standalone --nproc-per-node {nproc} launch/train_gpt.py "
             + " ".join(map(str, flags)))
+    if width is None or len(line) <= width:
+        return line
+    words = re.split(r" (?=--)", line)       # "--flag value" stays on one line
+    lines = [words[0]]
+    for word in words[1:]:
+        if len(lines[-1]) + 1 + len(word) + 2 > width:
+            lines[-1] += " \\"
+            lines.append("    " + word)
+        else:
+            lines[-1] += " " + word
+    return "\n".join(lines)
 
 
 def split_flags(text: str) -> List[Tuple[str, Optional[str]]]:
@@ -155,9 +180,9 @@ def print_derived(text_or_flags, world_size: int) -> None:
     try:
         values = derived(text_or_flags, world_size)
     except ValueError as exc:
-        print(f"on {world_size} ranks this line is refused: {exc}")
+        print(fit(f"on {world_size} ranks this line is refused: {exc}"))
         return
-    print(f"on {world_size} ranks: " + ", ".join(f"{k} = {v}" for k, v in values.items()))
+    print(fit(f"on {world_size} ranks: " + ", ".join(f"{k} = {v}" for k, v in values.items())))
 
 
 # --------------------------------------------------------------------------- running
@@ -272,8 +297,8 @@ def print_agreement(runs: Sequence[TrainRun], reference: TrainRun, rtol: float =
             continue
         ok = max_relative_difference(run, reference) <= rtol
         ok_all &= ok
-        print(f"{run.label} vs {reference.label}: iterations {common[0]}-{common[-1]}, max "
-              f"relative difference <= {rtol:g}: {'the same losses' if ok else 'DIFFERENT'}")
+        print(fit(f"{run.label} vs {reference.label}: iterations {common[0]}-{common[-1]}, max "
+                  f"relative difference <= {rtol:g}: {'the same losses' if ok else 'DIFFERENT'}"))
     return ok_all
 
 

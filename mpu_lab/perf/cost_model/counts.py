@@ -140,14 +140,14 @@ def format_flop_counts(model: ModelShape, global_batch_size: int) -> str:
             ("full recompute (HFU)", "full")]
     lines = [f"{model.name or 'model'}: one iteration of B = {global_batch_size} sequences "
              f"(s = {model.s}, L = {model.L}, h = {model.h}, V = {model.V})",
-             f"{'FLOPs counted':<27}{'closed form (for ffn = 4h)':<42}{'= FLOPs':>11}"
+             f"{'FLOPs counted':<27}{'closed form (for ffn = 4h)':<40}{'= FLOPs':>11}"
              f"{'matmul sum':>12}{'/ model':>9}"]
     for label, mode in rows:
         total = hardware_flops_per_iteration(model, global_batch_size, mode)
         form = FLOP_FORMS.get(mode, "model FLOPs + attention core forward")
         closed = (f"{paper_flops_per_iteration(model, global_batch_size, mode):.4g}"
                   if mode in FLOP_FORMS and model.ffn == 4 * model.h else "-")
-        lines.append(f"{label:<27}{form:<42}{closed:>11}{total:>12.4g}{total / base:>9.3f}")
+        lines.append(f"{label:<27}{form:<40}{closed:>11}{total:>12.4g}{total / base:>9.3f}")
     return "\n".join(lines)
 
 

@@ -142,13 +142,14 @@ def predict_dgx_h100_sweep(bucket_numels: Sequence[int], model: ModelShape = GPT
 
 
 def format_prediction(timelines: Dict[bool, StepTimeline]) -> str:
-    """Two lines: backward, the reductions and the step (ms), without and with overlap."""
+    """A table: backward, the reductions, the exposed part and the step (ms), without and with
+    overlap, then the share overlap saves."""
     off, on = timelines[False], timelines[True]
-    lines = [on.label]
+    lines = [on.label, f"  {'ms':<16} {'backward':>8} {'all-reduces':>11} {'exposed':>7}  "
+                       f"step (backward + exposed)"]
     for name, t in (("without overlap", off), ("with overlap", on)):
-        lines.append(f"  {name:<16} backward {1e3 * t.backward_s:6.1f} ms, all-reduces "
-                     f"{1e3 * t.comm_s:5.1f} ms, exposed {1e3 * t.exposed_s:5.1f} ms: step "
-                     f"(backward + exposed) {1e3 * t.step_s:6.1f} ms")
+        lines.append(f"  {name:<16} {1e3 * t.backward_s:8.1f} {1e3 * t.comm_s:11.1f} "
+                     f"{1e3 * t.exposed_s:7.1f}  {1e3 * t.step_s:.1f}")
     lines.append(f"  overlap saves {100 * (1 - on.step_s / off.step_s):.0f} % of it")
     return "\n".join(lines)
 

@@ -144,12 +144,16 @@ def dtype_for_bytes(width: int, what: str = "dtype_bytes") -> str:
     return names[width]
 
 
-def format_bytes_per_parameter(data_parallel_size: int = 8) -> str:
+def format_bytes_per_parameter(data_parallel_size: int = 8,
+                               short: Optional[Dict[str, str]] = None) -> str:
     """The guide's table with its terms written out: what every rank keeps, what the
     distributed optimizer splits, the two figures, and the second one at
-    ``data_parallel_size``."""
+    ``data_parallel_size``. ``short`` renames terms (``{"Adam m": "m"}``) for a narrower
+    table."""
     d = data_parallel_size
-    head = ("params / grads", "every rank keeps", "the distributed optimizer splits", "plain",
+    name = (short or {}).get
+    head = ("params / grads", "every rank keeps",
+            "the optimizer splits" if short else "the distributed optimizer splits", "plain",
             "distributed", f"at d = {d}")
     rows = []
     for params, grads in (("fp16", "fp16"), ("bf16", "fp32"), ("fp32", "fp32")):
@@ -157,7 +161,7 @@ def format_bytes_per_parameter(data_parallel_size: int = 8) -> str:
         kept, split = sum(terms["replicated"].values()), sum(terms["sharded"].values())
         rows.append((f"{params} / {grads}",
                      " + ".join(f"{v} {k}" for k, v in terms["replicated"].items()),
-                     " + ".join(f"{v} {k}" for k, v in terms["sharded"].items()),
+                     " + ".join(f"{v} {name(k, k)}" for k, v in terms["sharded"].items()),
                      f"{kept + split}", f"{kept} + {split}/d",
                      f"{bytes_per_parameter(params, grads, True, d):.2f}"))
     width = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]

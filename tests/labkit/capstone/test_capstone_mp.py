@@ -1,15 +1,17 @@
-"""The capstone end to end, at TP = 2 x PP = 2 on 4 CPU ranks (two torchrun jobs, slow):
-labs/solutions trains equal to the mirror (exit 0); a copy with f's backward all-reduce removed
-(its forward still right) and without random.py exits 1 naming f (the gradient norm of the
-first iteration parts, its loss does not), and says the checkpoint is the mirror's. The
-reference is the mirror's own run from the same seed in the same job; the mirror itself is held
-to its dense twins by tests/models and tests/tensor_parallel."""
+"""The capstone end to end, at TP = 2 x PP = 2 on 4 CPU ranks (torchrun jobs, slow):
+labs/solutions trains equal to the mirror (exit 0), and so at TP = 2 x PP = 2 x DP = 2 on 8
+ranks; a copy with f's backward all-reduce removed (its forward still right) and without
+random.py exits 1 naming f (the gradient norm of the first iteration parts, its loss does not),
+and says the checkpoint is the mirror's; lab 18's RowParallelLinear without g (its forward
+wrong) exits 1 naming it at the first loss. The reference is the mirror's own run from the same
+seed in the same job; the mirror itself is held to its dense twins by tests/models and
+tests/tensor_parallel."""
 import pathlib
 import shutil
 
 import pytest
 
-from mpu_lab.labkit.capstone import run_capstone
+from mpu_lab.labkit.capstone import lesson, run_capstone
 
 pytestmark = pytest.mark.slow
 SOLUTIONS = pathlib.Path(__file__).resolve().parents[3] / "labs" / "solutions"
@@ -49,3 +51,27 @@ def test_f_broken_in_its_backward_only_is_named_and_a_missing_piece_is_the_mirro
     assert result.lines[-1].startswith("capstone: gradient norms part from the mirror's at "
                                        "iteration 1")
     assert "the piece is mappings.py:copy_to_tensor_model_parallel_region" in result.lines[-1]
+
+
+def test_a_row_parallel_linear_without_g_parts_at_the_first_loss_and_is_named(tmp_path):
+    """Lab 18's broken piece: its forward is wrong, so the first loss already differs."""
+    code = lesson.write_broken_row_parallel(tmp_path / "broken").parent
+    result = run_capstone(code, 2, 2, train_iters=3, echo=False)
+    assert result.exit_code == 1, result.lines
+    assert result.first_parting == (1, "loss")
+    assert result.culprit == "layers.py:RowParallelLinear"
+    assert "used: layers.py:RowParallelLinear x8" in result.lines     # 2 per layer, 4 layers
+    assert result.lines[-1].startswith("capstone: losses part from the mirror's at iteration 1")
+    assert "the piece is layers.py:RowParallelLinear" in result.lines[-1]
+    # the lesson's order of the pieces is the job's: one line each, in that order
+    assert [line.split()[1].split(":")[-1] for line in result.lines[:-1]] == \
+        [name for _, name, _ in lesson.PIECES]
+
+
+def test_labs_solutions_trains_equal_to_the_mirror_at_tp2_pp2_dp2_on_8_ranks():
+    result = run_capstone(SOLUTIONS, 2, 2, data_parallel_size=2, train_iters=3, echo=False)
+    assert result.exit_code == 0, result.lines
+    assert result.lines[-1] == "capstone: losses equal the mirror's within 1e-05 over 3 iterations"
+    # one copy of the model counted: the other data-parallel copy is not counted again
+    assert "used: layers.py:RowParallelLinear x8" in result.lines
+    assert "used: distributed_data_parallel.py:DistributedDataParallel x2" in result.lines

@@ -181,5 +181,5 @@ def test_measured_on_four_ranks_against_hand_worked_values(four_rank_reports):
 def test_ranks_that_agree_print_one_table_and_ranks_that_differ_one_each():
     from mpu_lab.labkit.context_parallel.lessons import format_ranks_once
     assert format_ranks_once("bytes", ["a\nb", "a\nb"]) == \
-        "bytes; the 2 ranks agree, one table for all:\na\nb"
+        "bytes;\nthe 2 ranks agree, one table for all:\na\nb"
     assert format_ranks_once("bytes", ["a", "c"]) == "rank 0: bytes\na\nrank 1: bytes\nc"

@@ -63,8 +63,11 @@ def _groups(world):
 # --------------------------------------------------------------------------- name the cause
 def _printed_suspects(capsys):
     checks.print_suspects()
-    lines = capsys.readouterr().out.splitlines()
-    return dict(re.match(r"^([A-Z])\. (.*)$", line).groups() for line in lines)
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 100
+    entries = re.split(r"\n(?=[A-Z]\. )", out.strip())      # continuation lines are indented
+    return dict(re.match(r"^([A-Z])\. (.*)$", " ".join(e.split()), re.S).groups()
+                for e in entries)
 
 
 def test_each_cause_is_right_under_its_printed_letter_and_wrong_under_another(capsys):
@@ -214,9 +217,9 @@ def test_the_flight_recorder_names_the_rank_that_skipped(grading_world, capsys):
 def test_detail_names_both_shapes_on_every_rank(grading_world, capsys):
     lines = debugging.detail_demo(grading_world, odd_rank=2)
     capsys.readouterr()
-    assert lines[0] == ("rank 0: rank 0 runs ALLREDUCE of shape [1]; rank 2 runs ALLREDUCE of "
-                        "shape [2] (they differ in: Tensor shapes)")
-    assert lines[2].startswith("rank 2: rank 2 runs ALLREDUCE of shape [2]; rank 0 runs")
+    assert lines[0] == ("rank 0: rank 0 runs ALLREDUCE([1]); rank 2 runs ALLREDUCE([2]) "
+                        "(they differ in: Tensor shapes)")
+    assert lines[2].startswith("rank 2: rank 2 runs ALLREDUCE([2]); rank 0 runs")
     assert grading_world.run("x = torch.ones(1); dist.all_reduce(x); x.item()") == [4.0] * 4
 
 
@@ -263,10 +266,11 @@ class _FakeRun:
     """A broken run's report as the launcher prints it (worked from lab 17's stored hang job)."""
     fault = "hang:1"
 
-    def show(self):
-        print("torchrun --nproc-per-node 2 launch/train_gpt.py --train-iters 3 "
-              "--inject-fault hang:1 (+ a tiny GPT)\n"
-              "Not in it: rank 1 was stopped at mpu_lab/training/faults.py:231 in hang.")
+    def show(self, command=True):
+        if command:
+            print("torchrun --nproc-per-node 2 launch/train_gpt.py --train-iters 3 "
+                  "--inject-fault hang:1 (+ a tiny GPT)")
+        print("Not in it: rank 1 was stopped at mpu_lab/training/faults.py:231 in hang.")
 
     def diagnosis(self):
         print("  rank 1: was stopped at mpu_lab/training/faults.py, in hang")
@@ -280,16 +284,16 @@ def test_the_report_hides_the_fault_until_reveal(capsys):
     checks.print_report(run)
     checks.print_report(run, "diagnosis")
     out = capsys.readouterr().out
-    assert out == ("torchrun --nproc-per-node 2 launch/train_gpt.py --train-iters 3 "
-                   "--inject-fault ? (+ a tiny GPT)\n"
-                   "Not in it: rank 1 was stopped at mpu_lab/training/faults.py:231 in "
+    assert out == ("Not in it: rank 1 was stopped at mpu_lab/training/faults.py:231 in "
                    "(the injected fault).\n"
                    "  rank 1: was stopped at mpu_lab/training/faults.py, in (the injected fault)\n")
     assert "hang" not in out
     checks.reveal(run.fault, run)
-    assert capsys.readouterr().out == (
-        f"it was --inject-fault hang:1: {FAULT_KINDS['hang']['what']}\n"
-        "likely cause: rank 1 never reached the collective\n")
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 100
+    assert " ".join(out.split()) == " ".join(
+        f"it was --inject-fault hang:1: {FAULT_KINDS['hang']['what']} "
+        "likely cause: rank 1 never reached the collective".split())
     with pytest.raises(ValueError, match="part must be 'show' or 'diagnosis', got 'all'"):
         checks.print_report(run, "all")
 
@@ -307,7 +311,9 @@ def test_jobs_are_numbered_in_the_labs_order_with_their_faults_hidden(capsys):
     assert checks.lab_job(jobs, 5) is jobs.jobs["crash"]
     checks.print_jobs(jobs)
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(jobs.jobs) and lines[0].startswith("job 1  2 ranks  --inject-fault ?")
+    assert lines[0].startswith("each job: launch/train_gpt.py --inject-fault ?")
+    lines = lines[1:]
+    assert len(lines) == len(jobs.jobs) and lines[0].startswith("job 1  2 ranks  --")
     assert lines[4].endswith("(you start this one yourself)")
     assert not any(kind in line for line in lines for kind in FAULT_KINDS)
     with pytest.raises(ValueError, match=f"there is no job 0: the jobs are 1 to {len(lines)}"):

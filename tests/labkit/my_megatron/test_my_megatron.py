@@ -79,3 +79,12 @@ def test_a_name_count_that_does_not_match_is_refused(tmp_path):
     ns = _cell(CELL, "4")
     with pytest.raises(ValueError, match="2 piece"):
         my_megatron.save_piece([ns["my_f"], ns["RowParallelLinear"]], "x.py", ["f"], where=tmp_path)
+
+
+def test_the_per_rank_values_a_piece_reads_are_named_with_what_to_call_instead():
+    ns = _cell("def uses(x):\n    return x.to(device) * world_size\n\n"
+               "class Layer:\n    def f(self):\n        return [rank for _ in range(2)]\n", "5")
+    assert my_megatron.rank_values_read([ns["uses"]]) == [
+        "device (use get_device())", "world_size (use dist.get_world_size())"]
+    assert my_megatron.rank_values_read([ns["Layer"]]) == ["rank (use dist.get_rank())"]
+    assert my_megatron.rank_values_read([_cell(CELL, "6")["my_f"]]) == []

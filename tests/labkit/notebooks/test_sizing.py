@@ -26,8 +26,10 @@ def _lab(tmp_path, name="95_example"):
 def test_words_exercises_and_questions_counted_by_hand(tmp_path):
     size = sizing.lab_size(_lab(tmp_path), {"95_example": 90.0})
     assert (size.core_words, size.extra_words, size.exercises, size.questions) == (18, 8, 1, 1)
-    # 18 / 120 + 10 + 2 + 1.5 minutes
-    assert abs(size.core_minutes - (18 / 120 + 10 + 2 + 1.5)) < 1e-9
+    # reading and running: 18 / 120 + 2 + 1.5 minutes; the exercise (10 min) is a build beside
+    assert abs(size.core_minutes - (18 / 120 + 2 + 1.5)) < 1e-9
+    assert size.builds == [sizing.Build("my_f", 1, 10.0, marked=False)]
+    assert size.build_minutes == 10.0
     assert abs(size.extra_minutes - (8 / 120 + 2)) < 1e-9   # the depth's question counts there
 
 
@@ -45,7 +47,7 @@ def test_the_table_flags_a_core_over_budget(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sizing, "TIMES_FILE", tmp_path / "none.json")
     path = _lab(tmp_path)
     nb = nbformat.read(str(path), 4)
-    nb.cells.insert(1, new_markdown_cell("word " * (sizing.WORDS_PER_MINUTE * 40)))
+    nb.cells.insert(1, new_markdown_cell("word " * (sizing.WORDS_PER_MINUTE * 44)))
     nbformat.write(nb, str(path))
     sizing.print_lab_sizes([path])
     out = capsys.readouterr().out
@@ -160,7 +162,9 @@ def test_outputs_read_figures_and_exercises_by_their_solutions_counted_by_hand(t
     assert (core.exercises, core.questions) == (2, 1)
     # the tuple grades my_a (4 lines) and my_b (1): 3 + 5/2 min; my_c has no solution: 10 min
     assert core.exercise_min == 5.5 + 10
-    assert abs(size.core_minutes - ((25 + 5) / 120 + 2 * 1 + 15.5 + 2 + 0.5)) < 1e-9
+    # reading and running only: the two exercises' 15.5 min are builds, beside the core
+    assert abs(size.core_minutes - ((25 + 5) / 120 + 2 * 1 + 2 + 0.5)) < 1e-9
+    assert [(b.name, b.minutes) for b in size.builds] == [("my_a, my_b", 5.5), ("my_c", 10)]
     assert (size.extra.words, size.extra.figures) == (3 + 2, 1)
     assert abs(size.extra_minutes - (5 / 120 + 1)) < 1e-9
 
@@ -177,3 +181,102 @@ def test_the_table_keeps_its_lines_within_100_characters(tmp_path, monkeypatch, 
         assert max(len(line) for line in table.splitlines()) <= 100
     sizing.print_lab_sizes([long_name])
     assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 100
+
+
+def _built_lab(tmp_path, monkeypatch):
+    """Lab 97: two marked builds (one of two exercises), an exercise outside any build, a
+    build in Going further; solutions of 6, 2 and 3 logic lines, one a class."""
+    (tmp_path / "97_example.py").write_text(CLASS_SOLUTION)
+    monkeypatch.setattr(solutions, "SOLUTIONS_DIR", tmp_path)
+    monkeypatch.setitem(solutions.SOLUTIONS, "97", solutions.Solution(
+        "97_example.py", {"MyRow": "SolutionRow", "my_hook": "solution_hook",
+                          "my_step": "solution_step"}))
+    nb = new_notebook()
+    nb.cells = [
+        new_markdown_cell("# Lab 97"),                                 # 2 words
+        new_markdown_cell("## 1. Layers"),                             # 2 words
+        new_markdown_cell("### Build: RowParallelLinear\n\nWrite it."),  # 4 words
+        new_code_cell("grade(MyRow, EX, world)"),                      # 4 words, 6 lines
+        new_markdown_cell("### Build: the hook and the step"),         # 6 words
+        new_code_cell("grade(my_hook, EX, world)"),                    # 4 words, 2 lines
+        new_code_cell("grade(my_step, EX, world)"),                    # 4 words, 3 lines
+        new_markdown_cell("### An aside\n\nno build here"),            # 5 words: ends it
+        new_code_cell("grade(my_other, EX, world)"),                   # 4 words, unmarked: 10 min
+        new_markdown_cell("## Going further: more\n\n### Build: extra"),  # extra: 5 words
+        new_code_cell("grade(my_hook, EX, world)"),                    # extra's writing
+    ]
+    path = tmp_path / "97_example.ipynb"
+    nbformat.write(nb, str(path))
+    return path
+
+
+CLASS_SOLUTION = '''"""Lab 97's solutions."""
+import torch
+
+
+class SolutionRow(torch.nn.Module):
+    """The docstring: not counted."""
+    bias = None                               # a class-level statement: 1 line
+
+    def __init__(self, w):
+        """Not counted either."""
+        super().__init__()
+        self.w = w
+
+    def forward(self, x):
+        # a comment: not counted
+        y = x @ self.w.t()
+        return y, None
+
+
+def solution_hook(param, state):
+    state.counts[param] += 1
+    return state
+
+
+def solution_step(p, lr):
+    p = p - lr
+    p = p * 1
+    return p
+'''
+
+
+def test_a_class_solution_counts_its_methods_bodies_and_class_statements(tmp_path, monkeypatch):
+    _built_lab(tmp_path, monkeypatch)
+    # bias = None; super().__init__(); self.w = w; y = ...; return y, None
+    assert sizing.solution_logic_lines("97") == {"MyRow": 5, "my_hook": 2, "my_step": 3}
+
+
+def test_builds_are_the_marked_sections_and_their_writing_is_not_in_the_core(tmp_path,
+                                                                              monkeypatch):
+    size = sizing.lab_size(_built_lab(tmp_path, monkeypatch), {"97_example": 60.0})
+    assert [(b.name, b.exercises, b.minutes, b.marked) for b in size.builds] == [
+        ("RowParallelLinear", 1, 3 + 5 / 2, True),
+        ("the hook and the step", 2, (3 + 2 / 2) + (3 + 3 / 2), True),
+        ("my_other", 1, 10, False)]
+    assert size.build_minutes == 5.5 + 8.5 + 10
+    words = 2 + 2 + 4 + 4 + 6 + 4 + 4 + 5 + 4
+    assert abs(size.core_minutes - (words / 120 + 1)) < 1e-9       # reading and one minute run
+    # the build in Going further: its heading cell's 5 words, the cell's 4, 4 min of writing
+    assert abs(size.extra_minutes - ((5 + 4) / 120 + 3 + 2 / 2)) < 1e-9
+
+
+def test_sections_show_each_build_and_what_follows_it(tmp_path, monkeypatch):
+    sections = dict(sizing.section_minutes(_built_lab(tmp_path, monkeypatch)))
+    assert list(sections) == ["Lab 97", "1. Layers", "Build: RowParallelLinear",
+                              "Build: the hook and the step", "1. Layers (cont.)",
+                              "Going further: more", "Build: extra"]
+    assert abs(sections["Build: RowParallelLinear"] - ((4 + 4) / 120 + 5.5)) < 1e-9
+    assert abs(sections["1. Layers (cont.)"] - ((5 + 4) / 120 + 10)) < 1e-9
+
+
+def test_the_table_and_the_build_list_print_each_build_with_its_minutes(tmp_path, monkeypatch,
+                                                                        capsys):
+    monkeypatch.setattr(sizing, "TIMES_FILE", tmp_path / "none.json")
+    sizing.print_lab_sizes([_built_lab(tmp_path, monkeypatch)])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("97_example"))
+    assert "3: 24 min" in row
+    assert ("97_example: RowParallelLinear 6 min; the hook and the step 8 min; "
+            "my_other (unmarked) 10 min") in out
+    assert max(len(line) for line in out.splitlines()) <= 100

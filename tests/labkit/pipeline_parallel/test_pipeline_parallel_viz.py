@@ -35,3 +35,24 @@ def test_gantt_labels_every_box_that_has_room_and_never_overprints():
         for spans in _labels_by_row(plot_gantt(simulate("1f1b", 4, m).records)).values():
             spans.sort()
             assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), m   # drawn extents apart
+
+
+def test_a_shared_time_axis_fits_the_labels_to_it_and_never_overprints():
+    # lab 15's pair: one micro-batch, then eight, on one axis; the labels of the short chart
+    # were once placed for its own axis and overprinted ("0123456 7") when the axis grew
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    import pytest
+    bad, remedy = simulate("1f1b", 8, 1).records, simulate("1f1b", 8, 8).records
+    fig = plot_gantt_pair(bad, remedy, "bad", "remedy", time_unit="units", same_time_axis=True)
+    assert fig.axes[0].get_xlim() == fig.axes[1].get_xlim()
+    FigureCanvasAgg(fig).draw()
+    rows = {}
+    for text in fig.axes[1].texts:
+        box = text.get_window_extent()
+        rows.setdefault(round(text.get_position()[1]), []).append((box.x0, box.x1))
+    for spans in rows.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    from mpu_lab.labkit.pipeline_parallel.viz import plot_gantt
+    with pytest.raises(ValueError, match="would cut the chart"):
+        plot_gantt(remedy, time_limit=1.0)

@@ -155,3 +155,16 @@ def test_the_widget_saves_a_one_line_note_not_its_repr(monkeypatch, capsys):
     (cell,) = [c for c in json.loads(lab.read_text())["cells"]
                if "viz.interactive_rank_groups(" in "".join(c["source"])]
     assert ["".join(o["data"]["text/plain"]) for o in cell["outputs"]] == [WIDGET_HINT]
+
+
+def test_the_job_table_has_one_row_per_rank_in_100_characters():
+    """Lab 01's torchrun job as a table: rank 5 of t = 2, p = 2 on 8 ranks (d = 2), worked by
+    hand: tp_rank 1, dp_rank 0, pp_rank 1; tp [4, 5] (sum 9), dp [5, 7] (12), pp [1, 5] (6)."""
+    from mpu_lab.labkit.rank_groups.viz import format_job_ranks
+    res = {"rank": 5, "tp_rank": 1, "dp_rank": 0, "pp_rank": 1,
+           "groups": {"tp": [4, 5], "dp": [5, 7], "pp": [1, 5]},
+           "sums": {"tp": 9, "dp": 12, "pp": 6}}
+    header, row = format_job_ranks([res]).splitlines()
+    assert header.split()[:4] == ["rank", "tp_rank", "dp_rank", "pp_rank"]
+    assert row.split() == ["5", "1", "0", "1", "[4,", "5]", "[5,", "7]", "[1,", "5]", "9", "12", "6"]
+    assert max(len(header), len(row)) <= 100

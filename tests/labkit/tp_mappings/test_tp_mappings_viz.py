@@ -107,3 +107,40 @@ def test_print_test_log_prints_one_section():
         viz.print_test_log(lines, "copy")
         viz.print_test_log(lines, "gather")
     assert buf.getvalue().splitlines() == lines[:3] + ["(no log section starting with '== gather ')"]
+
+
+def test_print_test_table_prints_one_row_per_set_of_ranks_that_agree(capsys):
+    viz.print_test_table("copy", megatron_results(), ["copy: passed on all 8 ranks"])
+    assert capsys.readouterr().out.splitlines() == [
+        "copy (tp=4, pp=2): rank r holds [r]; f's backward",
+        "ranks       after (the same on every rank of the row)",
+        "0-3         [6], the sum over the group",           # 0+1+2+3, Megatron's test
+        "4-7         [22], the sum over the group",          # 4+5+6+7
+        "passed on all 8 ranks"]
+    viz.print_test_table("scatter", megatron_results(), [])
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == "0, 4        column 0: [0, 4, 8, 12, 16, 20, 24, 28]"   # x[i, 0] = 4 i
+    assert out[-1].startswith("the log holds no 'passed' line")
+
+
+@pytest.mark.parametrize("name", sorted(megatron_collective_layouts.COLLECTIVE_LAYOUTS))
+def test_print_test_table_lines_fit_100_characters(name, capsys):
+    viz.print_test_table(name, megatron_results(), [f"{name}: passed on all 8 ranks"])
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 100
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_collective_captions_do_not_reach_the_next_panel(n):
+    """Lab 02's pictures captioned "1x4: 0 x1, 10 x1, 20 x1, 30 x1" under panels narrower than
+    that: each caption's drawn extent must end before the next panel's caption starts."""
+    before = [[float(r)] for r in range(n)]
+    after = [[10.0 * r for r in range(n)] for _ in range(n)]
+    fig = viz.plot_collective("all-gather: piece (before), g (after)", before, after,
+                              [list(range(n))])
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    for row in (0, 1):
+        boxes = [ax.xaxis.label.get_window_extent(renderer) for ax in fig.axes[row * n:(row + 1) * n]]
+        assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [b.bounds for b in boxes]

@@ -28,6 +28,13 @@ def test_gpt_flags_and_command_line():
     assert "--train-iters" in flags and "--load" not in flags
     assert gpt_runs.command_line(["--a", 1], 2) == \
         "torchrun --standalone --nproc-per-node 2 launch/train_gpt.py --a 1"
+    long = ["--num-layers", 2, "--hidden-size", 64, "--seq-length", 64, "--sequence-parallel",
+            "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2]
+    wrapped = gpt_runs.command_line(long, 4, width=60)
+    lines = wrapped.splitlines()
+    assert max(map(len, lines)) <= 60 and all(ln.endswith(" \\") for ln in lines[:-1])
+    assert wrapped.replace(" \\\n    ", " ") == gpt_runs.command_line(long, 4)
+    assert "--tensor-model-parallel-size 2" in lines[-2] + lines[-1]
 
 
 def test_launch_lines_split_into_flags_and_the_lecture_line_fits_8_ranks(capsys):
@@ -38,8 +45,10 @@ def test_launch_lines_split_into_flags_and_the_lecture_line_fits_8_ranks(capsys)
     d = gpt_runs.derived(gpt_runs.LECTURE_GPT_ARGS, 8)
     assert (d["data_parallel_size"], d["num_micro_batches"], d["lr_warmup_steps"]) == (2, 2, 3200)
     gpt_runs.print_derived(gpt_runs.LECTURE_GPT_ARGS, 6)
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 100
     assert ("refused: --tensor-model-parallel-size 2 and "
-            "--pipeline-model-parallel-size 2 do not fit 6 ranks") in capsys.readouterr().out
+            "--pipeline-model-parallel-size 2 do not fit 6 ranks") in " ".join(out.split())
     gpt_runs.print_side_by_side("--a 1 --b", "--a 2 --c x")
     assert capsys.readouterr().out.splitlines()[1:] == [
         "--a           1             2", "--b          on             -", "--c           -             x"]
