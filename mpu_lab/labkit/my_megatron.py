@@ -24,7 +24,12 @@ from typing import Callable, List, Optional, Sequence
 
 ENV = "MPU_LAB_MY_MEGATRON"
 
-HEADER = '''"""My own Megatron: pieces I wrote in the mpu_lab course, each saved by its lab's grader
+REGIONS = ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+           "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+           "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+           "scatter_to_sequence_parallel_region")
+
+_COMMON = '''"""My own Megatron: pieces I wrote in the mpu_lab course, each saved by its lab's grader
 once it was right. `python -m mpu_lab.labkit.capstone --code my_megatron ...` trains a GPT
 with them (lab 18). The imports are the names every rank had when the grader ran them."""
 import math
@@ -36,13 +41,26 @@ import torch.nn.functional as F
 
 import mpu_lab
 from mpu_lab.core import parallel_state, tensor_parallel
+from mpu_lab.core.tensor_parallel import mappings as _mirror_mappings
 from mpu_lab.core.utils import get_device
-from mpu_lab.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region)
 '''
+
+# mappings.py: the mirror's f, g, ... until the learner's own definitions below replace them.
+MAPPINGS_HEADER = _COMMON + '''
+for _name in %r:
+    globals()[_name] = getattr(_mirror_mappings, _name)
+''' % (REGIONS,)
+
+# every other module: f, g, ... from my own mappings.py where it defines them (so my layers run
+# on my mappings, as a package's modules import each other), else the mirror's.
+HEADER = _COMMON + '''
+try:
+    from . import mappings as _my_mappings
+except ImportError:                  # no mappings.py of mine yet, or not imported as a package
+    _my_mappings = None
+for _name in %r:
+    globals()[_name] = getattr(_my_mappings, _name, None) or getattr(_mirror_mappings, _name)
+''' % (REGIONS,)
 
 
 def folder(path: Optional[os.PathLike] = None) -> pathlib.Path:
@@ -136,7 +154,8 @@ def save_piece(pieces: Sequence[Callable], module: str, names: Sequence[str] = (
     path = folder(where) / module
     path.parent.mkdir(parents=True, exist_ok=True)
     (path.parent / "__init__.py").touch()
-    text = path.read_text() if path.exists() else HEADER
+    text = (path.read_text() if path.exists()
+            else MAPPINGS_HEADER if module == "mappings.py" else HEADER)
     for piece, name in zip(pieces, names):
         text = _without(text, name).rstrip("\n") + "\n\n\n"
         text += _renamed(source_of(piece), piece.__name__, name).rstrip("\n") + "\n"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+import textwrap
 from typing import Dict, Mapping, Optional, Tuple
 
 from mpu_lab.labkit import REPO_ROOT
@@ -156,7 +157,9 @@ def resolve(profile, notebook: str, namespace: Mapping[str, object],
     if missing:
         raise ValueError(f"profile {name!r} gives no value for {missing} ({notebook})")
     shown = ", ".join(f"{k}={_show(v)}" for k, v in filled.items())
-    print(f"profile {name}{why}: {shown or 'nothing to fill'}{note}", file=out)
+    line = f"profile {name}{why}: {shown or 'nothing to fill'}{note}"
+    print(textwrap.fill(line, width=100, subsequent_indent="  ", break_long_words=False,
+                        break_on_hyphens=False), file=out)
     stopwatch.start(notebook, REPO_ROOT / "labs")   # the learner's own time with this lab
     return filled
 

@@ -66,6 +66,9 @@ class _NoOpStream:
     def synchronize(self):
         return None
 
+    def wait(self, *args, **kwargs):
+        return None
+
     def query(self):
         return True
 
@@ -126,6 +129,24 @@ def cpu_patches(on_cpu: bool = True) -> Iterator[Dict[str, str]]:
     finally:
         for name, original in saved.items():
             setattr(torch.cuda, name, original)
+
+
+@contextlib.contextmanager
+def megatron_fsdp_patches(on_cpu: bool = True) -> Iterator[Dict[str, str]]:
+    """While inside, :func:`cpu_patches` and what Megatron-core's Megatron-FSDP needs besides
+    (0.16.1): ``torch.cuda.current_device()`` returns 0, because ``MegatronFSDP.__init__``
+    builds ``f"cuda:{current_device()}"`` (its tensors still land on the CPU through
+    :class:`CudaArgumentsToCpu`). Yields ``{patch: reason}``; ``on_cpu=False`` patches nothing."""
+    if not on_cpu:
+        yield {}
+        return
+    with cpu_patches() as reasons:
+        saved = torch.cuda.current_device
+        setattr(torch.cuda, "current_device", lambda: 0)
+        try:
+            yield dict(reasons, **{"torch.cuda.current_device": "MegatronFSDP names cuda:<n>"})
+        finally:
+            setattr(torch.cuda, "current_device", saved)
 
 
 @contextlib.contextmanager

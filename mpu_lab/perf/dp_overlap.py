@@ -240,7 +240,8 @@ def format_buckets(result: DPOverlapResult, mode: Optional[str] = None) -> str:
     lines = [f"{'bucket':>6} {'params':>6} {'elements':>9} {'padded':>8}  first .. last parameter"]
     for b in rec["buckets"]:
         lines.append(f"{b['bucket']:>6} {b['params']:>6} {b['numel']:>9} {b['padded']:>8}  "
-                     f"{b['names'][0]} .. {b['names'][-1]}")
+                     f"{b['names'][0]} ..")
+        lines.append(f"{'':>33}.. {b['names'][-1]}")
     lines.append(f"{len(rec['buckets'])} buckets of about {result.bucket_size} elements; "
                  f"{rec['grad_numel']} gradient elements ({rec['grad_numel_padded']} padded to "
                  f"multiples of d = {result.d})")
@@ -341,6 +342,6 @@ def format_sweep(rows: Sequence[dict]) -> str:
         bw = "too fast to show" if channel["busbw"] == float("inf") else \
             f"{channel['busbw'] / 1e9:.2f} GB/s"
         lines.append(f"(ms, d = {rows[0]['d']}; the model's channel, fitted to the runs without "
-                     f"overlap: alpha {1e6 * channel['alpha_s']:.0f} us per ring step, bus "
+                     f"overlap:\n alpha {1e6 * channel['alpha_s']:.0f} us per ring step, bus "
                      f"bandwidth {bw})")
     return "\n".join(lines)

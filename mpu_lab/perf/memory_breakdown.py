@@ -384,7 +384,7 @@ def _table(rows: List[Dict[str, Any]], columns: Sequence[str], title: str,
             cells.setdefault((r["config"], r["optimizer"], r["rank"]), {})[name] = r
 
     def text(measured, predicted) -> str:
-        return f"{measured / 1024:.1f} / {predicted / 1024:.1f}"
+        return f"{measured / 1024:.1f}/{predicted / 1024:.1f}"
     heads = list(columns) + (["total"] if total else [])
     body = []
     for (config, optimizer, rank), got in cells.items():
@@ -405,7 +405,7 @@ def _table(rows: List[Dict[str, Any]], columns: Sequence[str], title: str,
 def format_memory_table(rows: List[Dict[str, Any]]) -> str:
     """One line per configuration, optimizer and rank: each term's measured / predicted KiB
     and the total."""
-    return _table(rows, TERMS, "KiB per rank, measured / predicted (cost model, fp32: "
+    return _table(rows, TERMS, "KiB per rank, measured/predicted (cost model, fp32: "
                                "4 + 4 + 8 bytes per parameter)", total=True)
 
 

@@ -162,13 +162,13 @@ def format_published_comparison(rows: Sequence[dict]) -> str:
     column gives the efficiency fitted on the calibration runs."""
     wide = max([len("run")] + [len(r["name"]) for r in rows])
     head = (f"{'run':<{wide}}{'GPUs':>6}{'t':>3}{'p':>4}{'d':>5}{'m':>5}{'v':>3}"
-            f"{'reported':>9}{'predicted':>10}{'error':>8}  {'TFLOP/s count':<15}fitted")
-    lines = [head, "-" * (len(head) + 4)]
+            f"{'reported':>9}{'predicted':>10}{'error':>7}  {'TFLOP/s count':<15}fitted")
+    lines = [head, "-" * (len(head) + 3)]
     for r in rows:
         note = f"eff {r['efficiency']:.3f}" if r["calibration"] else ""
         lines.append(f"{r['name']:<{wide}}{r['gpus']:>6}{r['t']:>3}{r['p']:>4}{r['d']:>5}"
                      f"{r['m']:>5}{r['v']:>3}{r['reported_tflops']:>9.1f}"
-                     f"{r['predicted_tflops']:>10.1f}{100 * r['error']:>7.1f}%  "
+                     f"{r['predicted_tflops']:>10.1f}{100 * r['error']:>6.1f}%  "
                      f"{FLOP_CONVENTIONS[r['metric']]:<15}{note}".rstrip())
     return "\n".join(lines)
 

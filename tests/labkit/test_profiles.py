@@ -55,7 +55,9 @@ def test_resolve_fills_only_none_and_prints_one_line(monkeypatch):
     assert got["tp_sizes"] == [1, 2, 4] and got["steps"] == 60 and got["dtype"] == "fp32"
     assert "tp" not in got                       # not machine-dependent: never touched
     line = out.getvalue()
-    assert line.count("\n") == 1 and line.startswith("profile cpu (auto, torch.cuda.device_count() = 0): ")
+    assert line.startswith("profile cpu (auto, torch.cuda.device_count() = 0): ")
+    assert all(len(row) <= 100 for row in line.splitlines())      # wrapped, as outputs must be
+    assert all(row.startswith("  ") for row in line.splitlines()[1:])
     assert "tp_sizes=[1, 2, 4]" in line and "dtype='fp32'" in line
 
 

@@ -40,7 +40,9 @@ def test_each_going_further_says_the_course_does_not_depend_on_it(path):
 # measured when that count arrived, then with the builds' writing time reported beside the core
 # and not in it (issue 42): each may only shrink until it fits; the cut (depth moved to Going
 # further, or a lab split) is still to do.
-OVER_BUDGET_CEILING = {"15_performance": 46, "17_debugging": 47}
+# 04_data_parallel: 41 min at its quiet compute (77 s), 46 min at the 372 s its last re-execution
+# took on a machine 6x over-subscribed: re-execute it on a quiet machine, then remove it.
+OVER_BUDGET_CEILING = {}
 
 
 def test_every_core_fits_one_sitting_or_shrinks_towards_it():

@@ -15,7 +15,7 @@ import pkgutil
 
 import pytest
 
-import mpu_lab.labkit
+from mpu_lab import labkit
 from mpu_lab.labkit.notebooks import leaks
 
 LABS = sorted((pathlib.Path(__file__).resolve().parents[2] / "labs").glob("[0-9][0-9]_*.ipynb"))
@@ -23,12 +23,17 @@ LABS = sorted((pathlib.Path(__file__).resolve().parents[2] / "labs").glob("[0-9]
 # (lab, question, matched text): weak matches read by eye, with what the number is there.
 READ_BY_EYE = {
     ("01", "tp groups crossing a node", "2"): "question 1's p = 2 and its example [1, 2, 3]",
+    ("16", "smallest cp", "4"): "p = 4 in the memory table of pipeline sizes above it",
+    ("16", "best ep", "8"): "Mixtral's E = 8 experts, the model's own size the question needs",
+    ("17", "culprit of job 1", "1"): "'job 1' names the job; the report's rank numbers are the "
+                                     "evidence the question asks the learner to read",
+    ("17", "culprit of job 5", "1"): "the report's rank numbers, the evidence to read",
 }
 
 
 def _import_graders():
     """Import every lab package's ``exercises`` module: each declares its answers on import."""
-    for info in pkgutil.iter_modules(mpu_lab.labkit.__path__):
+    for info in pkgutil.iter_modules(labkit.__path__):
         if info.ispkg and (pathlib.Path(info.module_finder.path) / info.name
                            / "exercises.py").exists():
             importlib.import_module(f"mpu_lab.labkit.{info.name}.exercises")
@@ -37,11 +42,20 @@ def _import_graders():
 _import_graders()
 
 
+# (lab, question, matched text): a strong match read by eye in an output that varies from run
+# to run (a timing), where the same digits mean something else; kept apart from READ_BY_EYE
+# because the next run may print other digits.
+TIMING_COINCIDENCES = {
+    ("04", "optimizer state GB per rank", "3.6"): "a step time in ms in the overlap table",
+}
+
+
 @pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
 def test_no_answer_is_in_sight_before_the_learner_commits(path):
     found = leaks.notebook_leaks(path)
     unread = [leak for leak in found
-              if not (leak.weak and (leak.lab, leak.question, leak.text) in READ_BY_EYE)]
+              if not (leak.weak and (leak.lab, leak.question, leak.text) in READ_BY_EYE)
+              and (leak.lab, leak.question, leak.text) not in TIMING_COINCIDENCES]
     assert unread == [], "\n".join(str(leak) for leak in unread)
 
 

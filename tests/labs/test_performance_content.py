@@ -214,7 +214,9 @@ def test_the_remedy_is_measured_and_printed(lab):
     code = [c for c in lab.cells if c.cell_type == "code"]
     configs = next(c for c in code if "bad_vs_good_configs(" in c.source)
     flags = _output_text(configs).splitlines()
-    remedy = next(flags[i + 1] for i, line in enumerate(flags) if line.startswith("remedy"))
+    start = next(i for i, line in enumerate(flags) if line.startswith("remedy"))
+    end = next(i for i, line in enumerate(flags) if line.startswith("good"))
+    remedy = " ".join(line.rstrip("\\ ").strip() for line in flags[start + 1:end]) + " "
     micro = int(re.search(r"--micro-batch-size (\d+)", remedy).group(1))
     batch = int(re.search(r"--global-batch-size (\d+)", remedy).group(1))
     assert batch // micro > 1 and "--pipeline-model-parallel-size 1 " not in remedy
@@ -279,7 +281,8 @@ def test_optional_depth_sits_in_going_further_sections_after_the_summary(lab):
     summary = headings.index("Summary")
     main = [h for h in headings[:summary] if re.match(r"\d+\. ", h)]
     assert 4 <= len(main) <= 6, main
-    assert headings[summary + 1:] and all(h.startswith("Going further") for h in headings[summary + 1:])
+    assert headings[summary + 1:] and all(h.startswith(("Going further", "Sources"))
+                                          for h in headings[summary + 1:])
     assert not any("Going further" in h for h in headings[:summary])
 
 

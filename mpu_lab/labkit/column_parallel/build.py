@@ -66,14 +66,14 @@ def close(a: Any, b: torch.Tensor) -> bool:
                                atol=TOL, rtol=TOL))
 
 
-def _counted(kinds: Sequence[str]) -> str:
+def counted_text(kinds: Sequence[str]) -> str:
     """``["all-gather", "all-reduce"]`` -> ``"1 all-gather, 1 all-reduce"``; ``"none"``."""
     if not kinds:
         return "none"
     return ", ".join(f"{list(kinds).count(k)} {k}" for k in sorted(set(kinds)))
 
 
-def _same_collectives(got: Sequence[str], expected: Sequence[str]) -> bool:
+def same_collectives(got: Sequence[str], expected: Sequence[str]) -> bool:
     """The same collectives, a reduce-scatter made of an all-reduce and a slice (the result is
     the same, t times the bytes) counting as a reduce-scatter."""
     def norm(kinds):
@@ -191,9 +191,9 @@ def run_layer_case(learner: Callable, case: Case, mirror: type, split_dim: int,
     with C10dCalls() as calls:
         got = mine(x_mine)
     seen = _forward_outcome(got, out_ref, bias_ref, diagnose, ref, x)
-    if seen.ok and not _same_collectives(calls.collectives(), collectives[0]):
-        seen = Outcome(False, "the collectives of forward", _counted(collectives[0]),
-                       _counted(calls.collectives()))
+    if seen.ok and not same_collectives(calls.collectives(), collectives[0]):
+        seen = Outcome(False, "the collectives of forward", counted_text(collectives[0]),
+                       counted_text(calls.collectives()))
     if seen.ok and not got[0].requires_grad:
         seen = Outcome(False, "the output", "a tensor autograd can differentiate",
                        "no gradient: the output does not depend on x through autograd")
@@ -221,9 +221,9 @@ def run_layer_case(learner: Callable, case: Case, mirror: type, split_dim: int,
                                show(grad))
             continue
         seen = compare(f"{name}.grad", expected, grad, atol=TOL, rtol=TOL)
-    if seen.ok and not _same_collectives(calls.collectives(), collectives[1]):
-        seen = Outcome(False, "the collectives of backward", _counted(collectives[1]),
-                       _counted(calls.collectives()))
+    if seen.ok and not same_collectives(calls.collectives(), collectives[1]):
+        seen = Outcome(False, "the collectives of backward", counted_text(collectives[1]),
+                       counted_text(calls.collectives()))
     return seen
 
 

@@ -267,6 +267,7 @@ def _dense_only(world_size: int):
 
 DISPATCH = Exercise(
     name="my_dispatch",
+    module="token_dispatcher.py",       # saved into the learner's package once right
     run_case=run_dispatch_case,
     cases=[
         Case("ep = 2, top-1, 2 experts per rank",

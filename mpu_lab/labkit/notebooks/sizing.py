@@ -28,7 +28,8 @@ a learner reads and writes, not only the prose):
 the learner far more than reading does, so it is not part of the core's estimate; each is
 reported on its own. A build is a section that opens with a markdown heading
 ``### Build: <piece>`` (:data:`BUILD_HEADING`) and runs to the next heading of level 1 to 3;
-its minutes are those of the ``grade(`` calls inside it. A ``grade(`` call of the core outside
+its minutes are those of the ``grade(`` calls inside it and the reading of its cells (the
+contract, the stub, the verdict: read while writing, not in the core). A ``grade(`` call of the core outside
 any such section is a build too, unmarked, named after the functions it grades. The core is
 then reading and running (prose, outputs, figures, questions and the compute); a lab's builds
 are printed beside it (:attr:`LabSize.build_minutes`, :attr:`LabSize.builds`). Writing in a
@@ -276,7 +277,11 @@ def lab_size(path: pathlib.Path, compute: Optional[Dict[str, float]] = None) -> 
         if not in_core:
             extra += _cell_parts(cell, lines)
             continue
-        core += _cell_parts(cell, lines)
+        parts = _cell_parts(cell, lines)
+        if build is not None:       # a build's contract and stub are read while writing it
+            build.minutes += parts.reading_minutes
+        else:
+            core += parts
         if cell.cell_type == "code" and "parameters" not in cell.metadata.get("tags", []):
             for names, minutes in _graded(cell.source, lines):
                 if build is None:

@@ -56,7 +56,9 @@ def format_split_shapes(dense_rows: Sequence[dict], split_rows: Sequence[dict], 
     header = ("tensor", "lecture", "d_tp = 1", f"d_tp = {tp}", "per rank", "")
     body = []
     for one, split in zip(dense_rows, split_rows):
-        changed = one["shape"] != split["shape"] or one["per_rank"] != split["per_rank"]
+        # a report read back from JSON holds lists where the process's own rows hold tuples
+        changed = (list(one["shape"]) != list(split["shape"])
+                   or int(one["per_rank"]) != int(split["per_rank"]))
         body.append((one["name"], one["lecture"], " x ".join(map(str, one["shape"])),
                      " x ".join(map(str, split["shape"])), str(split["per_rank"]),
                      "*" if changed else ""))

@@ -47,13 +47,13 @@ def format_results(side_by_side: Dict[str, object], cases: Optional[Sequence[str
     wide = max(len("schedule"), *(len(CASES[name].label) for name in names))
     lines = [f"p = {len(ranks)} stages on the CPU (gloo); largest |difference| of the stage "
              f"gradients over all stages:",
-             f"  {'schedule':<{wide}} {'Megatron-core':>13} {'Megatron-core':>13} {'mpu_lab':>7}",
-             f"  {'':<{wide}} {'vs mpu_lab':>13} {'vs the twin':>13} {'vs twin':>7}"]
+             f"{'schedule':<{wide}} {'Megatron-core':>13} {'Megatron-core':>13} {'mpu_lab':>7}",
+             f"{'':<{wide}} {'vs mpu_lab':>13} {'vs the twin':>13} {'vs twin':>7}"]
     for name in names:
         rows = [next(c for c in r["cases"] if c["case"] == name) for r in ranks]
         worst = [max(r[key] for r in rows)
                  for key in ("megatron_vs_mpu_lab", "megatron_vs_twin", "mpu_lab_vs_twin")]
-        lines.append(f"  {CASES[name].label:<{wide}} {_num(worst[0], tol):>13} "
+        lines.append(f"{CASES[name].label:<{wide}} {_num(worst[0], tol):>13} "
                      f"{_num(worst[1], tol):>13} {_num(worst[2], tol):>7}")
     return "\n".join(lines)
 

@@ -118,9 +118,12 @@ def plot_collective(title: str, before: Sequence, after: Sequence,
     sub = ""
     if groups:
         sub = "  (groups: " + " ".join(str(list(g)) for g in groups) + ")"
-    # a 10-point title: about 13 characters an inch, wrapped to the figure's width
-    fig.suptitle(textwrap.fill(title + sub, int(13 * (width - 0.2))), x=0.01, ha="left",
-                 fontsize=10)
+    # a 10-point title: about 13 characters an inch, wrapped to the figure's width; the groups
+    # go on a line of their own rather than be cut inside a group
+    chars = int(13 * (width - 0.2))
+    text = title + sub if len(title + sub) <= chars else (
+        textwrap.fill(title, chars) + ("\n" + sub.strip() if sub else ""))
+    fig.suptitle(text, x=0.01, ha="left", fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -210,8 +210,8 @@ def print_repad_effect(effect: Dict[str, object]) -> None:
     print(f"  largest change of a real id's logit: {e['logit_change']:.3g}")
     print(f"  loss over the padded vocabulary: {e['loss_before']:.4f} -> {e['loss_after']:.4f} "
           f"({e['loss_after'] - e['loss_before']:+.4f})")
-    print(f"  predicted from the saved logits, mean log(sum exp(kept) + rows added) - "
-          f"log(sum exp(saved)): {e['rise_predicted']:+.4f}")
+    print(f"  predicted from the saved logits (mean log(sum exp(kept) + added) - "
+          f"log(sum exp(saved))): {e['rise_predicted']:+.4f}")
     print(f"  loss over the {e['vocab_size']} real ids only: {e['real_before']:.4f} -> "
           f"{e['real_after']:.4f}")
 

@@ -2,6 +2,7 @@
 keeps a cell's text in linecache), a later save of the same name replaces it and leaves the
 others, and the file is a module the capstone's own reader (an AST walk) and Python import."""
 import ast
+import importlib
 import importlib.util
 import linecache
 
@@ -88,3 +89,31 @@ def test_the_per_rank_values_a_piece_reads_are_named_with_what_to_call_instead()
         "device (use get_device())", "world_size (use dist.get_world_size())"]
     assert my_megatron.rank_values_read([ns["Layer"]]) == ["rank (use dist.get_rank())"]
     assert my_megatron.rank_values_read([_cell(CELL, "6")["my_f"]]) == []
+
+
+def test_my_layers_run_on_my_own_mappings_once_saved_and_on_the_mirrors_before(tmp_path):
+    """The package's modules import each other as a package does: layers.py takes f from my
+    mappings.py where I wrote it, and the mirror's for the ones I have not."""
+    import sys
+    import types
+    from mpu_lab.core.tensor_parallel import mappings as mirror
+    layer = _cell("def uses_f(x):\n    return copy_to_tensor_model_parallel_region\n", "7")
+    mine = _cell("def copy_to_tensor_model_parallel_region(x):\n    return x\n", "8")
+    pkg = tmp_path / "pkg"
+
+    def imported():
+        for name in [n for n in sys.modules if n.startswith("learner_pkg")]:
+            del sys.modules[name]
+        package = types.ModuleType("learner_pkg")
+        package.__path__ = [str(pkg)]
+        sys.modules["learner_pkg"] = package
+        return importlib.import_module("learner_pkg.layers")
+
+    my_megatron.save_piece([layer["uses_f"]], "layers.py", where=pkg)
+    assert imported().uses_f(0) is mirror.copy_to_tensor_model_parallel_region
+    my_megatron.save_piece([mine["copy_to_tensor_model_parallel_region"]], "mappings.py", where=pkg)
+    layers = imported()
+    assert layers.uses_f(0) is sys.modules["learner_pkg.mappings"].copy_to_tensor_model_parallel_region
+    assert layers.uses_f(0) is not mirror.copy_to_tensor_model_parallel_region
+    assert layers.reduce_from_tensor_model_parallel_region is \
+        mirror.reduce_from_tensor_model_parallel_region              # not written: the mirror's

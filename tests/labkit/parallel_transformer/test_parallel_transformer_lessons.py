@@ -18,3 +18,16 @@ def test_the_verdict_is_computed_from_the_printed_times():
     line = lessons.overlap_verdict(_reports([(110, 100), (120, 100)], device="cuda"), cores=2)
     assert line == ("Measured with 2 ranks on 2 cores: every rank was slower overlapped "
                     "(-10 %, -20 %).")
+
+
+def test_the_split_table_marks_only_the_rows_tensor_parallelism_changed():
+    """The lecture's tables at B=2, L=8, D=16, n_H=4: at d_tp = 2, Q is 2x8x8 (D/2) and Out
+    stays 2x8x16; a report read back from JSON holds lists, the process's rows tuples."""
+    from mpu_lab.perf.layer_shapes import shape_table
+    dense = shape_table(2, 8, 16, 4, tensor_model_parallel_size=1)
+    split = [dict(r, shape=list(r["shape"])) for r in dense]
+    split[0] = dict(split[0], shape=[2, 8, 8])                      # Q cut by d_tp = 2
+    lines = lessons.format_split_shapes(dense, split, 2).splitlines()
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert rows["Q"].endswith("*") and "2 x 8 x 8" in rows["Q"]
+    assert not rows["Out"].endswith("*")
