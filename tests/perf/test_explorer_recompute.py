@@ -34,3 +34,18 @@ def test_explore_refuses_an_unknown_recompute_naming_the_choices():
     with pytest.raises(ValueError, match=r"recompute must be one of \('none', 'selective', "
                                          r"'full', 'auto'\), got 'some'"):
         explore(TINY, DGX_A100_80GB, 1, 2, recompute="some")
+
+
+def test_the_explorer_takes_megatron_fsdp_strategies_and_zero3_fits_where_no_shard_does_not():
+    """GPT-3 175B on 64 A100s: ZeRO-3 divides the weights and gradients by d too, so more splits
+    fit than without sharding (the 16 bytes per parameter split as the cost model's tests
+    work by hand), and the assumptions say which strategy was ranked."""
+    kw = dict(model=GPT3_175B, cluster=DGX_A100_80GB, num_gpus=64, global_batch_size=64,
+              micro_batch_sizes=(1,), recompute="full")
+    plain = explore(**kw, data_parallel_sharding_strategy="no_shard")
+    zero3 = explore(**kw, data_parallel_sharding_strategy="optim_grads_params")
+    assert len(zero3.fitting()) > len(plain.fitting())
+    assert "data-parallel sharding (Megatron-FSDP's names): optim_grads_params" in \
+        zero3.assumptions()
+    with pytest.raises(ValueError):
+        explore(**kw, data_parallel_sharding_strategy="zero3")

@@ -214,8 +214,11 @@ def pipeline_p2p_bytes(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int 
 def dp_allreduce_bytes(model: ModelShape, cfg: ParallelConfig, grad_bytes: int = 2) -> float:
     """Bytes each GPU sends in the data-parallel gradient all-reduce of one iteration:
     ``2(d-1)/d × params_per_gpu × grad_bytes`` (ring all-reduce; with the distributed optimizer
-    a reduce-scatter of gradients plus an all-gather of parameters moves the same)."""
-    return ring_all_reduce_factor(cfg.dp) * parameters_per_gpu(model, cfg) * grad_bytes
+    a reduce-scatter of gradients plus an all-gather of parameters moves the same); ZeRO-3
+    (``optim_grads_params``) all-gathers the weights twice (forward, backward) and
+    reduce-scatters once: 1.5 x (Rajbhandari et al. 2020 §7.2.2)."""
+    zero3 = 1.5 if cfg.sharding == "optim_grads_params" else 1.0
+    return zero3 * ring_all_reduce_factor(cfg.dp) * parameters_per_gpu(model, cfg) * grad_bytes
 
 
 def in_flight_microbatches(cfg: ParallelConfig) -> float:
@@ -274,8 +277,12 @@ def memory_per_gpu(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2,
     n = parameters_per_gpu(model, cfg, "first")
     weights, grads = terms["replicated"]["param"] * n, terms["replicated"]["grad"] * n
     optimizer = sum(terms["sharded"].values()) * n
-    if cfg.distributed_optimizer:
+    if cfg.sharding != "no_shard":                  # ZeRO-1 and up: the optimizer states
         optimizer /= cfg.dp
+    if cfg.sharding in ("optim_grads", "optim_grads_params"):     # ZeRO-2: the gradients
+        grads /= cfg.dp
+    if cfg.sharding == "optim_grads_params":        # ZeRO-3: the weights (a unit's whole
+        weights /= cfg.dp                           # weights live only while it computes)
     layers_per_stage = model.L / cfg.pp
     scale = dtype_bytes / 2             # Table 2 counts 16-bit activations
     kept, whole = (layer_activation_bytes(model, cfg, stored) for stored in (True, False))

@@ -21,6 +21,8 @@ __all__ = ["RECOMPUTE_MODES", "SCHEDULES", "ModelShape", "ParallelConfig", "Clus
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe")
+# Megatron-FSDP's --data-parallel-sharding-strategy (cost_model.fsdp holds the same tuple)
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,11 @@ class ParallelConfig:
     Megatron-core's ``recompute_method="block"``, only the first N layers of each model chunk
     (of ``L/(p·v)``) recompute their forward and keep only their input, the rest keep
     everything; ``None`` recomputes every layer (``"uniform"`` with one layer per group).
+    ``data_parallel_sharding_strategy`` (Megatron-FSDP, ``--use-megatron-fsdp``): ``"no_shard"``,
+    ``"optim"`` (ZeRO-1, what ``distributed_optimizer`` gives), ``"optim_grads"`` (ZeRO-2: the
+    gradients too) or ``"optim_grads_params"`` (ZeRO-3: the weights too, all-gathered before
+    each unit's forward and backward: 1.5 x the data-parallel bytes); ``None``: not
+    Megatron-FSDP, ``distributed_optimizer`` decides (:attr:`sharding`).
     """
     tp: int = 1
     pp: int = 1
@@ -90,6 +97,7 @@ class ParallelConfig:
     overlap_tp_comm: bool = False
     overlap_p2p_comm: bool = False
     recompute_num_layers: Optional[int] = None
+    data_parallel_sharding_strategy: Optional[str] = None
 
     t = property(lambda self: self.tp)
     p = property(lambda self: self.pp)
@@ -108,6 +116,14 @@ class ParallelConfig:
 
     m = property(lambda self: self.num_microbatches)
 
+    @property
+    def sharding(self) -> str:
+        """What each data-parallel rank keeps 1/d of, as Megatron-FSDP names it: the strategy,
+        or ``"optim"`` with the distributed optimizer, else ``"no_shard"``."""
+        if self.data_parallel_sharding_strategy is not None:
+            return self.data_parallel_sharding_strategy
+        return "optim" if self.distributed_optimizer else "no_shard"
+
     def problems(self, model: Optional[ModelShape] = None) -> list:
         """Every reason this configuration cannot run ``model`` (empty list: it can)."""
         out = []
@@ -120,6 +136,14 @@ class ParallelConfig:
             return out
         if self.recompute not in RECOMPUTE_MODES:
             out.append(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        strategy = self.data_parallel_sharding_strategy
+        if strategy is not None and strategy not in SHARDING_STRATEGIES:
+            out.append(f"data_parallel_sharding_strategy must be one of "
+                       f"{', '.join(SHARDING_STRATEGIES)} or None, got {strategy!r}")
+        if strategy is not None and self.distributed_optimizer:
+            out.append(f"data_parallel_sharding_strategy {strategy!r} with distributed_optimizer: "
+                       f"Megatron-FSDP shards the optimizer states itself ('optim' is the "
+                       f"distributed optimizer's sharding)")
         if self.schedule not in SCHEDULES:
             out.append(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.global_batch_size % (self.micro_batch_size * self.dp):

@@ -187,7 +187,9 @@ def _dp_exposed_time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     (Narayanan et al. 2021 Fig. 4), giving the earlier chunks a head start. The chunks queue on
     the link; what runs past the end of the backward pass is exposed. With the distributed
     optimizer the all-reduce is a reduce-scatter (overlapped as above) plus a parameter
-    all-gather that hides the same way behind the next iteration's forward pass.
+    all-gather that hides the same way behind the next iteration's forward pass; so too under
+    Megatron-FSDP's ``optim`` and ``optim_grads``, and under ``optim_grads_params`` (ZeRO-3)
+    the 1.5 x bytes are three such phases: the reduce-scatter and two parameter all-gathers.
     """
     if cfg.dp == 1:
         return 0.0
@@ -199,13 +201,14 @@ def _dp_exposed_time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     chunk_bwd = backward_mb / v
     # ready time of chunk j's reduction, measured back from the end of the backward pass
     ready = sorted((chunk_bwd + j * p * chunk_bwd for j in range(v)), reverse=True)
-    phase = total / 2 if cfg.distributed_optimizer else total   # reduce-scatter | all-reduce
+    sharded = cfg.sharding != "no_shard"
+    phase = total / (3 if cfg.sharding == "optim_grads_params" else 2) if sharded else total
     finish = -math.inf
     for r in ready:
         finish = max(finish, -r) + phase / v
     exposed = max(0.0, finish)
-    if cfg.distributed_optimizer:
-        exposed *= 2            # the parameter all-gather mirrors it in the next forward
+    if sharded:                 # the parameter all-gather(s) mirror it: in the next forward
+        exposed *= 3 if cfg.sharding == "optim_grads_params" else 2   # (and the backward)
     return exposed
 
 
@@ -282,7 +285,7 @@ def predict_iteration(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     dp_time = keep["dp_comm"] * _dp_exposed_time(model, cfg, cluster, grad_bytes,
                                backward_mb=(2 / 3) * (matmul_mb + elementwise_mb))
     n_gpu = parameters_per_gpu(model, cfg, "first")
-    if cfg.distributed_optimizer:
+    if cfg.sharding != "no_shard":
         n_gpu /= cfg.dp
     optimizer = keep["optimizer"] * n_gpu * ADAM_STEP_BYTES_PER_PARAM / cluster.hbm_bandwidth
     total = m * per_mb + bubble + dp_time + optimizer + host_overhead_s

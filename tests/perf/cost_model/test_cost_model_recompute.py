@@ -129,3 +129,34 @@ def test_context_and_expert_parallel_memory_follow_the_block_method():
         steps = [block[i] - block[i + 1] for i in range(6)]       # N = 1..7: no extra layer
         assert all(st == pytest.approx(steps[0], rel=1e-9) and st > 0 for st in steps)
         assert block[0] < none and block[0] == pytest.approx(none - steps[0], rel=1e-9)
+
+
+def test_megatron_fsdp_strategies_divide_what_zero_says_and_zero3_moves_half_as_much_again():
+    """ZeRO's stages (Rajbhandari et al. 2020 Fig. 1) for the tiny GPT at d = 4 in fp32
+    (4 + 4 + 8 bytes per parameter): the optimizer states, then the gradients, then the
+    weights fall to a quarter; ZeRO-3's bytes per step are 1.5 x the all-reduce's (§7.2.2)."""
+    from mpu_lab.perf.cost_model.counts import dp_allreduce_bytes, parameters_per_gpu
+    n = parameters_per_gpu(TINY, ParallelConfig(dp=4, micro_batch_size=2, global_batch_size=8),
+                           "first")
+
+    def mem(strategy, **kw):
+        c = ParallelConfig(dp=4, micro_batch_size=2, global_batch_size=8,
+                           data_parallel_sharding_strategy=strategy, **kw)
+        assert c.problems(TINY) == []
+        return memory_per_gpu(TINY, c, dtype_bytes=4)
+
+    assert [(m["weights"], m["gradients"], m["optimizer"])
+            for m in map(mem, ("no_shard", "optim", "optim_grads", "optim_grads_params"))] == [
+        (4 * n, 4 * n, 8 * n), (4 * n, 4 * n, 2 * n), (4 * n, n, 2 * n), (n, n, 2 * n)]
+    assert mem("optim") == mem(None, distributed_optimizer=True)      # the same ZeRO-1
+    assert mem("no_shard") == mem(None)
+    base = ParallelConfig(dp=4, micro_batch_size=2, global_batch_size=8)
+    zero3 = ParallelConfig(dp=4, micro_batch_size=2, global_batch_size=8,
+                           data_parallel_sharding_strategy="optim_grads_params")
+    assert dp_allreduce_bytes(TINY, zero3, 4) == 1.5 * dp_allreduce_bytes(TINY, base, 4)
+    bad = ParallelConfig(dp=4, micro_batch_size=2, global_batch_size=8, distributed_optimizer=True,
+                         data_parallel_sharding_strategy="optim")
+    assert any("shards the optimizer states itself" in p for p in bad.problems(TINY))
+    typo = ParallelConfig(dp=4, micro_batch_size=2, global_batch_size=8,
+                          data_parallel_sharding_strategy="zero3")
+    assert any("must be one of no_shard, optim" in p for p in typo.problems(TINY))
