@@ -35,6 +35,7 @@ def make_batches(args, device):
     out = []
     for _ in range(args.microbatches):
         ids = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1),
+                            # cpu: a CPU generator, moved below
                             generator=g)
         out.append({"tokens": ids[:, :-1].to(device), "labels": ids[:, 1:].to(device),
                     "position_ids": torch.arange(args.seq_length, device=device)})

@@ -299,8 +299,9 @@ class Exploration:
             f"- distributed optimizer: {_switch(cfgs, 'distributed_optimizer')}"
             + (" (every data-parallel rank keeps all the Adam states of its shard of the model)"
                if _switch(cfgs, "distributed_optimizer") == "off" else ""),
-            f"- data-parallel sharding (Megatron-FSDP's names): "
-            f"{', '.join(sorted({c.sharding for c in cfgs}))}",
+            *([f"- data-parallel sharding (Megatron-FSDP's names): "
+               f"{', '.join(sorted({c.sharding for c in cfgs}))}"]
+              if any(c.data_parallel_sharding_strategy for c in cfgs) else []),
             f"- flash attention: {_switch(cfgs, 'flash_attention')}",
             "- overlap: " + ", ".join(f"{k} {v}" for k, v in overlaps.items()),
             f"- {act_bits}-bit weights and activations ({self.params_dtype}), "

@@ -185,6 +185,9 @@ TOY: Dict[str, Toy] = {
     "train_gpt.py:3": Toy("2 iterations; " + FOUR_RANKS + " (DP 1)", TRAIN_2, nproc=4),
     "train_gpt.py:4": Toy("2 iterations", TRAIN_2),
     "train_gpt.py:5": Toy("2 iterations", TRAIN_2),
+    "zero_bubble_timing.py:1": Toy("1 timed iteration of each schedule, width 32, 4 "
+                                   "micro-batches", ("--iterations", "1", "--hidden-size", "32",
+                                                     "--microbatches", "4")),
     "utilisation.py:1": Toy("2 ranks (its CPU default on 2 cores), a two-layer width-32 GPT, "
                             "2 steps per run", TINY_UTIL, outputs=("runs/utilisation",)),
     "utilisation.py:2": Toy("the 8-GPU command at utilisation.py:1's toy size and 2 ranks: "

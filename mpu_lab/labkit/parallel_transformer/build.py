@@ -120,8 +120,9 @@ def run_embedding_case(learner: Callable, case: Case) -> Outcome:
 
     device = initialize.get_device()
     g = torch.Generator().manual_seed(p["seed"] + 1)    # cpu: the same ids on every rank
-    ids = torch.randint(0, p["vocab"], tuple(p["ids"]), generator=g)
-    ids.view(-1)[:2] = torch.tensor([0, p["vocab"] - 1])  # the first and the last id
+    ids = torch.randint(0, p["vocab"], tuple(p["ids"]),
+                        generator=g)        # cpu: a CPU generator, moved below
+    ids.view(-1)[:2] = torch.tensor([0, p["vocab"] - 1])  # cpu: the first and last id
     ids = ids.to(device)
     out_ref = ref(ids)
     tp = parallel_state.get_tensor_model_parallel_group()
@@ -192,14 +193,15 @@ def _logits(p: dict, t: int) -> Tuple[torch.Tensor, torch.Tensor]:
     b, s, per = p["b"], p["s"], p["vocab_per_rank"]
     vocab = per * t
     g = torch.Generator().manual_seed(p["seed"] + 100 * parallel_state.get_data_parallel_rank())
-    logits = p.get("offset", 0.0) + p.get("scale", 3.0) * torch.randn(b, s, vocab, generator=g)
+    logits = p.get("offset", 0.0) + p.get("scale", 3.0) * torch.randn(
+        b, s, vocab, generator=g)              # cpu: a CPU generator; the case moves them
     if p["targets"] == "first_shard":
-        target = torch.randint(0, per, (b, s), generator=g)
+        target = torch.randint(0, per, (b, s), generator=g)  # cpu: the same CPU generator
     elif p["targets"] == "last":
-        target = torch.full((b, s), vocab - 1)
+        target = torch.full((b, s), vocab - 1)  # cpu: moved with the logits
         target.view(-1)[::2] = 0
     else:
-        target = torch.randint(0, vocab, (b, s), generator=g)
+        target = torch.randint(0, vocab, (b, s), generator=g)  # cpu: the same CPU generator
     return logits, target
 
 

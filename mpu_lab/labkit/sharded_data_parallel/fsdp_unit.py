@@ -26,9 +26,11 @@ class Block(torch.nn.Module):
 
     def __init__(self, h_in: int, h_out: int, gen: torch.Generator):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(h_in, h_out, generator=gen)
+        self.weight = torch.nn.Parameter(torch.randn(h_in, h_out,  # cpu: moved by blocks()
+                                                     generator=gen)
                                          / math.sqrt(h_in))
-        self.bias = torch.nn.Parameter(0.1 * torch.randn(h_out, generator=gen))
+        self.bias = torch.nn.Parameter(0.1 * torch.randn(  # cpu: moved by blocks()
+            h_out, generator=gen))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x @ self.weight + self.bias)          # [b, h_out]

@@ -61,7 +61,8 @@ def _mlp(seed: int) -> torch.nn.Sequential:
 
 def _batches(d: int, steps: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen))
+    return [[(torch.randn(4, 8, generator=gen),   # cpu: Megatron-core runs on the CPU mesh
+              torch.randn(4, 4, generator=gen))  # cpu: the same
              for _ in range(d)] for _ in range(steps)]
 
 

@@ -165,7 +165,8 @@ def _rank_tensor(shape: Sequence[int], seed: int, strided: bool) -> torch.Tensor
     transpose of a tensor laid out the other way)."""
     g = torch.Generator().manual_seed(1000 * seed + dist.get_rank())
     if strided:
-        x = torch.randn(*reversed(list(shape)), generator=g).permute(
+        x = torch.randn(*reversed(list(shape)),  # cpu: a CPU generator, then moved
+                        generator=g).permute(
             *reversed(range(len(shape))))          # cpu: a CPU generator, then moved
     else:
         x = torch.randn(*shape, generator=g)       # cpu: a CPU generator, then moved

@@ -105,7 +105,8 @@ def _batches(m: int, device) -> List[Dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(m)
     out = []
     for _ in range(m):
-        ids = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+        ids = torch.randint(0, VOCAB, (MBS, SEQ + 1),
+                            generator=g)    # cpu: a CPU generator, moved below
         out.append({"tokens": ids[:, :-1].to(device), "labels": ids[:, 1:].to(device),
                     "position_ids": torch.arange(SEQ, device=device)})
     return out

@@ -68,9 +68,10 @@ def split_one_layer(tokens: int = 64, in_features: int = 32, out_features: int =
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     g = torch.Generator().manual_seed(seed)
-    x0 = torch.randn(tokens, in_features, generator=g)
-    w0 = torch.randn(out_features, in_features, generator=g) / in_features ** 0.5
-    dy = torch.randn(tokens, out_features, generator=g)
+    x0 = torch.randn(tokens, in_features, generator=g)  # cpu: one process
+    w0 = torch.randn(out_features, in_features,
+                     generator=g) / in_features ** 0.5  # cpu: one process
+    dy = torch.randn(tokens, out_features, generator=g)  # cpu: one process
 
     def leaves():
         return x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)

@@ -245,7 +245,7 @@ def test_f_written_as_g_fails_the_f_exercise(grading_world, as_notebook, capsys)
 def test_the_stubs_print_no_answer_yet(grading_world, as_notebook, capsys):
     assert not grader.grade(f_of(as_notebook, F_STUBS), F_EXERCISE, grading_world)
     assert capsys.readouterr().out == ("No answer yet: f_forward still raises "
-                                       "NotImplementedError: write its body, then run this cell "
+                                       "NotImplementedError:\nwrite its body, then run this cell "
                                        "again.\n")
 
 
