@@ -134,9 +134,10 @@ def cpu_patches(on_cpu: bool = True) -> Iterator[Dict[str, str]]:
 @contextlib.contextmanager
 def megatron_fsdp_patches(on_cpu: bool = True) -> Iterator[Dict[str, str]]:
     """While inside, :func:`cpu_patches` and what Megatron-core's Megatron-FSDP needs besides
-    (0.16.1): ``torch.cuda.current_device()`` returns 0, because ``MegatronFSDP.__init__``
-    builds ``f"cuda:{current_device()}"`` (its tensors still land on the CPU through
-    :class:`CudaArgumentsToCpu`). Yields ``{patch: reason}``; ``on_cpu=False`` patches nothing."""
+    (0.16.1 and 0.19.2): ``torch.cuda.current_device()`` returns 0, because
+    ``MegatronFSDP.__init__`` builds ``f"cuda:{current_device()}"`` (its tensors still land on
+    the CPU through :class:`CudaArgumentsToCpu`). Yields ``{patch: reason}``;
+    ``on_cpu=False`` patches nothing."""
     if not on_cpu:
         yield {}
         return

@@ -184,7 +184,9 @@ def test_rank_that_hangs_makes_every_rank_fail_within_the_collective_timeout():
     assert len(workers) == 4 and watch.still_alive() == []
     last_gone = max(watch.gone[p] for p in workers) - t0
     assert last_gone <= 1.1 * COLLECTIVE_TIMEOUT_S, f"last worker ended {last_gone:.2f} s after"
-    assert raised_at - t0 <= COLLECTIVE_TIMEOUT_S + 5.0   # + torchrun's own shutdown
+    # + torchrun noticing and its own shutdown: 11.3 s once at CI under the full suite's load,
+    # so the same 15 s as the failing rank's bound above (the workers' bound is the tight one)
+    assert raised_at - t0 <= 15.0
     message = str(err.value)
     assert err.value.rank in (0, 2, 3)
     assert "A collective timed out (MPU_LAB_TIMEOUT_S: 6.0 s): all_reduce at " \

@@ -81,24 +81,34 @@ def order_text(order) -> str:
         return repr(order)[:200]
 
 
-def order_problem(order: Any, num_microbatches: int) -> Optional[str]:
+# what must come before each kind of op of a micro-batch: its forward before its backward, and
+# (zero-bubble schedules, lab 12) its backward for the input before the one for the weights
+_BEFORE = {"B": "F", "W": "B"}
+
+
+def order_problem(order: Any, num_microbatches: int,
+                  kinds: Sequence[str] = _KINDS) -> Optional[str]:
     """What makes ``order`` impossible for a stage (``None`` when it is a possible order): each
-    ``("F", k)`` and ``("B", k)`` for ``0 <= k < m`` exactly once, a backward after its forward."""
+    ``(kind, k)`` for every kind of ``kinds`` and ``0 <= k < m`` exactly once, a backward after
+    its forward (and a ``W`` after its ``B``, when ``kinds`` has one)."""
     m = num_microbatches
+    shapes = [f"({kind!r}, k)" for kind in kinds]
     if not isinstance(order, (list, tuple)):
-        return f"a {type(order).__name__}, not a list of ('F', k) / ('B', k)"
+        return f"a {type(order).__name__}, not a list of {' / '.join(shapes)}"
     seen = set()
     for i, op in enumerate(order):
-        if not (isinstance(op, (list, tuple)) and len(op) == 2 and op[0] in _KINDS
+        if not (isinstance(op, (list, tuple)) and len(op) == 2 and op[0] in kinds
                 and isinstance(op[1], int) and not isinstance(op[1], bool) and 0 <= op[1] < m):
-            return f"item {i} is {op!r}: each item is ('F', k) or ('B', k) with 0 <= k < m = {m}"
+            return (f"item {i} is {op!r}: each item is {', '.join(shapes[:-1])} or {shapes[-1]} "
+                    f"with 0 <= k < m = {m}")
         op = (op[0], op[1])
         if op in seen:
             return f"{op!r} appears twice"
-        if op[0] == "B" and ("F", op[1]) not in seen:
-            return f"('B', {op[1]}) comes before ('F', {op[1]})"
+        before = _BEFORE.get(op[0])
+        if before in kinds and (before, op[1]) not in seen:
+            return f"{op!r} comes before ({before!r}, {op[1]})"
         seen.add(op)
-    missing = [(kind, k) for kind in _KINDS for k in range(m) if (kind, k) not in seen]
+    missing = [(kind, k) for kind in kinds for k in range(m) if (kind, k) not in seen]
     return f"{missing[:3]}{' ...' if len(missing) > 3 else ''} missing" if missing else None
 
 

@@ -1,9 +1,10 @@
 """Megatron-core's own Megatron-FSDP beside the mirror's, on the CPU: :func:`compare_on_rank`
 runs on every rank of a playground world and trains one small MLP three ways with AdamW:
-Megatron-core 0.16's ``fully_shard`` (``megatron/core/distributed/fsdp/src/megatron_fsdp/``,
-ZeRO-3, one unit per ``Linear``), the mirror's :class:`~mpu_lab.core.distributed.fsdp.MegatronFSDP`
-(``optim_grads_params``, the same units), and a single process on the whole global batch (the
-reference). :func:`format_comparison` prints the largest difference of each from the reference.
+Megatron-core's ``fully_shard`` (``megatron/core/distributed/fsdp/src/megatron_fsdp/``,
+ZeRO-3, one unit per ``Linear``; checked with 0.16.1 and 0.19.2), the mirror's
+:class:`~mpu_lab.core.distributed.fsdp.MegatronFSDP` (``optim_grads_params``, the same units),
+and a single process on the whole global batch (the reference). :func:`format_comparison`
+prints the largest difference of each from the reference.
 
 Megatron-core runs inside :func:`mpu_lab.megatron_reference.cpu.megatron_fsdp_patches` (the
 one module allowed to patch ``torch.cuda``): the CPU patches every Megatron-core side-by-side
@@ -18,6 +19,16 @@ needs (found one error at a time):
   (``wait_for_previous_grad_reduce``);
 * not a patch, a setting: ``ddp_config.gradient_reduce_div_fusion = False``. By default the
   average is fused into the reduce-scatter as ``ReduceOp.PREMUL_SUM``, which gloo lacks.
+
+Two more things make one call serve 0.16.1 and 0.19.2 alike, neither a patch:
+
+* the mesh has a trivial tensor-parallel dimension of size 1 named ``tp_dim``: 0.19 looks up
+  the tensor-parallel submesh by that name and, without it, stops with ``No submesh with
+  mesh_dim_names=(None,)`` (0.16 accepts the extra dimension);
+* 0.19's ``fully_shard`` builds the optimizer's state up front with one ``step()`` on zero
+  gradients (for checkpoint loading): no weight moves, but AdamW counts the step, so its bias
+  correction would run one step ahead of the reference. The step counts are set back to 0
+  (0.16 builds the state at the first real step: nothing to reset).
 
 Everything is put back on leaving; the patches live in the ranks only while this runs.
 """
@@ -105,12 +116,21 @@ def _megatron_core(data, seed: int, me: int) -> List[Tuple[torch.Tensor, tuple]]
 
     model = _mlp(seed)
     opt = _adamw(model.parameters())
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    # a trivial tensor-parallel dimension of size 1 beside the data-parallel one: 0.19 looks
+    # its submesh up by tp_dim ("No submesh with mesh_dim_names=(None,)" without it); 0.16
+    # accepts it too
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
     with megatron_cpu.megatron_fsdp_patches(), _quiet():
-        model, opt = fully_shard(model, opt, device_mesh=mesh, dp_shard_dim="dp",
+        model, opt = fully_shard(model, opt, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
                                  fsdp_unit_modules=[torch.nn.Linear], zero_dp_strategy=3,
                                  device=torch.device("cpu"))
         model.ddp_config.gradient_reduce_div_fusion = False     # gloo has no PREMUL_SUM
+        # 0.19 builds AdamW's state inside fully_shard with one step on zero gradients: no
+        # weight moves, but the step count says 1, so the bias correction would run a step
+        # ahead of the reference; set it back to 0 (0.16 builds the state lazily: none here)
+        for state in opt.state.values():
+            if "step" in state:
+                state["step"].zero_()
         for step in data:
             opt.zero_grad()
             x, y = step[me]

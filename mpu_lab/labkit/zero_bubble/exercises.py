@@ -33,7 +33,8 @@ from mpu_lab.core.pipeline_parallel.schedule_runtime import backward_dw, backwar
 from mpu_lab.core.transformer.transformer_config import TransformerConfig
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare
 from mpu_lab.labkit.notebooks.leaks import declare_answers
-from mpu_lab.labkit.pipeline_parallel.exercises import num_microbatches_of
+from mpu_lab.labkit.pipeline_parallel.exercises import num_microbatches_of, order_text
+from mpu_lab.labkit.pipeline_parallel.exercises import order_problem as pipeline_order_problem
 from mpu_lab.labkit.verdict import Verdict, as_int, as_int_list, unanswered, verdict
 from mpu_lab.labkit.zero_bubble.timelines import peak_in_flight
 from mpu_lab.perf.pipeline_schedules import idle_slots, simulate
@@ -61,28 +62,9 @@ def check_idle_slots(answer: Any, schedule: str, p: int, m: int) -> Verdict:
 
 # --------------------------------------------------------------------------- write the order
 def order_problem(order: Any, m: int) -> Optional[str]:
-    """What makes ``order`` impossible for one stage, or ``None``: each ``("F", k)``,
-    ``("B", k)``, ``("W", k)`` for ``0 <= k < m`` once, B after its F, W after its B."""
-    if not isinstance(order, (list, tuple)):
-        return f"a {type(order).__name__}, not a list of ('F', k) / ('B', k) / ('W', k)"
-    seen = set()
-    for i, op in enumerate(order):
-        if not (isinstance(op, (list, tuple)) and len(op) == 2 and op[0] in _KINDS
-                and isinstance(op[1], int) and not isinstance(op[1], bool) and 0 <= op[1] < m):
-            return f"item {i} is {op!r}: each item is ('F', k), ('B', k) or ('W', k), 0 <= k < {m}"
-        op = (op[0], op[1])
-        if op in seen:
-            return f"{op!r} appears twice"
-        before = {"B": "F", "W": "B"}.get(op[0])
-        if before and (before, op[1]) not in seen:
-            return f"{op!r} comes before ({before!r}, {op[1]})"
-        seen.add(op)
-    missing = [(kind, k) for kind in _KINDS for k in range(m) if (kind, k) not in seen]
-    return f"{missing[:3]}{' ...' if len(missing) > 3 else ''} missing" if missing else None
-
-
-def order_text(order) -> str:
-    return " ".join(f"{kind}{k}" for kind, k in order) or "(nothing)"
+    """What makes ``order`` impossible for one stage, or ``None``: lab 11's check with the
+    third kind, each ``("F", k)``, ``("B", k)``, ``("W", k)`` once, B after its F, W after its B."""
+    return pipeline_order_problem(order, m, kinds=_KINDS)
 
 
 # the tiny GPT every stage runs: two layers per stage

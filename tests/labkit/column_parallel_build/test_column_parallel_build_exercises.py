@@ -12,14 +12,13 @@ text in linecache, as IPython keeps it) and sent to the ranks as its source.
   the collectives worked out by hand in the build's module.
 * The stub has no answer yet.
 """
-import importlib.util
-import linecache
 
 import pytest
 
 from mpu_lab.labkit.column_parallel import build
 from mpu_lab.labkit.grader import grade
 from mpu_lab.labkit.notebooks.solutions import solution_source
+from learner_cells import import_file, run_cell
 
 # A right answer as a learner may write it (not the lab's solution: torch.split, matmul).
 COLUMN = '''
@@ -111,26 +110,14 @@ VERDICTS = {
 
 
 def _cell(source, name, key):
-    """``source`` run as IPython runs a cell (its text kept in linecache): the class ``name``."""
-    filename = f"<ipython-input-column-{key}>"
-    source = "import torch\n" + source          # the cell's own import (the lab's stub has it)
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    namespace = {"__name__": "__main__"}
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace[name]
+    """``source`` as the learner's cell (with its own ``import torch``): the class ``name``."""
+    return run_cell("import torch\n" + source, f"column-{key}")[name]
 
 
 def _mistake(name):
     old, new = MISTAKES[name]
     assert COLUMN.count(old) == 1, name
     return COLUMN.replace(old, new)
-
-
-def _import(path):
-    spec = importlib.util.spec_from_file_location("saved_layers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_learners_class_passes_and_is_saved(grading_world, capsys, monkeypatch, tmp_path):
@@ -141,7 +128,7 @@ def test_the_learners_class_passes_and_is_saved(grading_world, capsys, monkeypat
     assert out.startswith(f"Right: MyColumnParallelLinear agrees with the reference on all 4 "
                           f"ranks for 5 inputs: {CASES[0]};"), out
     assert "saved: my_megatron/layers.py (ColumnParallelLinear)" in out
-    module = _import(tmp_path / "my_megatron" / "layers.py")
+    module = import_file(tmp_path / "my_megatron" / "layers.py")
     assert isinstance(module.ColumnParallelLinear, type)
     assert grading_world.tp == 2 and grading_world.world_size == 4     # the world's groups back
 

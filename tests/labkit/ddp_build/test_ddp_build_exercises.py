@@ -14,14 +14,13 @@ notebook cell (its text in linecache, as IPython keeps it), sent to the ranks as
   collectives; a missed average fails on the values; Adam's state kept for every parameter
   fails on the state it holds. The stubs have no answer yet.
 """
-import importlib.util
-import linecache
 
 import pytest
 
 from mpu_lab.labkit.data_parallel import build
 from mpu_lab.labkit.grader import grade
 from mpu_lab.labkit.notebooks.solutions import solution_source
+from learner_cells import edited, import_file, run_cell
 
 DDP = '''
 class MyDistributedDataParallel:
@@ -118,27 +117,12 @@ INPUTS = {"too early": "buckets of about 40 elements, 2 micro-batches, 2 iterati
 
 
 def _mistake(name):
-    text = DDP
-    for old, new in MISTAKES[name]:
-        assert text.count(old) == 1, (name, old)
-        text = text.replace(old, new)
-    return text
+    return edited(DDP, *MISTAKES[name])
 
 
 def _cell(source, name, key):
-    """``source`` run as IPython runs a cell (its text kept in linecache): the class ``name``."""
-    filename = f"<ipython-input-{key}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    namespace = {"__name__": "__main__"}
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace[name]
-
-
-def _import(path):
-    spec = importlib.util.spec_from_file_location("saved_piece", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``source`` as the learner's cell: the class ``name``."""
+    return run_cell(source, key)[name]
 
 
 def test_bucket_sizes_worked_by_hand():
@@ -157,7 +141,7 @@ def test_the_learners_class_passes_and_is_saved(grading_world, capsys, monkeypat
     assert out.startswith("Right: MyDistributedDataParallel agrees with the reference on all 4 "
                           "ranks for 4 inputs: one bucket, 1 micro-batch;"), out
     assert "saved: my_megatron/distributed_data_parallel.py (DistributedDataParallel)" in out
-    module = _import(tmp_path / "my_megatron" / "distributed_data_parallel.py")
+    module = import_file(tmp_path / "my_megatron" / "distributed_data_parallel.py")
     assert isinstance(module.DistributedDataParallel, type)
     assert "def finish_grad_sync(self):" in (tmp_path / "my_megatron" /
                                              "distributed_data_parallel.py").read_text()
@@ -176,7 +160,7 @@ def test_the_labs_solutions_pass_under_their_own_names(grading_world, capsys, mo
     assert out.startswith("Right: SolutionDistributedOptimizer agrees with the reference on all "
                           "4 ranks for 2 inputs"), out
     assert "saved: my_megatron/distrib_optimizer.py (DistributedOptimizer)" in out
-    module = _import(tmp_path / "my_megatron" / "distrib_optimizer.py")
+    module = import_file(tmp_path / "my_megatron" / "distrib_optimizer.py")
     assert isinstance(module.DistributedOptimizer, type)
 
 

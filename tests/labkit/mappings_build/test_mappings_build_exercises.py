@@ -4,21 +4,21 @@ autograd Function defined inside it, graded forward and backward against the mir
 (tests/tensor_parallel holds those to hand-worked values) and by the collectives each issues,
 worked out by hand in the build's table.
 
-* Right answers (the learner's own, written here with other calls than the lab's solution, and
-  the solution) pass and are saved as ``my_megatron/mappings.py`` under Megatron's names.
+* A right answer (the learner's own, written here with other calls than the lab's solution)
+  passes and is saved as ``my_megatron/mappings.py`` under Megatron's names; the lab's solution
+  is graded in tests/labkit/vocab_build, where the capstone's GPT then trains on it.
 * Each typical mistake fails with the verdict naming it: f's backward without its all-reduce,
   g's backward with one, the whole world's group, the block along the wrong dimension, a block
   left non-contiguous, the sequence gather's backward without its sum.
 * The stubs have no answer yet.
 """
 import importlib.util
-import linecache
 
 import pytest
 
 from mpu_lab.labkit.grader import grade
-from mpu_lab.labkit.notebooks.solutions import solution_source
 from mpu_lab.labkit.tp_mappings import build
+from learner_cells import run_cell
 
 TP = '''
 def my_copy_to_tensor_model_parallel_region(x):
@@ -181,13 +181,8 @@ MISTAKES = {
 
 
 def _cell(source, key):
-    """``source`` run as IPython runs a cell (its text in linecache): its namespace."""
-    filename = f"<ipython-input-mappings-{key}>"
-    source = "import torch\n" + source
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    namespace = {"__name__": "__main__"}
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace
+    """``source`` as the learner's cell (with its own ``import torch``): its namespace."""
+    return run_cell("import torch\n" + source, f"mappings-{key}")
 
 
 def _parts(namespace, exercise, prefix="my_"):

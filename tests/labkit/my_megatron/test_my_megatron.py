@@ -4,11 +4,11 @@ others, and the file is a module the capstone's own reader (an AST walk) and Pyt
 import ast
 import importlib
 import importlib.util
-import linecache
 
 import pytest
 
 from mpu_lab.labkit import my_megatron
+from learner_cells import import_file, run_cell
 
 CELL = '''\
 import torch
@@ -27,30 +27,14 @@ class RowParallelLinear(torch.nn.Module):
 '''
 
 
-def _cell(text, name):
-    """Run ``text`` as IPython runs a cell: its text in linecache under a made-up file name."""
-    filename = f"<ipython-input-{name}>"
-    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
-    namespace = {"__name__": "__main__"}
-    exec(compile(text, filename, "exec"), namespace)
-    return namespace
-
-
-def _import(path):
-    spec = importlib.util.spec_from_file_location("learner_piece", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_function_and_a_notebook_class_are_saved_as_typed_and_import(tmp_path):
-    ns = _cell(CELL, "1")
+    ns = run_cell(CELL, "1")
     path = my_megatron.save_piece([ns["my_f"], ns["RowParallelLinear"]], "layers.py",
                                   ["f", "RowParallelLinear"], where=tmp_path / "pkg")
     text = path.read_text()
     assert '"""the learner\'s f"""' in text and "def f(x):" in text and "def my_f" not in text
     assert "class RowParallelLinear(torch.nn.Module):" in text
-    module = _import(path)
+    module = import_file(path)
     assert module.f(2) == 3
     assert module.RowParallelLinear(3)(2)[0] == 6
     assert (tmp_path / "pkg" / "__init__.py").exists()
@@ -58,15 +42,15 @@ def test_a_function_and_a_notebook_class_are_saved_as_typed_and_import(tmp_path)
 
 
 def test_saving_again_replaces_that_piece_only(tmp_path):
-    first = _cell(CELL, "2")
+    first = run_cell(CELL, "2")
     my_megatron.save_piece([first["my_f"], first["RowParallelLinear"]], "layers.py",
                            ["f", "RowParallelLinear"], where=tmp_path)
-    second = _cell("def my_f(x):\n    return x + 2\n", "3")
+    second = run_cell("def my_f(x):\n    return x + 2\n", "3")
     path = my_megatron.save_piece([second["my_f"]], "layers.py", ["f"], where=tmp_path)
     tree = ast.parse(path.read_text())
     names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
     assert sorted(names) == ["RowParallelLinear", "f"]          # one f, the class kept
-    assert _import(path).f(2) == 4
+    assert import_file(path).f(2) == 4
 
 
 def test_the_folder_defaults_to_the_environment_then_the_working_directory(monkeypatch, tmp_path):
@@ -77,18 +61,18 @@ def test_the_folder_defaults_to_the_environment_then_the_working_directory(monke
 
 
 def test_a_name_count_that_does_not_match_is_refused(tmp_path):
-    ns = _cell(CELL, "4")
+    ns = run_cell(CELL, "4")
     with pytest.raises(ValueError, match="2 piece"):
         my_megatron.save_piece([ns["my_f"], ns["RowParallelLinear"]], "x.py", ["f"], where=tmp_path)
 
 
 def test_the_per_rank_values_a_piece_reads_are_named_with_what_to_call_instead():
-    ns = _cell("def uses(x):\n    return x.to(device) * world_size\n\n"
+    ns = run_cell("def uses(x):\n    return x.to(device) * world_size\n\n"
                "class Layer:\n    def f(self):\n        return [rank for _ in range(2)]\n", "5")
     assert my_megatron.rank_values_read([ns["uses"]]) == [
         "device (use get_device())", "world_size (use dist.get_world_size())"]
     assert my_megatron.rank_values_read([ns["Layer"]]) == ["rank (use dist.get_rank())"]
-    assert my_megatron.rank_values_read([_cell(CELL, "6")["my_f"]]) == []
+    assert my_megatron.rank_values_read([run_cell(CELL, "6")["my_f"]]) == []
 
 
 def test_my_layers_run_on_my_own_mappings_once_saved_and_on_the_mirrors_before(tmp_path):
@@ -97,8 +81,8 @@ def test_my_layers_run_on_my_own_mappings_once_saved_and_on_the_mirrors_before(t
     import sys
     import types
     from mpu_lab.core.tensor_parallel import mappings as mirror
-    layer = _cell("def uses_f(x):\n    return copy_to_tensor_model_parallel_region\n", "7")
-    mine = _cell("def copy_to_tensor_model_parallel_region(x):\n    return x\n", "8")
+    layer = run_cell("def uses_f(x):\n    return copy_to_tensor_model_parallel_region\n", "7")
+    mine = run_cell("def copy_to_tensor_model_parallel_region(x):\n    return x\n", "8")
     pkg = tmp_path / "pkg"
 
     def imported():

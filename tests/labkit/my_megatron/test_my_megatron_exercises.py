@@ -3,10 +3,10 @@ right, and only then: graded on the shared 4-rank grading world with lab 07's ro
 forward standing in for a piece (its grader is tested in tests/labkit/row_parallel/)."""
 import dataclasses
 import importlib.util
-import linecache
 
 from mpu_lab.labkit.grader import grade
 from mpu_lab.labkit.row_parallel import exercises as row_parallel
+from learner_cells import run_cell
 
 RIGHT = '''
 def my_row_forward(x, weight, bias, input_is_parallel):
@@ -19,12 +19,7 @@ WRONG = RIGHT.replace("reduce_from_tensor_model_parallel_region(x_i @ weight.t()
 
 
 def _cell(source, name):
-    """``source`` run as IPython runs a cell: its text kept in linecache."""
-    filename = f"<ipython-input-{name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    namespace = {"__name__": "__main__"}
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace["my_row_forward"]
+    return run_cell(source, name)["my_row_forward"]
 
 
 PIECE = dataclasses.replace(row_parallel.ROW_FORWARD, module="layers.py",

@@ -63,7 +63,9 @@ def test_the_hand_worked_orders_and_the_form_check():
     assert pipeline_parallel.order_problem([("F", 0), ("F", 0)], 1) == "('F', 0) appears twice"
     assert pipeline_parallel.order_problem([("F", 0)], 1) == "[('B', 0)] missing"
     assert pipeline_parallel.order_problem("F0 B0", 1).startswith("a str, not a list")
-    assert pipeline_parallel.order_problem([("F", 1)], 1).startswith("item 0 is ('F', 1)")
+    assert pipeline_parallel.order_problem([("F", 1)], 1) == \
+        "item 0 is ('F', 1): each item is ('F', k) or ('B', k) with 0 <= k < m = 1"
+    assert pipeline_parallel.order_problem([("W", 0)], 1).startswith("item 0 is ('W', 0)")
 
 
 def test_the_solution_passes_and_the_world_keeps_its_groups(grading_world, as_notebook, capsys):

@@ -15,8 +15,6 @@ as IPython keeps it) and sent to the ranks as its source.
   GPT at TP = 2 equal to the mirror's (launch/capstone.py through the layer spec: the signature
   and the ``(output, bias)`` convention the capstone needs).
 """
-import importlib.util
-import linecache
 
 import pytest
 
@@ -25,6 +23,7 @@ from mpu_lab.labkit.column_parallel import build as column_build
 from mpu_lab.labkit.grader import grade
 from mpu_lab.labkit.notebooks.solutions import solution_source
 from mpu_lab.labkit.row_parallel import build
+from learner_cells import import_file, run_cell
 
 # A right answer as a learner may write it (not the lab's solution: torch.split, matmul).
 ROW = '''
@@ -111,13 +110,8 @@ VERDICTS = {
 
 
 def _cell(source, name, key):
-    """``source`` run as IPython runs a cell (its text kept in linecache): the class ``name``."""
-    filename = f"<ipython-input-row-{key}>"
-    source = "import torch\n" + source          # the cell's own import (the lab's stub has it)
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    namespace = {"__name__": "__main__"}
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace[name]
+    """``source`` as the learner's cell (with its own ``import torch``): the class ``name``."""
+    return run_cell("import torch\n" + source, f"row-{key}")[name]
 
 
 def _mistake(name):
@@ -132,13 +126,6 @@ def _mistake(name):
     return wrong
 
 
-def _import(path):
-    spec = importlib.util.spec_from_file_location("saved_layers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_learners_class_passes_and_is_saved(grading_world, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("MPU_LAB_MY_MEGATRON", str(tmp_path / "my_megatron"))
     assert grade(_cell(ROW, "MyRowParallelLinear", "right"), build.ROW_PARALLEL_LINEAR,
@@ -147,7 +134,7 @@ def test_the_learners_class_passes_and_is_saved(grading_world, capsys, monkeypat
     assert out.startswith(f"Right: MyRowParallelLinear agrees with the reference on all 4 "
                           f"ranks for 5 inputs: {CASES[0]};"), out
     assert "saved: my_megatron/layers.py (RowParallelLinear)" in out
-    assert isinstance(_import(tmp_path / "my_megatron" / "layers.py").RowParallelLinear, type)
+    assert isinstance(import_file(tmp_path / "my_megatron" / "layers.py").RowParallelLinear, type)
 
 
 @pytest.mark.parametrize("mistake", list(MISTAKES))

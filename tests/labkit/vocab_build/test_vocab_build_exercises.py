@@ -11,7 +11,6 @@ mirror's from the same seed (the loss also against ``F.cross_entropy`` of the wh
 * Lab 08's and lab 09's solutions, saved by their graders, train the capstone's GPT at TP = 2
   to the mirror's losses.
 """
-import linecache
 import re
 
 import pytest
@@ -21,6 +20,7 @@ from mpu_lab.labkit.grader import grade
 from mpu_lab.labkit.notebooks.solutions import solution_source
 from mpu_lab.labkit.parallel_transformer import build
 from mpu_lab.labkit.tp_mappings import build as mappings_build
+from learner_cells import run_cell
 
 EMBEDDING = '''
 class MyVocabParallelEmbedding(torch.nn.Module):
@@ -139,13 +139,8 @@ MISTAKES = {
 
 
 def _cell(source, key):
-    """``source`` run as IPython runs a cell (its text in linecache): its namespace."""
-    filename = f"<ipython-input-vocab-{key}>"
-    source = "import torch\n" + source
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    namespace = {"__name__": "__main__"}
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace
+    """``source`` as the learner's cell (with its own ``import torch``): its namespace."""
+    return run_cell("import torch\n" + source, f"vocab-{key}")
 
 
 def test_the_learners_pieces_pass_and_are_saved(grading_world, capsys, monkeypatch, tmp_path):

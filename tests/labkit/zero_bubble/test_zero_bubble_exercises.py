@@ -76,7 +76,11 @@ def test_the_solution_is_the_mirrors_zbh1_list_and_the_form_check():
     assert exercises.order_problem([("F", 0), ("W", 0), ("B", 0)], 1) == \
         "('W', 0) comes before ('B', 0)"
     assert exercises.order_problem([("F", 0), ("B", 0)], 1) == "[('W', 0)] missing"
-    assert exercises.order_problem("F0", 1).startswith("a str")
+    assert exercises.order_problem("F0", 1) == \
+        "a str, not a list of ('F', k) / ('B', k) / ('W', k)"
+    assert exercises.order_problem([("W", 1)], 1) == \
+        "item 0 is ('W', 1): each item is ('F', k), ('B', k) or ('W', k) with 0 <= k < m = 1"
+    assert exercises.order_text([("F", 0), ("B", 0), ("W", 0)]) == "F0 B0 W0"
 
 
 def test_the_idle_slot_prediction_check(capsys):
