@@ -33,7 +33,6 @@ not). Every rank reports ``{"runs": {run: {"loss": [...], "grad_norm": [...]}},
 [...]}`` (:func:`mpu_lab.launcher.report`).
 """
 import argparse
-import ast
 import importlib
 import pathlib
 import sys
@@ -57,6 +56,7 @@ from mpu_lab.core.transformer import TransformerConfig
 from mpu_lab.core.transformer.spec_utils import ModuleSpec
 from mpu_lab.core.transformer.transformer_layer import TransformerLayer
 from mpu_lab.training import initialize
+from mpu_lab.training.code_folder import defining_files
 from mpu_lab.training.flag_errors import refuse
 
 # (module file, name) of each piece, in the order the verdict looks for a culprit
@@ -88,23 +88,6 @@ def parse_args(argv):
     p.add_argument("--tolerance", type=float, default=1e-5,
                    help="largest relative difference of a loss still called equal")
     return p.parse_args(argv)
-
-
-def defining_files(folder):
-    """``{name: [file, ...]}``: the modules of ``folder`` (names Python can import; the
-    ``NN_topic.py`` scripts are not) that define ``name`` at their top level."""
-    found = {}
-    for path in sorted(pathlib.Path(folder).glob("*.py")):
-        if not path.stem.isidentifier():
-            continue
-        try:
-            tree = ast.parse(path.read_text())
-        except SyntaxError:
-            continue
-        for node in tree.body:
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
-                found.setdefault(node.name, []).append(path.name)
-    return found
 
 
 def load_learner_pieces(folder):

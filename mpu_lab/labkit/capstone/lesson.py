@@ -20,6 +20,7 @@ from matplotlib.ticker import MaxNLocator
 
 from mpu_lab.labkit import REPO_ROOT, my_megatron, style
 from mpu_lab.labkit.capstone.run import piece_lines, verdict
+from mpu_lab.training.code_folder import defining_files
 
 SOLUTIONS = REPO_ROOT / "labs" / "solutions"
 
@@ -78,28 +79,11 @@ class PieceRow:
     found_in: Optional[str]
 
 
-def _definitions(folder: pathlib.Path) -> Dict[str, List[str]]:
-    """``{name: [files]}``: the top-level functions and classes of the folder's importable
-    modules; a file Python cannot parse defines nothing (the capstone refuses it by name)."""
-    found: Dict[str, List[str]] = {}
-    for path in sorted(folder.glob("*.py")):
-        if not path.stem.isidentifier():
-            continue
-        try:
-            tree = ast.parse(path.read_text())
-        except SyntaxError:
-            continue
-        for node in tree.body:
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
-                found.setdefault(node.name, []).append(path.name)
-    return found
-
-
 def survey(folder=None) -> List[PieceRow]:
     """Each piece the capstone knows, and where ``folder`` (default: the learner's package,
     :func:`mpu_lab.labkit.my_megatron.folder`) holds it. A missing folder holds nothing."""
     folder = my_megatron.folder(folder)
-    defined = _definitions(folder) if folder.is_dir() else {}
+    defined = defining_files(folder) if folder.is_dir() else {}
     rows = []
     for file, name, lab in PIECES:
         files = defined.get(name, [])
