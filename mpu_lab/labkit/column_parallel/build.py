@@ -53,6 +53,12 @@ def two_tp_ranks(world_size: int, tp: int, pp: int) -> Optional[str]:
                                              f"{world_size} ranks cannot be split in pairs")
 
 
+def tp_pairs(world_size: int) -> Tuple[int, int]:
+    """The builds' grading layout, ``(tp, pp)``: tensor-parallel pairs, no pipeline (the world
+    is regrouped to it for the grading and back after; :func:`two_tp_ranks` checks it fits)."""
+    return 2, 1
+
+
 def on_every_rank(flag: bool) -> bool:
     """True when ``flag`` is true on every rank of the world (a MIN all-reduce)."""
     value = torch.tensor([1 if flag else 0], device=initialize.get_device())
@@ -337,7 +343,7 @@ COLUMN_PARALLEL_LINEAR = Exercise(
           "+ b_i unless skip_bias_add; the all-gather of the columns only when gather_output. "
           "Return (output, bias if skip_bias_add else None)."),
     ranks_needed=two_tp_ranks,
-    layout=lambda world_size: (2, 1),
+    layout=tp_pairs,
     module="layers.py",
     saves_as=("ColumnParallelLinear",),
 )

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from mpu_lab.core import parallel_state
 from mpu_lab.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                          get_rng_tracker, model_parallel_manual_seed)
+from mpu_lab.labkit.column_parallel.build import tp_pairs, two_tp_ranks
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare, grade
 from mpu_lab.labkit.notebooks.leaks import declare_answers
 from mpu_lab.labkit.verdict import Verdict, as_floats, unanswered, verdict
@@ -247,11 +248,6 @@ def run_checkpoint_case(learner: Callable, case: Case) -> Outcome:
     return Outcome(True)
 
 
-def _two_tp_ranks(world_size: int, tp: int, pp: int) -> Optional[str]:
-    return None if world_size % 2 == 0 else (f"it needs tensor-parallel groups of 2, and "
-                                             f"{world_size} ranks cannot be split in pairs")
-
-
 CHECKPOINT = Exercise(
     name="my_checkpoint",
     run_case=run_checkpoint_case,
@@ -268,8 +264,8 @@ CHECKPOINT = Exercise(
          "under torch.no_grad() and save only its inputs. backward: note the states now, put "
          "the remembered ones back, rerun the function with grad on detached inputs, "
          "backpropagate, then put the noted states back.",
-    ranks_needed=_two_tp_ranks,
-    layout=lambda world_size: (2, 1),
+    ranks_needed=two_tp_ranks,
+    layout=tp_pairs,
     module="random.py",
     saves_as=("checkpoint",))
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from mpu_lab.core import parallel_state, tensor_parallel
 from mpu_lab.labkit.c10d_calls import C10dCalls
 from mpu_lab.labkit.column_parallel.build import (INITS, counted_text, close, on_every_rank,
-                                                  two_tp_ranks)
+                                                  tp_pairs, two_tp_ranks)
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare, show
 from mpu_lab.training import initialize
 
@@ -180,7 +180,7 @@ VOCAB_PARALLEL_EMBEDDING = Exercise(
           "0), zero the rows of ids out of range, then g "
           "(reduce_from_tensor_model_parallel_region)."),
     ranks_needed=two_tp_ranks,
-    layout=lambda world_size: (2, 1),
+    layout=tp_pairs,
     module="layers.py",
     saves_as=("VocabParallelEmbedding",),
 )
@@ -322,7 +322,7 @@ VOCAB_PARALLEL_CROSS_ENTROPY = Exercise(
           "slice. backward: (softmax - one-hot on the owning rank only) * grad_output, no "
           "communication. Every all-reduce over parallel_state.get_tensor_model_parallel_group()."),
     ranks_needed=two_tp_ranks,
-    layout=lambda world_size: (2, 1),
+    layout=tp_pairs,
     module="cross_entropy.py",
     saves_as=("vocab_parallel_cross_entropy",),
 )

@@ -27,7 +27,7 @@ import torch
 
 from mpu_lab.core import parallel_state, tensor_parallel
 from mpu_lab.labkit.column_parallel.build import (block, close, make_case, run_layer_case,
-                                                  two_tp_ranks)
+                                                  tp_pairs, two_tp_ranks)
 from mpu_lab.labkit.grader import Case, Exercise, Outcome
 
 
@@ -113,7 +113,7 @@ ROW_PARALLEL_LINEAR = Exercise(
           "reduce-scatter (reduce_scatter_to_sequence_parallel_region); the bias once, after, "
           "unless skip_bias_add. Return (output, bias if skip_bias_add else None)."),
     ranks_needed=two_tp_ranks,
-    layout=lambda world_size: (2, 1),
+    layout=tp_pairs,
     module="layers.py",
     saves_as=("RowParallelLinear",),
 )

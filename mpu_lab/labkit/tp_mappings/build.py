@@ -47,7 +47,7 @@ from mpu_lab.core import parallel_state
 from mpu_lab.core.tensor_parallel import mappings
 from mpu_lab.labkit.c10d_calls import C10dCalls
 from mpu_lab.labkit.column_parallel.build import (counted_text, same_collectives, on_every_rank,
-                                                  two_tp_ranks)
+                                                  tp_pairs, two_tp_ranks)
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, show
 from mpu_lab.training import initialize
 
@@ -230,7 +230,7 @@ TP_MAPPINGS = Exercise(
           "made .contiguous(); the all-gather concatenates the group's blocks in rank order."),
     parts=tuple(f"my_{n}" for n in TP_NAMES),
     ranks_needed=two_tp_ranks,
-    layout=lambda world_size: (2, 1),
+    layout=tp_pairs,
     module="mappings.py",
     saves_as=TP_NAMES,
 )
@@ -246,7 +246,7 @@ SP_MAPPINGS = Exercise(
           "parallel_state.get_tensor_model_parallel_group()."),
     parts=tuple(f"my_{n}" for n in SP_NAMES),
     ranks_needed=two_tp_ranks,
-    layout=lambda world_size: (2, 1),
+    layout=tp_pairs,
     module="mappings.py",
     saves_as=SP_NAMES,
 )
