@@ -391,11 +391,14 @@ def exit_codes_from_lines(lines) -> Dict[int, int]:
 
 
 def first_failed_rank(lines) -> Optional[int]:
-    """Parse torchrun's failure summary (``rank : 3 (local_rank: 3)``) as a fallback."""
-    for _, text in lines:
-        m = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank", text)
-        if m:
-            return int(m.group(1))
+    """Parse torchrun's failure summary as a fallback: the rank under its "Root Cause (first
+    observed failure)" heading, else the first one it lists (``rank : 3 (local_rank: 3)``)."""
+    summary = [text for r, text in lines if r is None]
+    for start in ([i for i, t in enumerate(summary) if "Root Cause" in t][-1:] + [0]):
+        for text in summary[start:]:
+            m = re.search(r"\brank\s*:\s*(\d+)\s*\(local_rank", text)
+            if m:
+                return int(m.group(1))
     for r, text in lines:
         if r is not None and text.startswith("Traceback"):
             return r

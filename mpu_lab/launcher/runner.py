@@ -314,10 +314,18 @@ def failure_error(name: str, returncode: int, nproc: int,
     rank, message, tb = root_cause(log_dir, result_dir)
     if rank is None:
         rank = first_failed_rank(lines)
+    tail = ""
     if not tb and rank is not None:
-        tb = traceback_from_lines(lines, rank)
+        tail = traceback_from_lines(lines, rank)
+        if tail.startswith("Traceback"):
+            tb, tail = tail, ""
+        elif not message:
+            # No exception anywhere: the rank torchrun listed ended by a signal or an exit
+            # code, and may be one torchrun stopped because another aborted. The diagnosis
+            # (stack dumps, exit codes) says who; its last lines are only context.
+            rank = None
     head = f"{name} failed: rank {rank} raised first" if rank is not None \
-        else f"{name} failed (exit code {returncode})"
+        else f"{name} failed (exit code {returncode}); no rank raised a Python exception"
     codes = exit_codes_from_lines(lines)
     if not message or SECONDARY_FAILURE.search(message):
         silent = rank_that_exited_silently(name, lines, codes, result_dir)
@@ -326,7 +334,7 @@ def failure_error(name: str, returncode: int, nproc: int,
     detail = quote_message(message) if message else ""
     diagnosis, states = diagnose(result_dir, nproc, message, tb, timeout_env, codes)
     return LaunchError(f"{head}{': ' + detail if detail else ''}\n"
-                       f"{diagnosis + chr(10) if diagnosis else ''}{tb}".rstrip(),
+                       f"{diagnosis + chr(10) if diagnosis else ''}{tb or tail}".rstrip(),
                        rank=rank, traceback=tb, returncode=returncode, output=lines,
                        states=states)
 

@@ -30,3 +30,55 @@ def test_a_message_of_the_rank_own_code_is_left_as_it_is():
         "ValueError: shape [2] != [1]")
     assert diagnosis.quote_message("") == ""
 
+
+
+# ------------------------------------------------- a job in which no rank raised (CI, stop 46)
+def _dump(heading, frames):
+    """A faulthandler dump of the main thread, innermost frame first, as CPython writes it."""
+    from mpu_lab.launcher.paths import REPO_ROOT
+    return heading + "\n\nThread 0x00007f2db0872b80 (most recent call first):\n" + "".join(
+        f'  File "{REPO_ROOT / path}", line {line} in {func}\n' for path, line, func in frames)
+
+
+def _summary(first, then):
+    """torchrun's failure summary: the other failures first, the root cause last."""
+    def entry(rank, code):
+        return ["[0]:", "  time      : 2026-11-28_12:00:00", f"  rank      : {rank} "
+                f"(local_rank: {rank})", f"  exitcode  : {code} (pid: {100 + rank})"]
+    return [(None, t) for t in ["train_gpt.py FAILED", "Failures:", *entry(*then),
+                                "Root Cause (first observed failure):", *entry(*first)]]
+
+
+def test_a_job_whose_ranks_all_ended_by_signals_is_not_blamed_on_a_rank_that_raised(tmp_path):
+    """Rank 1 skipped a collective and entered the next one; gloo paired the two and rank 0
+    aborted on the size check; under load torchrun stopped rank 1 (SIGTERM, its stack dumped)
+    before it noticed the lost peer, so no rank left a Python exception. Written by hand: the
+    two stack dumps and torchrun's summary, listing rank 1 first or naming it the root cause."""
+    from mpu_lab.launcher import runner
+    (tmp_path / "stack_rank0.txt").write_text(_dump("Fatal Python error: Aborted", [
+        ("mpu_lab/core/comm/__init__.py", 51, "wait"),
+        ("mpu_lab/core/comm/__init__.py", 93, "all_reduce"),
+        ("mpu_lab/training/training.py", 113, "average_losses_across_data_parallel_group"),
+        ("mpu_lab/training/training.py", 229, "train_step")]))
+    (tmp_path / "stack_rank1.txt").write_text(_dump("", [
+        ("mpu_lab/core/comm/__init__.py", 51, "wait"),
+        ("mpu_lab/core/comm/__init__.py", 93, "all_reduce"),
+        ("mpu_lab/core/distributed/finalize_model_grads.py", 55, "ddp_allreduce_hook"),
+        ("mpu_lab/training/training.py", 214, "train_step")]))
+    printed = [(1, "[inject-fault] skip-collective on rank 1 at iteration 2 (time 1.0)")]
+    for first, then in (((0, -6), (1, -15)), ((1, -15), (0, -6))):
+        error = runner.failure_error("train_gpt.py", 1, 2, printed + _summary(first, then),
+                                     tmp_path / "logs", tmp_path, "5")
+        message = str(error)
+        assert "raised first" not in message and "no rank raised a Python exception" in message
+        assert ("rank 0 aborted (SIGABRT, from C++ code such as gloo's checks) at "
+                "mpu_lab/training/training.py:113 in average_losses_across_data_parallel_group"
+                in message), message
+        assert ("all_reduce at mpu_lab/core/distributed/finalize_model_grads.py:55 in "
+                "ddp_allreduce_hook, reached by rank(s) [1]") in message, message
+        assert "likely cause: rank 0 aborted in a collective at" in message, message
+
+
+def test_torchrun_summary_root_cause_is_the_fallback_rank():
+    assert diagnosis.first_failed_rank(_summary((2, 1), (0, -15))) == 2
+    assert diagnosis.first_failed_rank(_summary((2, 1), (0, -15))[:5]) == 0
