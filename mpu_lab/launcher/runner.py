@@ -166,6 +166,42 @@ def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600
     if check:
         precheck(path, args, nproc, cwd=cwd)
 
+    for attempt in range(1, CONNECT_ATTEMPTS + 1):
+        try:
+            result = run_once(path, args, nproc, timeout_s, show, env, cwd, python, on_line)
+        except LaunchError as exc:
+            if attempt < CONNECT_ATTEMPTS and ranks_could_not_connect(exc):
+                print(f"[launcher] {path.name}: the ranks could not connect to each other "
+                      f"(gloo's connectFullMesh failed, which happens on a loaded machine); "
+                      f"starting the job once more", file=sys.stderr, flush=True)
+                continue
+            if show == "ranks":
+                print_by_rank(exc.output, nproc)
+            raise
+        if show == "ranks":
+            print_by_rank(result.lines, nproc)
+        return result
+    raise AssertionError("unreachable")
+
+
+# A job whose ranks failed to connect while setting up a gloo group (each pair of ranks opens
+# a TCP connection; on a loaded machine a peer can close one before the handshake completes)
+# is started once more: the same failure is gloo's own transient, which its own connection
+# retries (gloo PR 413) reduce but do not remove. Any other failure is the job's and is raised.
+CONNECT_ATTEMPTS = 2
+_GLOO_CONNECT = re.compile(r"connectFullMesh failed")
+
+
+def ranks_could_not_connect(exc: "LaunchError") -> bool:
+    """True when ``exc`` is a job that failed because its ranks could not connect (gloo)."""
+    return bool(_GLOO_CONNECT.search(str(exc)))
+
+
+def run_once(path: pathlib.Path, args: Sequence[str], nproc: int, timeout_s: float, show: str,
+             env: Optional[Dict[str, str]], cwd, python: str,
+             on_line: Optional[Callable[[Optional[int], str], None]]) -> LaunchResult:
+    """One torchrun job of :func:`run` (its flags already checked); lines printed live when
+    ``show="live"``, the rank-ordered print left to :func:`run`."""
     work = pathlib.Path(tempfile.mkdtemp(prefix="mpu_lab_run_"))
     try:
         result_dir, log_dir = work / "results", work / "logs"
@@ -178,8 +214,6 @@ def run(script, args: Sequence[str] = (), nproc: int = 2, timeout_s: float = 600
                                 start_new_session=True)
         lines, timed_out = follow_job(proc, timeout_s, start, show, on_line)
         elapsed = time.monotonic() - start
-        if show == "ranks":
-            print_by_rank(lines, nproc)
         if timed_out:
             raise timeout_error(path.name, timeout_s, nproc, lines, result_dir, proc.returncode)
         if proc.returncode != 0:

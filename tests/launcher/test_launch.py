@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from mpu_lab.launcher import LaunchTimeout, prechecks, run
+from mpu_lab.launcher import LaunchError, LaunchTimeout, prechecks, run
 
 PROBE = pathlib.Path(__file__).resolve().parents[1] / "mp" / "launch_probe.py"
 pytestmark = pytest.mark.slow
@@ -137,3 +137,25 @@ def test_an_environment_inside_the_repository_is_not_the_repositorys_code():
         "all_reduce           (mpu_lab/core/comm/__init__.py:80)"]
     assert diagnosis.short_path(torch_file) == "distributed_c10d.py"
     assert diagnosis.short_path(own) == "mpu_lab/core/comm/__init__.py"
+
+
+CONNECT_FLAKE = PROBE.parent / "connect_flake.py"
+
+
+def test_a_job_whose_ranks_could_not_connect_is_started_once_more(tmp_path, capsys):
+    """gloo's connectFullMesh failure (a peer closed a connection while a group was set up, a
+    transient of a loaded machine) gets one more start; the second start's reports come back."""
+    starts = tmp_path / "starts"
+    job = run(CONNECT_FLAKE, nproc=2, show="none", timeout_s=120,
+              env={"STARTS_FILE": str(starts)})
+    assert [r["rank"] for r in job.results] == [0, 1]
+    assert starts.read_text().count("start") == 2
+    assert "the ranks could not connect to each other" in capsys.readouterr().err
+
+
+def test_any_other_failure_is_raised_at_once(tmp_path):
+    starts = tmp_path / "starts"
+    with pytest.raises(LaunchError, match="rank 0 raised first: RuntimeError: a bug of its own"):
+        run(CONNECT_FLAKE, nproc=2, show="none", timeout_s=120,
+            env={"STARTS_FILE": str(starts), "FAILURE": "a bug of its own"})
+    assert starts.read_text().count("start") == 1

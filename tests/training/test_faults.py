@@ -71,7 +71,8 @@ def _run_job(name, watch, folder):
     except LaunchError as exc:
         entry["error"], lines = exc, exc.output
     entry["raised_at"] = time.time()
-    agents, entry["workers"] = watch.job(marker)
+    entry["agents"], entry["workers"] = watch.job(marker)
+    agents = entry["agents"]
     entry["left"] = watch.still_alive(watch.tree(agents))    # agents, workers, their children
     fired = _fault_time(lines)
     entry["seconds"] = None if fired is None else entry["raised_at"] - fired
@@ -97,7 +98,9 @@ def _error(jobs, name) -> str:
     entry = jobs[name]
     assert "error" in entry, f"{name}: the job finished instead of failing"
     assert entry["left"] == [], f"{name}: processes left behind: {entry['left']}"
-    assert len(entry["workers"]) == JOBS[name][0], entry["workers"]
+    # one set of workers per start (the launcher starts a job once more when its ranks could
+    # not connect: runner.ranks_could_not_connect)
+    assert len(entry["workers"]) == JOBS[name][0] * len(entry["agents"]), entry["workers"]
     return str(entry["error"])
 
 
