@@ -72,8 +72,7 @@ def _run_job(name, watch, folder):
         entry["error"], lines = exc, exc.output
     entry["raised_at"] = time.time()
     entry["agents"], entry["workers"] = watch.job(marker)
-    agents = entry["agents"]
-    entry["left"] = watch.still_alive(watch.tree(agents))    # agents, workers, their children
+    entry["left"] = watch.still_alive(watch.tree(entry["agents"]))   # and workers, children
     fired = _fault_time(lines)
     entry["seconds"] = None if fired is None else entry["raised_at"] - fired
     return entry
@@ -100,6 +99,7 @@ def _error(jobs, name) -> str:
     assert entry["left"] == [], f"{name}: processes left behind: {entry['left']}"
     # one set of workers per start (the launcher starts a job once more when its ranks could
     # not connect: runner.ranks_could_not_connect)
+    assert entry["agents"], f"{name}: no torchrun agent was seen"
     assert len(entry["workers"]) == JOBS[name][0] * len(entry["agents"]), entry["workers"]
     return str(entry["error"])
 
