@@ -31,10 +31,21 @@ from mpu_lab.launcher import process_tree
 
 DEFAULT_TIMEOUT_S = 15.0      # collective timeout: a stuck cell answers in seconds, not minutes
 START_TIMEOUT_S = 180.0       # engines registering with the controller on a busy machine
-START_ATTEMPTS = 2            # a start that times out is made again once, from fresh engines
+START_ATTEMPTS = 2            # a start that times out (or whose group fails on a connection)
+                              # is made again once, from fresh engines
 SETUP_RESEND_S = 10.0         # an engine's first request unanswered this long is sent again
 _WORLDS: List["World"] = []   # started and not stopped (stopped at exit)
 _CURRENT: Optional["World"] = None   # the world %%ranks talks to
+
+# What a process group that failed on a connection reports (an engine's error comes back as
+# ipyparallel's RemoteError, its ``ename`` the rank's exception class).
+_CONNECTION_ERRORS = ("DistNetworkError", "connectFullMesh", "Address already in use")
+
+
+def connection_failed(exc: BaseException) -> bool:
+    """Whether an engine's error says its process group failed on a connection."""
+    text = f"{getattr(exc, 'ename', type(exc).__name__)} {exc}"
+    return any(e in text for e in _CONNECTION_ERRORS)
 
 
 def _gpu_count() -> int:
@@ -187,15 +198,23 @@ class World:
         request (seen once in CI, beside the other test worker's jobs). A start that times out
         is stopped and made again from fresh engines, up to ``START_ATTEMPTS`` starts in all
         (``timings["start_attempts"]`` counts them); then :class:`WorldStartTimeout` says what
-        did not answer. Any other error stops the world and is raised at once."""
+        did not answer. So is a start whose process group failed on a connection (gloo's or
+        the store's: the free port chosen was taken by another process before rank 0 bound it,
+        or a peer closed a connection on the loaded machine). Any other error stops the world
+        and is raised at once."""
         global _CURRENT
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 self._start_engines()
                 self._init_group()
                 break
-            except WorldStartTimeout as exc:
+            except Exception as exc:
                 self.stop()
+                timed_out = isinstance(exc, WorldStartTimeout)
+                if not (timed_out or connection_failed(exc)):
+                    raise
+                if attempt == START_ATTEMPTS and not timed_out:
+                    raise
                 if attempt == START_ATTEMPTS:
                     raise WorldStartTimeout(
                         f"the world's engines did not start: {exc} (tried {attempt} times, "

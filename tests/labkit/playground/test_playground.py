@@ -356,3 +356,18 @@ def test_a_world_that_never_starts_says_what_did_not_answer_and_leaves_no_proces
     left = [p for p in psutil.Process().children(recursive=True)
             if p.pid not in before and not _gone(p.pid)]
     assert left == []
+
+
+def test_a_start_is_made_again_only_for_a_group_that_failed_on_a_connection():
+    """What an engine's failed ``init_process_group`` sends back (ipyparallel's RemoteError,
+    named by the rank's exception class) decides whether ``start`` tries fresh engines: the
+    port taken before rank 0 bound it, or gloo's lost peer, yes; any other error, no."""
+    from ipyparallel.error import RemoteError
+    from mpu_lab.labkit.playground.world import connection_failed
+    taken = RemoteError("DistNetworkError", "The server socket has failed to listen on any "
+                        "local network address. port: 29500, name: EADDRINUSE", "")
+    mesh = RemoteError("RuntimeError", "Gloo connectFullMesh failed with ... Connection "
+                       "closed by peer", "")
+    assert connection_failed(taken) and connection_failed(mesh)
+    assert not connection_failed(RemoteError("ValueError", "tp=3 does not divide 4", ""))
+    assert not connection_failed(KeyError("backend"))
