@@ -15,8 +15,9 @@ def pytest_configure(config):
     # Torch in each xdist worker (its own checks, the notebook kernels and one-rank jobs it
     # starts, which inherit this) gets the worker's share of the cores, not every core: one
     # thread each with one worker per core. Two workers' OpenMP threads on two cores otherwise
-    # wait for each other; the inner loop took 7 % less CPU and wall time with one thread each
-    # (2-core machine, 2026-11-28). Jobs of several ranks already get cores // ranks each.
+    # wait for each other. On the 2-core machine (2026-11-28) the inner loop took 7 % less CPU
+    # and wall time (one run each); the full suite, 28 min 14 s, stayed within the spread of
+    # runs without it. Jobs of several ranks already get cores // ranks threads each.
     workers = getattr(config.option, "numprocesses", None)
     if workers and "OMP_NUM_THREADS" not in os.environ:
         workers = pytest_xdist_auto_num_workers(config) if workers == "auto" else int(workers)
