@@ -12,16 +12,6 @@ def pytest_configure(config):
         import tempfile
         os.environ["MPU_LAB_MY_MEGATRON"] = os.path.join(tempfile.mkdtemp(prefix="my_megatron_"),
                                                          "my_megatron")
-    # Torch in each xdist worker (its own checks, the notebook kernels and one-rank jobs it
-    # starts, which inherit this) gets the worker's share of the cores, not every core: one
-    # thread each with one worker per core. Two workers' OpenMP threads on two cores otherwise
-    # wait for each other. On the 2-core machine (2026-11-28) the inner loop took 7 % less CPU
-    # and wall time (one run each); the full suite, 28 min 14 s, stayed within the spread of
-    # runs without it. Jobs of several ranks already get cores // ranks threads each.
-    workers = getattr(config.option, "numprocesses", None)
-    if workers and "OMP_NUM_THREADS" not in os.environ:
-        workers = pytest_xdist_auto_num_workers(config) if workers == "auto" else int(workers)
-        os.environ["OMP_NUM_THREADS"] = str(max(1, _usable_cores() // workers))
 
 
 @pytest.fixture(scope="module")
@@ -221,12 +211,8 @@ def pytest_xdist_auto_num_workers(config):
     chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
     if chosen:
         return int(chosen)
-    return max(1, min(_usable_cores(), MAX_WORKERS))
-
-
-def _usable_cores() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cores or 1
+    return max(1, min(cores or 1, MAX_WORKERS))
 
 
 def pytest_xdist_make_scheduler(config, log):
