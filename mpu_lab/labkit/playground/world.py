@@ -27,7 +27,7 @@ from mpu_lab.labkit.playground.errors import (
     raise_for_outputs,
 )
 from mpu_lab.labkit.tp_mappings.viz import plot_collective
-from mpu_lab.launcher import process_tree
+from mpu_lab.launcher import process_tree, runner
 
 DEFAULT_TIMEOUT_S = 15.0      # collective timeout: a stuck cell answers in seconds, not minutes
 START_TIMEOUT_S = 180.0       # engines registering with the controller on a busy machine
@@ -37,15 +37,16 @@ SETUP_RESEND_S = 10.0         # an engine's first request unanswered this long i
 _WORLDS: List["World"] = []   # started and not stopped (stopped at exit)
 _CURRENT: Optional["World"] = None   # the world %%ranks talks to
 
-# What a process group that failed on a connection reports (an engine's error comes back as
-# ipyparallel's RemoteError, its ``ename`` the rank's exception class).
-_CONNECTION_ERRORS = ("DistNetworkError", "connectFullMesh", "Address already in use")
+# The store's side of a group that failed on a connection (the port taken before rank 0 bound
+# it); gloo's side is the launcher's ranks_could_not_connect. An engine's error comes back as
+# ipyparallel's RemoteError, its ``ename`` the rank's exception class.
+_STORE_CONNECTION_ERRORS = ("DistNetworkError", "Address already in use")
 
 
 def connection_failed(exc: BaseException) -> bool:
     """Whether an engine's error says its process group failed on a connection."""
     text = f"{getattr(exc, 'ename', type(exc).__name__)} {exc}"
-    return any(e in text for e in _CONNECTION_ERRORS)
+    return runner.ranks_could_not_connect(exc) or any(e in text for e in _STORE_CONNECTION_ERRORS)
 
 
 def _gpu_count() -> int:
@@ -213,14 +214,15 @@ class World:
                 timed_out = isinstance(exc, WorldStartTimeout)
                 if not (timed_out or connection_failed(exc)):
                     raise
-                if attempt == START_ATTEMPTS and not timed_out:
+                if attempt < START_ATTEMPTS:
+                    continue
+                if not timed_out:
                     raise
-                if attempt == START_ATTEMPTS:
-                    raise WorldStartTimeout(
-                        f"the world's engines did not start: {exc} (tried {attempt} times, "
-                        f"from fresh engines each time). On a busy machine give them longer, "
-                        f"start_world(..., start_timeout_s={2 * self.start_timeout_s:g}), or "
-                        f"end other jobs first.", exc.late) from exc
+                raise WorldStartTimeout(
+                    f"the world's engines did not start: {exc} (tried {attempt} times, "
+                    f"from fresh engines each time). On a busy machine give them longer, "
+                    f"start_world(..., start_timeout_s={2 * self.start_timeout_s:g}), or "
+                    f"end other jobs first.", exc.late) from exc
             except BaseException:
                 self.stop()
                 raise
