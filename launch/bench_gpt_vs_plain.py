@@ -85,7 +85,6 @@ def main(argv=None):
 
     use_cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     if not use_cuda:
-        import os
         os.environ.setdefault("MPU_LAB_DEVICE", "cpu")
     initialize.init_single_process()
     if parallel_state.get_tensor_model_parallel_world_size() != 1:

@@ -144,7 +144,7 @@ def shape_table(batch_size: int = 2, seq_length: int = 8, hidden_size: int = 16,
             rec = layer_shapes(layer, x)
 
     B, L, D, nH = batch_size, seq_length, hidden_size, num_attention_heads
-    H, n, F = D // nH, nH // t, config.ffn_hidden_size
+    F = config.ffn_hidden_size
     ffn = "4D" if F == 4 * D else "F"
     act = activation
     rows = []

@@ -27,7 +27,7 @@ from mpu_lab.core.models.gpt.gpt_model import pad_vocab_size
 from mpu_lab.core.transformer.transformer_layer import TransformerConfig
 from mpu_lab.core.utils import divisors
 from mpu_lab.training import flag_errors
-from mpu_lab.training.flag_errors import NPROC, FlagError, multiples_near
+from mpu_lab.training.flag_errors import NPROC, FlagError
 from mpu_lab.training.model_args import add_network_size_args, check_model_args
 from mpu_lab.training.parallel_args import (add_context_parallel_args, add_parallelism_args,
                                             check_context_parallel, check_parallel_sizes,

@@ -75,7 +75,7 @@ def test_bad_inputs_raise_on_every_rank_before_any_collective(world):
     cp = world
     for rep in reports(world):
         bad = rep["bad_inputs"]
-        assert bad["odd_sequence"] is not None and f"s/cp = 3" in bad["odd_sequence"] \
+        assert bad["odd_sequence"] is not None and "s/cp = 3" in bad["odd_sequence"] \
             and f"2*cp = {2 * cp}" in bad["odd_sequence"]
         assert f"n={cp + 1} heads is not divisible by cp={cp}" in bad["a2a_heads"]
         assert "unknown comm_type 'ring'" in bad["comm_type"]

@@ -125,9 +125,9 @@ def check_built(mine: Any, ref: torch.nn.Module, master: torch.Tensor, dim: int,
         others = [k for k in range(t) if k != r and close(weight, blocks[k])]
         why = (f"block {others[0]} of the master, not block {r}: this rank keeps the block of "
                f"its tensor-parallel rank" if others else
-               f"not this rank's block of the master init_method draws after the same "
-               f"torch.manual_seed (the whole [out, in] master on the CPU in fp32, then the "
-               f"block)")
+               "not this rank's block of the master init_method draws after the same "
+               "torch.manual_seed (the whole [out, in] master on the CPU in fp32, then the "
+               "block)")
         return Outcome(False, "weight's values", show(ref.weight), f"{show(weight)}: {why}")
     bias = _parameter(mine, "bias")
     if ref.bias is None:

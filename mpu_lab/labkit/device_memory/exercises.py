@@ -12,7 +12,6 @@ import textwrap
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from mpu_lab.core import parallel_state
 from mpu_lab.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,

@@ -30,7 +30,7 @@ Tolerances: 1e-6 (absolute and relative, fp32); the loss of the large-logit case
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist

@@ -72,7 +72,7 @@ class Timing:
                  f"mean CPU time of one action: F {k['F'] * 1e3:.1f} ms, B {k['B'] * 1e3:.1f} ms,"
                  f" W {k['W'] * 1e3:.1f} ms, BW {k['BW'] * 1e3:.1f} ms "
                  f"(W/B = {k['W'] / k['B']:.2f})",
-                 f"idle share: predicted with unit times, with the measured times, and measured;",
+                 "idle share: predicted with unit times, with the measured times, and measured;",
                  f"{'schedule':8}  {'unit time':>9}  {'measured time':>13}  {'measured':>8}  "
                  f"within {rel_tol:.0%} of the measured-time prediction?"]
         for s in SCHEDULES:
