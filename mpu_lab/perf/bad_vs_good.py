@@ -128,6 +128,22 @@ def run_bad_vs_good(configs: Dict[str, TrainConfig], extra_flags: Sequence[str] 
     return runs
 
 
+PROFILED_ITERS = 3   # under the profiler: one warm-up iteration and two timed steps
+
+
+def for_profiling(configs: Dict[str, TrainConfig], train_iters: int = PROFILED_ITERS
+                  ) -> Dict[str, TrainConfig]:
+    """The same runs with at most ``train_iters`` iterations, for :func:`run_bad_vs_good`'s
+    ``profile_dir``. The profiler slows every op and its trace holds every op of every timed
+    step; two timed steps are enough for each rank's timeline and for the split of a step by
+    term, while the step times come from the runs without it."""
+    if train_iters < 2:
+        raise ValueError(f"train_iters must be at least 2 (a warm-up and a timed step), "
+                         f"got {train_iters}")
+    return {label: dataclasses.replace(tc, train_iters=min(tc.train_iters, train_iters))
+            for label, tc in configs.items()}
+
+
 def fastest_step_s(run: ProfiledRun) -> float:
     """The fastest timed step: step i lasts as long as its slowest rank, and the least disturbed
     of them is what the split costs when nothing else runs (timeit's reasoning)."""

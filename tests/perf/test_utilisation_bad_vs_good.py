@@ -1,6 +1,7 @@
 """The bad / remedy / good benchmark (mpu_lab.perf.bad_vs_good, launch/utilisation.py): its
 configurations, how many ranks it runs, and the speed-up line, against values worked by hand.
 The measured runs themselves are lab 15's and the script's business (timings, not tests)."""
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -43,6 +44,19 @@ def test_the_three_configurations_split_the_same_model_and_batch():
     # 12 sequences: 8 does not divide it, 6 does
     six = bad_vs_good.bad_vs_good_configs(2, **dict(SHAPE, global_batch_size=12))
     assert "remedy: PP=2, 6 micro-batches" in six
+
+
+def test_the_profiled_runs_keep_the_split_and_three_iterations_at_most():
+    configs = bad_vs_good.bad_vs_good_configs(2, **dict(SHAPE, train_iters=6))
+    traced = bad_vs_good.for_profiling(configs)
+    assert list(traced) == list(configs)
+    for label, tc in traced.items():   # only the iteration count changes
+        assert tc.train_iters == 3
+        assert dataclasses.replace(tc, train_iters=6) == configs[label]
+    short = bad_vs_good.bad_vs_good_configs(2, **dict(SHAPE, train_iters=2))
+    assert [tc.train_iters for tc in bad_vs_good.for_profiling(short).values()] == [2, 2, 2]
+    with pytest.raises(ValueError, match="at least 2 .* got 1"):
+        bad_vs_good.for_profiling(configs, train_iters=1)
 
 
 def test_bad_sizes_are_refused_with_the_numbers():
