@@ -2,11 +2,15 @@
 of a learner's answer (a list, a tuple, a ``torch.Size``, a tensor, a number)."""
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from mpu_lab.core import parallel_state
 
 RIGHT, WRONG, EMPTY = "Right:", "Not yet:", "No answer yet:"
+# A question's answer is shown only after the learner has committed to answers of their own:
+# at the second wrong answer to the same question (the same right text), never before.
+ANSWER_AFTER_TRIES = 2
+_wrong_tries: Dict[str, int] = {}
 
 
 class Verdict:
@@ -35,8 +39,23 @@ class Verdict:
 
 
 def verdict(ok: bool, right: str, wrong: str) -> Verdict:
-    print(f"{RIGHT} {right}" if ok else f"{WRONG} {wrong}")
-    return Verdict(ok)
+    """Print ``Right: <right>`` or ``Not yet: <wrong>`` (a hint, never the answer). A question
+    answered wrong :data:`ANSWER_AFTER_TRIES` times (counted by its ``right`` text, which
+    states its answer) gets that answer printed after the hint: the labs keep no written
+    solutions to their questions, so this is where a learner who is stuck finds one."""
+    if ok:
+        print(f"{RIGHT} {right}")
+        return Verdict(True)
+    tries = _wrong_tries[right] = _wrong_tries.get(right, 0) + 1
+    print(f"{WRONG} {wrong}")
+    if tries >= ANSWER_AFTER_TRIES:
+        print(f"The answer, after {tries} tries: {right}")
+    return Verdict(False)
+
+
+def forget_tries() -> None:
+    """Start every question's count of wrong answers again (a new learner, a new test)."""
+    _wrong_tries.clear()
 
 
 def unanswered(answer: Any, what: str) -> bool:

@@ -9,6 +9,7 @@ from mpu_lab.labkit.rank_groups import exercises as rank_groups_exercises
 from mpu_lab.labkit.column_parallel import exercises as column_parallel_exercises
 from mpu_lab.labkit.pipeline_parallel import exercises as pipeline_parallel_exercises
 from mpu_lab.labkit.row_parallel import exercises as row_parallel_exercises
+from mpu_lab.labkit.parallel_transformer import exercises as parallel_transformer_exercises
 from mpu_lab.labkit import verdict
 from mpu_lab.labkit.verdict import Verdict
 
@@ -31,6 +32,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
     (lambda a: pipeline_parallel_exercises.check_peak_in_flight(a, "1f1b", 4, 8), 4, 8),
     (lambda a: pipeline_parallel_exercises.check_peak_in_flight(a, "gpipe", 4, 8), 8, 4),
     (lambda a: pipeline_parallel_exercises.check_peak_in_flight(a, "1f1b", 4, 8, stage=3), 1, 4),
+    # Megatron-core's _VocabParallelCrossEntropy.backward issues no collective
+    (lambda a: parallel_transformer_exercises.check_ce_backward_collectives(a), 0, 3),
 ])
 def test_each_check_says_right_wrong_or_not_yet(capsys, check, right, wrong):
     assert check(right) and capsys.readouterr().out.startswith("Right:")
@@ -62,3 +65,31 @@ def test_verdict_is_truthy_compares_with_bool_and_shows_nothing_in_a_notebook():
     assert repr(Verdict(True)) == "Verdict(True)"
     assert Verdict(True)._ipython_display_() is None
     assert verdict.summarize([Verdict(True), Verdict(False), True]) == "2 of 3 right"
+
+
+def test_a_check_shows_its_answer_only_after_the_second_wrong_answer(capsys):
+    # p = 4 stages, m = 8 micro-batches: the bubble is 3 of 11 slots (worked by hand)
+    share = pipeline_parallel_exercises.check_bubble_share
+    assert not share(None, 4, 8) and not share(0.5, 4, 8)
+    first = capsys.readouterr().out
+    assert "3/11" not in first and "The answer" not in first
+    assert not share(3 / 8, 4, 8)
+    second = capsys.readouterr().out.splitlines()
+    assert second[0].startswith("Not yet:") and "3/11" not in second[0]
+    assert second[1].startswith("The answer, after 2 tries: 3/11 = 0.273")
+    # another question keeps its own count; a right answer still says Right
+    assert not share(0.5, 4, 8, v=2)
+    assert "The answer" not in capsys.readouterr().out
+    assert share(3 / 11, 4, 8) and capsys.readouterr().out.startswith("Right: 3/11")
+    verdict.forget_tries()
+    assert not share(0.5, 4, 8) and "The answer" not in capsys.readouterr().out
+
+
+def test_no_lab_keeps_a_written_answer_block():
+    """Answers come from the checks after wrong tries, from reveal cells the learner runs, or
+    from labs/solutions files loaded by hand: none sits, collapsed or not, in a lab's prose."""
+    import json
+    for path in sorted((REPO / "labs").glob("[0-9][0-9]_*.ipynb")) + [REPO / "Start_Here.ipynb"]:
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] == "markdown":
+                assert "<details" not in "".join(cell["source"]), f"{path.name} cell {i}"

@@ -7,7 +7,8 @@ Kernel side (pure, no processes):
 * :func:`capacity_demo` — expert capacity and the tokens dropped beyond it (the mirror's
   ``get_capacity`` and ``apply_router_token_dropping``, Switch Transformers §2.2);
 * :func:`expert_groups_in_dense` — each expert group inside a dense data(+context)-parallel
-  group: why the ep mesh is a factoring of the dp mesh;
+  group: why the ep mesh is a factoring of the dp mesh, and
+  :func:`answer_why_ep_divides_dp`, the course's answer, shown once the learner wrote theirs;
 * :func:`dispatch_bytes` — bytes a rank receives in one dispatch, all-to-all against
   all-gather, and which is smaller.
 
@@ -25,6 +26,7 @@ Rank side (inside a playground world's ranks, with Megatron's expert groups made
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -99,6 +101,35 @@ def expert_groups_in_dense(world_size: int, tp: int = 1, pp: int = 1, cp: int = 
         edp = [g for g in groups["expert-dp"] if set(g) & set(ep_group)]
         out.append((ep_group, homes[0], edp))
     return out
+
+
+def answer_why_ep_divides_dp(my_answer: str, world_size: int, tp: int = 1, pp: int = 1,
+                             ep: int = 2) -> None:
+    """The course's answer to "why is the expert-parallel mesh a factoring of the
+    data-parallel mesh, not a dimension of its own?", printed only once ``my_answer`` holds
+    the learner's own (a question in words has no check: writing one down is the commitment).
+    The sizes come from Megatron's groups for ``world_size``, ``tp``, ``pp`` and ``ep``."""
+    if not str(my_answer or "").strip():
+        print('No answer yet: write yours in my_answer = "...", then run this cell again.')
+        return
+    groups = generate_rank_groups(world_size, tp, pp, expert_model_parallel_size=ep)
+    d, edp = len(groups["dp"][0]), len(groups["expert-dp"][0])
+    expert_ranks = tp * edp
+    text = (
+        f"In a dense model the MLP is replicated over the data-parallel (and context-parallel) "
+        f"ranks: each replica holds the same weights and sees other tokens. An MoE layer "
+        f"replaces the MLP, so those replicas are exactly the ranks among which the experts "
+        f"can be divided instead of copied: split the experts over ep of them and keep "
+        f"d*c/ep copies of each (the expert-data-parallel group, which averages the experts' "
+        f"gradients). Here d = {d}, ep = {ep}: ep x edp = {ep} x {edp} = d*c. Each copy is "
+        f"split over etp = t = {tp} ranks, so an expert lives on etp x edp = {expert_ranks} "
+        f"ranks. A dimension of its own would multiply the GPUs of the attention layers, "
+        f"which have nothing to split among the experts' ranks; as a factor of d it costs "
+        f"no GPUs: the same ranks run the dense layers data-parallel and the expert layers "
+        f"expert-parallel. In Megatron's expert generator ep takes the stride that cp has in "
+        f"the dense one, so with cp > 1 an ep group may span context-parallel ranks too (the "
+        f"tokens of one sequence are still routed independently).")
+    print("Our answer:\n" + textwrap.fill(text, 96))
 
 
 # --------------------------------------------------------------------------- bytes

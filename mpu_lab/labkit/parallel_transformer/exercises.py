@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from mpu_lab.training import initialize
 from mpu_lab.core import parallel_state, tensor_parallel
-from mpu_lab.labkit.verdict import Verdict, as_int_list, unanswered, verdict
+from mpu_lab.labkit.verdict import Verdict, as_int, as_int_list, unanswered, verdict
 from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare, show
 from mpu_lab.labkit.notebooks.leaks import declare_answers
 from mpu_lab.core.transformer import TransformerConfig
@@ -102,11 +102,33 @@ def check_activation_memory_mib(answer: Any, s: int, b: int, h: int, a: int, t: 
     except (TypeError, ValueError):
         value = None
     mode = f"t = {t}" + (" with sequence parallelism" if sp else "")
+    terms = "sbh/t (34 + 5as/h)" if sp else "sbh (10 + 24/t + 5as/(ht))"
+    other = activation_memory_per_layer(s, b, h, a, t, not sp) / 2 ** 20
     return verdict(value is not None and abs(value - expected) <= rtol * expected,
-                    f"{expected:.0f} MiB per layer at {mode}.",
+                    f"{expected:.0f} MiB per layer at {mode}: {terms} = "
+                    f"{activation_memory_per_layer(s, b, h, a, t, sp):,.0f} bytes (5as/h = "
+                    f"{5 * a * s / h:g}); {'without' if sp else 'with'} sequence parallelism "
+                    f"{other:.0f} MiB.",
                     f"{answer!r} is not it. Hint: sbh/t (34 + 5as/h) bytes with sequence "
                     f"parallelism, sbh (10 + 24/t + 5as/(ht)) without; 1 MiB = 2^20 bytes.")
 
+
+
+def check_ce_backward_collectives(answer: Any) -> Verdict:
+    """How many collectives the vocab-parallel cross entropy's backward issues: none
+    (Megatron-core's ``_VocabParallelCrossEntropy.backward``, cross_entropy.py). Asked as a
+    prediction before the learner writes that backward, answered after it is graded."""
+    if unanswered(answer, "the number of collectives you predicted"):
+        return Verdict(False)
+    return verdict(as_int(answer) == 0,
+                   "none. The gradient is softmax(z) - onehot(y), scaled per token by "
+                   "grad_output. The softmax slice is already global (the forward's max and sum "
+                   "made it so), and the one-hot has its single 1 in the slice of the rank that "
+                   "holds y: that rank subtracts it, every other rank leaves its slice alone. "
+                   "So the loss costs three small all-reduces forward and nothing backward, "
+                   "where gathering the logits would move [s, b, V].",
+                   f"{answer!r} is not it. Hint: count the collectives your graded backward "
+                   f"calls; which of softmax(z) and onehot(y) does a rank miss for its slice?")
 
 
 # --------------------------------------------------------------------------- write the code
@@ -245,4 +267,6 @@ declare_answers([
      "check_layer_collectives("),
     ("09", "activation memory MiB per layer", [_ACT_MIB, f"{_ACT_MIB:.0f} MiB"],
      "check_activation_memory_mib("),
+    ("09", "collectives of the loss's backward", [0, "no collective", "nothing backward"],
+     "check_ce_backward_collectives("),
 ])

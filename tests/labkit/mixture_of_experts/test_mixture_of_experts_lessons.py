@@ -136,3 +136,16 @@ def test_byte_counts_read_as_a_sentence_not_a_dict():
         "all_gather forward 1,536 B, reduce_scatter forward 2,048 B, all_gather backward 8 B"
     assert format_byte_counts(counts, "forward") == \
         "all_gather forward 1,536 B, reduce_scatter forward 2,048 B"
+
+
+def test_the_course_answer_to_the_ep_mesh_question_waits_for_the_learners(capsys):
+    from mpu_lab.labkit.mixture_of_experts import lessons
+    for empty in ("", "   ", None):
+        lessons.answer_why_ep_divides_dp(empty, 16, tp=2, pp=2, ep=2)
+        assert capsys.readouterr().out.startswith("No answer yet:")
+    lessons.answer_why_ep_divides_dp("it divides the replicas", 16, tp=2, pp=2, ep=2)
+    out = capsys.readouterr().out
+    # 16 ranks, t = p = 2: d = 4; ep = 2 leaves edp = 2 copies; an expert on t * edp = 4 ranks
+    assert out.startswith("Our answer:") and "d = 4, ep = 2" in out.replace("\n", " ")
+    assert "2 x 2 = d*c" in out.replace("\n", " ") and "etp x edp = 4" in out.replace("\n", " ")
+    assert max(len(line) for line in out.splitlines()) <= 100

@@ -152,3 +152,20 @@ def test_stub_says_no_answer_yet(grading_world, capsys, as_notebook):
     ok, out = _verdict(capsys, as_notebook, STUB, grading_world)
     assert not ok
     assert out.startswith("No answer yet:")
+
+
+def test_the_options_table_is_read_line_by_line_from_the_counted_collectives():
+    from mpu_lab.labkit.row_parallel import lessons
+    # rank 0's cases as launch/linear_options.py reports them (names from its `cases`)
+    cases = [dict(layer="row", name="input_is_parallel=False", forward={"all_reduce": 1},
+                  backward={"all_gather": 1}),
+             dict(layer="row", name="skip_bias_add=True", forward={"all_reduce": 1}, backward={}),
+             dict(layer="mlp", name="column(...) -> GeLU -> row(...)",
+                  forward={"all_reduce": 1}, backward={"all_reduce": 1})]
+    text = lessons.explain_row_options([{"cases": cases}])
+    lines = text.split("\n- ")
+    assert len(lines) == 4 and lines[0] == "Line by line:"
+    assert "forward 1 all_reduce; backward 1 all_gather" in lines[1] and "full [b, in]" in lines[1]
+    assert "backward none" in lines[2] and "[b, in/t]" in lines[2] and "bias" in lines[2]
+    assert lines[3].startswith("mlp (forward 1 all_reduce; backward 1 all_reduce)")
+    assert max(len(line) for line in text.splitlines()) <= 100

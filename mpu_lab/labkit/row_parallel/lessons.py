@@ -1,0 +1,45 @@
+"""Lab 07's reading of ``launch/linear_options.py``'s table, line by line: what each row-parallel
+option's input is and which of its collectives come from which operator. It is printed by the
+cell that runs the job (a reveal cell, stored empty), after the learner has committed to the
+MLP's all-reduces: the table answers that prediction."""
+from __future__ import annotations
+
+import textwrap
+from typing import Sequence
+
+
+def _calls(counts: dict) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "none"
+
+
+_FULL_INPUT = ("the input is the full [b, in]; the layer keeps its block of columns (the "
+               "scatter, no communication forward). Forward: g all-reduces the partial sums; "
+               "backward: the scatter's gradient all-gathers the input gradient.")
+_OWN_INPUT = ("the input is already this rank's [b, in/t] (a column-parallel layer with "
+              "gather_output=False makes it): only g communicates.")
+# the case names of launch/linear_options.py's row layer and MLP
+_WHY = {
+    "input_is_parallel=False": _FULL_INPUT,
+    "input_is_parallel=True": _OWN_INPUT,
+    "skip_bias_add=True": _OWN_INPUT + " The full bias [out] comes back to the caller, to be "
+                                       "added later (Megatron fuses it with dropout and the "
+                                       "residual).",
+    "mlp": "GeLU(XA)B from a column layer (gather_output=False) and a row layer "
+           "(input_is_parallel=True): only f (before A) and g (after B) communicate, each in "
+           "one direction. The attention block adds its own f and g (lab 09 counts them).",
+}
+
+
+def explain_row_options(results: Sequence[dict]) -> str:
+    """One line per row-layer option and MLP of the job's report (rank 0's cases; every rank
+    agrees, as the table shows): its collectives per pass as counted, then why."""
+    lines = ["Line by line:"]
+    for case in results[0]["cases"]:
+        key = "mlp" if case["layer"] == "mlp" else case["name"]
+        if case["layer"] not in ("row", "mlp") or key not in _WHY:
+            continue
+        counted = f"forward {_calls(case['forward'])}; backward {_calls(case['backward'])}"
+        name = f"{case['layer']} {case['name'] if key != 'mlp' else ''}".rstrip()
+        lines.append(textwrap.fill(f"- {name} ({counted}): {_WHY[key]}", 96,
+                                   subsequent_indent="  "))
+    return "\n".join(lines)
