@@ -28,13 +28,17 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mpu_lab.perf.cost_model import DGX_H100, Cluster, ModelShape
+import torch
+
+from mpu_lab.perf.calibrate import calibrate_matmul
+from mpu_lab.perf.cost_model import DGX_H100, Cluster, ModelShape, flops_per_token
 from mpu_lab.perf.pipeline_bubble import GPT3_1_3B, predicted_timeline
 from mpu_lab.perf.rank_clock import cores_note, usable_cores
 from mpu_lab.perf.runs import ProfiledRun, profile_training, training_flags
 from mpu_lab.perf.step_time import TrainConfig
 from mpu_lab.perf.pipeline_simulation import LogicalTimeline
 from mpu_lab.perf.utilisation import Utilisation
+from mpu_lab.training.initialize import DEFAULT_TIMEOUT_S
 
 __all__ = ["ROLES", "timing_ranks", "bad_vs_good_configs", "run_bad_vs_good", "role_of",
            "fastest_step_s", "mean_step_s", "speedups", "speedup_line", "format_steps", "format_busy_idle",
@@ -107,6 +111,54 @@ def role_of(label: str) -> str:
     return role
 
 
+def longest_wait_flops(tc: TrainConfig) -> float:
+    """FLOPs of the longest stretch a pipeline rank waits through for one message: the last
+    stage's forward and backward (3 x forward) of one micro-batch, which the first stage waits
+    for after sending its activations (its L/p layers plus the logits; the cost model's matmul
+    FLOPs per token). 0 for a run without pipeline stages."""
+    if tc.pp < 2:
+        return 0.0
+    f = flops_per_token(tc.shapes()[0])
+    per_token = tc.num_layers / tc.pp * f["layer"] / tc.tp + f["logits"] / tc.tp
+    return 3.0 * tc.micro_batch_size * tc.seq_length * per_token
+
+
+def dtype_of(flags: Sequence[str]) -> str:
+    """The torch dtype name ``train_gpt.py``'s precision flags compute in."""
+    flags = [str(f) for f in flags]
+    return "bfloat16" if "--bf16" in flags else "float16" if "--fp16" in flags else "float32"
+
+
+def refuse_past_timeout(configs: Dict[str, TrainConfig], extra_flags: Sequence[str] = (),
+                        env: Optional[dict] = None, flops_per_s: Optional[float] = None) -> None:
+    """On CPU ranks, raise ``ValueError`` before any run starts when a pipeline rank would
+    wait longer for one message than the collective timeout allows (``MPU_LAB_TIMEOUT_S``,
+    :data:`mpu_lab.training.initialize.DEFAULT_TIMEOUT_S` s by default): the longest wait
+    (:func:`longest_wait_flops`) at ``flops_per_s``, by default this CPU's matmul rate on one
+    thread (each rank gets one core) in the runs' dtype. GPU-sized shapes (the 8gpu profile's)
+    would otherwise fail in the middle of the first run with gloo's receive timeout."""
+    timeout_s = float(dict(os.environ, **(env or {})).get("MPU_LAB_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    waits = {label: longest_wait_flops(tc) for label, tc in configs.items()}
+    label = max(waits, key=waits.get)
+    if not waits[label]:
+        return
+    dtype = dtype_of(extra_flags)
+    if flops_per_s is None:
+        flops_per_s = calibrate_matmul(((1, 512, 512, 512),), threads=1, repeats=3, dtype=dtype)
+    wait_s = waits[label] / flops_per_s
+    if wait_s <= timeout_s:
+        return
+    tc = configs[label]
+    raise ValueError(
+        f"{label} would keep a rank waiting about {wait_s:.0f} s for one message on this CPU "
+        f"(the last stage's forward and backward of one micro-batch: {waits[label]:.2g} FLOP "
+        f"at {flops_per_s:.2g} FLOP/s, {dtype}, one core per rank), past the collective "
+        f"timeout of {timeout_s:.0f} s (MPU_LAB_TIMEOUT_S). layers={tc.num_layers}, "
+        f"hidden={tc.hidden_size}, seq_length={tc.seq_length}, "
+        f"global_batch={tc.global_batch_size} are sized for GPUs: on a CPU use profile='cpu', "
+        f"or smaller hidden, seq_length or global_batch, or raise MPU_LAB_TIMEOUT_S.")
+
+
 def run_bad_vs_good(configs: Dict[str, TrainConfig], extra_flags: Sequence[str] = (),
                     interval_s: float = 0.05, env: Optional[dict] = None,
                     profile_dir: Optional[str] = None, **run_kwargs) -> Dict[str, ProfiledRun]:
@@ -115,7 +167,10 @@ def run_bad_vs_good(configs: Dict[str, TrainConfig], extra_flags: Sequence[str] 
     clock (``cpu_metric="clock"``); with GPUs NVML is sampled. ``env`` goes to the launcher.
     With ``profile_dir`` the timed steps also run under ``torch.profiler``, each run writing
     one trace per rank under ``profile_dir/<i>`` (the profiler slows every op: time the
-    lesson's runs without it)."""
+    lesson's runs without it). On CPU ranks, a configuration that would outlast the collective
+    timeout is refused before anything starts (:func:`refuse_past_timeout`)."""
+    if not torch.cuda.is_available():
+        refuse_past_timeout(configs, extra_flags, env)
     runs = {}
     for i, (label, tc) in enumerate(configs.items()):
         role_of(label)

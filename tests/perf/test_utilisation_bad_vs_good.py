@@ -183,3 +183,28 @@ def test_saved_runs_load_back_with_ranks_as_keys_and_the_same_verdict(tmp_path):
     assert back == runs
     assert back["bad: PP=2, 1 micro-batch"].utilisation.values[1] == [0.0, 100.0, 100.0]
     assert bad_vs_good.speedup_line(back) == bad_vs_good.speedup_line(runs)
+
+
+def test_gpu_sized_runs_are_refused_on_cpu_ranks_before_anything_starts():
+    from mpu_lab.perf import bad_vs_good
+    # L=4, h=8, a=2, s=4, V=16, p=2, micro-batch 2, by hand: a layer 2(4h^2 + 2h*4h) + 4sh
+    # = 1,664 FLOP per token; a stage 2 layers + logits 2hV with V padded to 128 (Megatron's
+    # rule, as train_gpt.py pads it) = 3,328 + 2,048 = 5,376; forward and backward (x3) of
+    # 2 x 4 tokens: 129,024
+    configs = bad_vs_good.bad_vs_good_configs(2, 4, 8, 2, 4, 16, 4, 3, microbatches=2)
+    bad, remedy, good = configs.values()
+    assert (bad.pp, bad.micro_batch_size, remedy.micro_batch_size) == (2, 4, 2)
+    assert bad_vs_good.longest_wait_flops(remedy) == 129_024
+    assert bad_vs_good.longest_wait_flops(bad) == 2 * 129_024
+    assert bad_vs_good.longest_wait_flops(good) == 0
+    # at 2,000 FLOP/s the bad run's rank would wait 129 s: past the 60 s default, not 300 s
+    with pytest.raises(ValueError) as err:
+        bad_vs_good.refuse_past_timeout(configs, ["--bf16"], env={}, flops_per_s=2000.0)
+    text = str(err.value)
+    assert text.startswith("bad: PP=2, 1 micro-batch would keep a rank waiting about 129 s")
+    for shown in ("timeout of 60 s", "layers=4", "hidden=8", "seq_length=4", "global_batch=4",
+                  "bfloat16", "profile='cpu'", "MPU_LAB_TIMEOUT_S"):
+        assert shown in text, shown
+    bad_vs_good.refuse_past_timeout(configs, [], env={"MPU_LAB_TIMEOUT_S": "300"},
+                                    flops_per_s=2000.0)
+    bad_vs_good.refuse_past_timeout({"good": good}, [], env={}, flops_per_s=1.0)
