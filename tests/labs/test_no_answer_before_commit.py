@@ -23,7 +23,7 @@ LABS = sorted((pathlib.Path(__file__).resolve().parents[2] / "labs").glob("[0-9]
 # (lab, question, matched text): weak matches read by eye, with what the number is there.
 READ_BY_EYE = {
     ("01", "tp groups crossing a node", "2"): "question 1's p = 2 and its example [1, 2, 3]",
-    ("16", "smallest cp", "4"): "p = 4 in the memory table of pipeline sizes above it",
+    ("16", "smallest cp", "8"): "t = 8 in the memory table's configurations above it",
     ("16", "best ep", "8"): "Mixtral's E = 8 experts, the model's own size the question needs",
     ("17", "culprit of job 1", "1"): "'job 1' names the job; the report's rank numbers are the "
                                      "evidence the question asks the learner to read",

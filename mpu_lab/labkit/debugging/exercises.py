@@ -90,17 +90,18 @@ def check_culprit(answer: Any, fault: str) -> Verdict:
 # --------------------------------------------------------------------------- the jobs, unnamed
 # The learner reads each job's report before naming its cause, so the lab calls the jobs by
 # number and hides what would name the fault: the --inject-fault flag and the injected frame's
-# function name (faults.py's functions are named after their faults). reveal() shows both.
+# file and function (faults.py's functions are named after their faults). reveal() shows both.
 _FAULT_FLAG = re.compile(r"--inject-fault [\w:.-]+")
-_FAULT_FRAME = re.compile(r"(faults\.py(?::\d+)?,? in )\w+")
+_FAULT_FRAME = re.compile(r"faults(\.py(?::\d+)?,? in )\w+")
 # The fault the lab runs on the playground's ranks rather than as a job (the last numbered one).
 PLAYGROUND_FAULT = "fp16-overflow:1"
 
 
 def masked(text: str) -> str:
-    """``text`` with the fault's name hidden: ``--inject-fault ?`` and ``faults.py, in (the
-    injected fault)``."""
-    return _FAULT_FRAME.sub(r"\1(the injected fault)", _FAULT_FLAG.sub("--inject-fault ?", text))
+    """``text`` with the fault's name hidden: ``--inject-fault ?``, and the injected frame's
+    file and function as ``<hidden>.py, in <hidden>`` (a label that said "fault" there would
+    name the rank the exercises ask for)."""
+    return _FAULT_FRAME.sub(r"<hidden>\1<hidden>", _FAULT_FLAG.sub("--inject-fault ?", text))
 
 
 def job_names(jobs) -> List[str]:

@@ -170,7 +170,7 @@ def _lab_answers():
                                               num_gpus=128, global_batch_size=1536), 32, 4, 8)
     critical, _ = expected_critical(be.tensor_parallel(4096, 4096, t=4), h100.peak_flops,
                                     h100.intra_node_bandwidth)
-    cp, _ = expected_smallest_cp(explorer.long_sequence_example())
+    cp, _ = expected_smallest_cp(explorer.long_sequence_example(seq_length=65536))
     ep, _ = expected_best_ep(explorer.moe_example())
     gpt39 = perf.ModelShape(num_layers=48, hidden_size=8192, num_attention_heads=64,
                             seq_length=2048, vocab_size=51200)

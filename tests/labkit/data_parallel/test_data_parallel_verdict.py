@@ -27,4 +27,6 @@ def test_parts_add_up_and_the_verdict_uses_a_relative_tolerance(capsys):
     out = capsys.readouterr().out
     assert "step 100.0 -> 98.0 ms with overlap: no difference (within 5 %)" in out
     assert "this machine shows no clear saving" in out
+    # exposed 20 -> 10 ms, backward 50 -> 55 ms (by hand)
+    assert "overlap took 10.0 ms off the exposed time and added 5.0 ms to backward" in out
     assert max(len(line) for line in out.splitlines()) <= 100
