@@ -38,18 +38,24 @@ class Verdict:
         pass
 
 
-def verdict(ok: bool, right: str, wrong: str) -> Verdict:
+def verdict(ok: bool, right: str, wrong: str, answer: Optional[str] = None,
+            reveal: bool = True) -> Verdict:
     """Print ``Right: <right>`` or ``Not yet: <wrong>`` (a hint, never the answer). A question
-    answered wrong :data:`ANSWER_AFTER_TRIES` times (counted by its ``right`` text, which
-    states its answer) gets that answer printed after the hint: the labs keep no written
-    solutions to their questions, so this is where a learner who is stuck finds one."""
+    answered wrong :data:`ANSWER_AFTER_TRIES` times gets its answer printed after the hint: the
+    labs keep no written solutions to their questions, so this is where a learner who is stuck
+    finds one. The answer is ``answer`` when the ``right`` text speaks of the learner's own
+    answer, else ``right`` (which then states it); it also names the question, so each
+    question counts its own tries. ``reveal=False``: a check of a job's results, not a
+    question."""
     if ok:
         print(f"{RIGHT} {right}")
         return Verdict(True)
-    tries = _wrong_tries[right] = _wrong_tries.get(right, 0) + 1
     print(f"{WRONG} {wrong}")
-    if tries >= ANSWER_AFTER_TRIES:
-        print(f"The answer, after {tries} tries: {right}")
+    shown = answer if answer is not None else right
+    if reveal and shown:
+        tries = _wrong_tries[shown] = _wrong_tries.get(shown, 0) + 1
+        if tries >= ANSWER_AFTER_TRIES:
+            print(f"The answer, after {tries} tries: {shown}")
     return Verdict(False)
 
 

@@ -93,3 +93,17 @@ def test_no_lab_keeps_a_written_answer_block():
         for i, cell in enumerate(json.loads(path.read_text())["cells"]):
             if cell["cell_type"] == "markdown":
                 assert "<details" not in "".join(cell["source"]), f"{path.name} cell {i}"
+
+
+def test_a_special_wrong_answer_counts_for_its_own_question_and_a_check_of_results_never_reveals(
+        capsys):
+    # two transposed shapes (a hint of their own) to two different questions: no answer yet
+    assert not column_parallel_exercises.check_column_weight_shape((1024, 192), 1024, 768, 4)
+    assert not row_parallel_exercises.check_row_weight_shape((256, 512), 1024, 512, 4)
+    assert "The answer" not in capsys.readouterr().out
+    # the second wrong answer to the row question, by another road: now its answer, (512, 256)
+    assert not row_parallel_exercises.check_row_weight_shape((1, 1), 1024, 512, 4)
+    assert "The answer, after 2 tries: each rank stores weight (512, 256)" in capsys.readouterr().out
+    for _ in range(3):
+        verdict.verdict(False, "all 8 ranks agree", "some differ", reveal=False)
+    assert "The answer" not in capsys.readouterr().out

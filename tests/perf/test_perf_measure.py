@@ -308,6 +308,9 @@ def test_lab08_checkers(capsys):
     assert not exercises.check_best_config("8,2", gpt39, cluster, 64, 512)
     out = capsys.readouterr().out
     assert "No answer yet" in out and "not a valid (t, p)" in out
+    # the second wrong answer to the same question shows the fastest pair (pinned above: t=4,
+    # p=4), not the learner's own
+    assert "The answer, after" in out and "the fastest is t=4, p=4" in out
 
 
 def best_pairs_by_brute_force(model, cluster, num_gpus, batch, tol):

@@ -42,12 +42,12 @@ def check_column_weight_shape(answer: Any, input_size: int, output_size: int, tp
         return Verdict(False)
     expected = _column_weight_shape(input_size, output_size, tp)
     given = as_int_list(answer)
+    right = (f"each rank stores weight {expected}: A_i = [{input_size}, {output_size // tp}] "
+             f"transposed, cut by the tensor-parallel size {tp}.")
     if given is not None and tuple(given) == expected[::-1] and expected[0] != expected[1]:
-        return verdict(False, "", f"{tuple(given)} is A_i = [in, out/t]; the Parameter stores "
-                                   f"W_i = A_i^T because F.linear computes X W^T.")
-    return verdict(given is not None and tuple(given) == expected,
-                    f"each rank stores weight {expected}: A_i = [{input_size}, "
-                    f"{output_size // tp}] transposed, cut by the tensor-parallel size {tp}.",
+        return verdict(False, right, f"{tuple(given)} is A_i = [in, out/t]; the Parameter "
+                                     f"stores W_i = A_i^T because F.linear computes X W^T.")
+    return verdict(given is not None and tuple(given) == expected, right,
                     f"{answer!r} is not it. Hint: the columns of A (output_size) are cut into t "
                     f"pieces, and the weight is stored as [out/t, in].")
 

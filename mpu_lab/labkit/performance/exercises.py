@@ -39,7 +39,10 @@ def check_best_config(answer: Any, model, cluster, num_gpus: int, global_batch_s
                     f"d={b.dp}, b={b.b}: {fastest:.2f} s.",
                     f"{mine} The fastest takes {fastest:.2f} s. Hint: keep t within a node "
                     f"({cluster.gpus_per_node} GPUs), then use the fewest pipeline stages that "
-                    f"fit in memory; explore() ranks them all.")
+                    f"fit in memory; explore() ranks them all.",
+                    answer=f"the fastest is t={b.tp}, p={b.pp} (d={b.dp}, b={b.b}): "
+                           f"{fastest:.2f} s per iteration; any (t, p) predicted within "
+                           f"{tol:.0%} of it counts (explore(...).table() ranks them all).")
 
 
 def check_pipeline_speedup(answer: Any, p: int, m: int, rel_tol: float = 0.02) -> Verdict:

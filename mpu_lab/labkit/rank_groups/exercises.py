@@ -39,12 +39,13 @@ def check_group_of_rank(answer: Any, rank: int, family: str, world_size: int, tp
         return Verdict(False)
     expected = group_of_rank(rank, family, world_size, tp, pp, cp, order)
     given = as_int_list(answer)
+    right = f"rank {rank}'s {family} group is {expected}."
     if given is not None and sorted(given) == sorted(expected) and given != expected:
-        return verdict(False, "", f"the right ranks, but Megatron lists them as {expected}; "
-                                   f"order the ranks by their {family} rank (ascending here).")
+        return verdict(False, right, f"the right ranks, but Megatron lists them as {expected}; "
+                                     f"order the ranks by their {family} rank (ascending here).")
     hint = (f"{family} groups hold ranks that agree on every coordinate except {family}; with "
             f"order {order!r}, rank = tp_rank + t*(cp_rank + c*(dp_rank + d*pp_rank)).")
-    return verdict(given == expected, f"rank {rank}'s {family} group is {expected}.",
+    return verdict(given == expected, right,
                     f"{answer!r} is not rank {rank}'s {family} group. Hint: {hint}")
 
 

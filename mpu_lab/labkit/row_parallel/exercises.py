@@ -34,12 +34,12 @@ def check_row_weight_shape(answer: Any, input_size: int, output_size: int, tp: i
     (rows, cols) = shard_shapes("row", input_size, output_size, tp)[0]  # A_i: [in/t, out]
     expected = (cols, rows)
     given = as_int_list(answer)
+    right = (f"each rank stores weight {expected}: A_i = [{rows}, {cols}] transposed, the rows "
+             f"of A cut by the tensor-parallel size {tp}.")
     if given is not None and tuple(given) == (rows, cols) and rows != cols:
-        return verdict(False, "", f"{(rows, cols)} is A_i = [in/t, out]; the Parameter stores "
-                                   f"W_i = A_i^T because F.linear computes X W^T.")
-    return verdict(given is not None and tuple(given) == expected,
-                    f"each rank stores weight {expected}: A_i = [{rows}, {cols}] transposed, "
-                    f"the rows of A cut by the tensor-parallel size {tp}.",
+        return verdict(False, right, f"{(rows, cols)} is A_i = [in/t, out]; the Parameter "
+                                     f"stores W_i = A_i^T because F.linear computes X W^T.")
+    return verdict(given is not None and tuple(given) == expected, right,
                     f"{answer!r} is not it. Hint: the rows of A (input_size) are cut into t "
                     f"pieces, and the weight is stored as [out, in/t].")
 

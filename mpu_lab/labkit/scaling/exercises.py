@@ -80,10 +80,11 @@ def check_bounds(answer: Any, traffic: Traffic, cluster: Cluster) -> Verdict:
         return Verdict(False)
     want, why = expected_bounds(traffic, cluster)
     given = tuple(_bound_word(a) for a in answer) if isinstance(answer, (tuple, list)) else ()
+    right = f"{want[0]} on NVLink, {want[1]} on InfiniBand ({why})."
     if len(given) != len(want) or None in given:
-        return verdict(False, "", f"{answer!r} is not a pair of \"compute\" or "
-                                  f"\"communication\" (NVLink first, then InfiniBand).")
-    return verdict(given == want, f"{want[0]} on NVLink, {want[1]} on InfiniBand ({why}).",
+        return verdict(False, right, f"{answer!r} is not a pair of \"compute\" or "
+                                     f"\"communication\" (NVLink first, then InfiniBand).")
+    return verdict(given == want, right,
                    f"{answer!r} is not it. Hint: compare FLOPs per byte sent with the peak "
                    f"FLOP/s over each link's bytes per second; which side of the ridge is it?")
 
