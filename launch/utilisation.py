@@ -15,9 +15,9 @@ usable core (fewer cores than ``--nproc``: it says so and runs fewer ranks), eve
 to its own core with one thread, and each rank's busy and idle time is read from its own CPU
 clock; with GPUs NVML's utilisation is sampled. On CPU ranks, sizes that would keep a
 pipeline rank waiting for one message past the collective timeout (the 8-GPU line above, on
-a laptop) are refused before any job starts, with the estimate and what would do. It prints the step times, the busy and idle
-time per rank, the step breakdown per rank, saves the runs (utilisation samples and
-breakdowns) as ``bad_vs_good.json`` under ``--out`` for lab 15's pictures
+a laptop) are refused before any job starts, with the estimate and what would do. It prints
+the step times, the busy and idle time per rank, the step breakdown per rank, saves the runs
+(utilisation samples and breakdowns) as ``bad_vs_good.json`` under ``--out`` for lab 15's pictures
 (:func:`mpu_lab.perf.bad_vs_good.load_runs`), and ends with the line
 
     speed-up over the bad configuration: remedy R.RR x, good G.GG x

@@ -8,7 +8,7 @@ from mpu_lab.core import parallel_state
 
 RIGHT, WRONG, EMPTY = "Right:", "Not yet:", "No answer yet:"
 # A question's answer is shown only after the learner has committed to answers of their own:
-# at the second wrong answer to the same question (the same right text), never before.
+# at the second wrong answer to the same question (see verdict()), never before.
 ANSWER_AFTER_TRIES = 2
 _wrong_tries: Dict[str, int] = {}
 

@@ -265,7 +265,8 @@ def plot_fg(tp: int = 2) -> Figure:
 
 
 # --------------------------------------------------------------------------- the options' job
-def _calls(counts: dict) -> str:
+def format_calls(counts: dict) -> str:
+    """One pass's collectives as ``1 all_reduce, 1 all_gather`` (``none`` when it has none)."""
     return ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none"
 
 
@@ -291,8 +292,8 @@ def format_options(results: Sequence[dict], name_width: int = 24) -> str:
         if len(name) > name_width:
             notes.append(f"{first['layer']}: {name}")
             name = first["layer"]
-        rows.append((name, output if agree else "differs by rank", _calls(first["forward"]),
-                     _calls(first["backward"]), str(all(c["matches_dense"] for c in cases))))
+        rows.append((name, output if agree else "differs by rank", format_calls(first["forward"]),
+                     format_calls(first["backward"]), str(all(c["matches_dense"] for c in cases))))
         if "row_blocks" in first:
             notes += [f"{first['name']}, master rows kept on rank {res['rank']}: "
                       + " ".join(f"{a}-{b}" for a, b in c["row_blocks"])

@@ -96,7 +96,8 @@ def check_activation_memory_mib(answer: Any, s: int, b: int, h: int, a: int, t: 
     """Korthikanti et al.'s activation memory of one layer, in MiB (within ``rtol``)."""
     if unanswered(answer, "a number of MiB"):
         return Verdict(False)
-    expected = activation_memory_per_layer(s, b, h, a, t, sp) / 2 ** 20
+    expected_bytes = activation_memory_per_layer(s, b, h, a, t, sp)
+    expected = expected_bytes / 2 ** 20
     try:
         value = float(answer)
     except (TypeError, ValueError):
@@ -106,7 +107,7 @@ def check_activation_memory_mib(answer: Any, s: int, b: int, h: int, a: int, t: 
     other = activation_memory_per_layer(s, b, h, a, t, not sp) / 2 ** 20
     return verdict(value is not None and abs(value - expected) <= rtol * expected,
                     f"{expected:.0f} MiB per layer at {mode}: {terms} = "
-                    f"{activation_memory_per_layer(s, b, h, a, t, sp):,.0f} bytes (5as/h = "
+                    f"{expected_bytes:,.0f} bytes (5as/h = "
                     f"{5 * a * s / h:g}); {'without' if sp else 'with'} sequence parallelism "
                     f"{other:.0f} MiB.",
                     f"{answer!r} is not it. Hint: sbh/t (34 + 5as/h) bytes with sequence "

@@ -7,9 +7,7 @@ from __future__ import annotations
 import textwrap
 from typing import Sequence
 
-
-def _calls(counts: dict) -> str:
-    return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "none"
+from mpu_lab.labkit.column_parallel.viz import format_calls
 
 
 _FULL_INPUT = ("the input is the full [b, in]; the layer keeps its block of columns (the "
@@ -38,7 +36,8 @@ def explain_row_options(results: Sequence[dict]) -> str:
         key = "mlp" if case["layer"] == "mlp" else case["name"]
         if case["layer"] not in ("row", "mlp") or key not in _WHY:
             continue
-        counted = f"forward {_calls(case['forward'])}; backward {_calls(case['backward'])}"
+        counted = (f"forward {format_calls(case['forward'])}; "
+                   f"backward {format_calls(case['backward'])}")
         name = f"{case['layer']} {case['name'] if key != 'mlp' else ''}".rstrip()
         lines.append(textwrap.fill(f"- {name} ({counted}): {_WHY[key]}", 96,
                                    subsequent_indent="  "))
