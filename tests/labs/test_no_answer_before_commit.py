@@ -2,8 +2,8 @@
 notebook: the graders declare each graded answer (``leaks.declare_answers`` in each lab's
 ``exercises`` module, computed from the arguments its check cells pass), and
 :func:`~mpu_lab.labkit.notebooks.leaks.notebook_leaks` searches the stored notebook for them
-above each answer cell, in the stored outputs just below it, and in reveal cells stored with
-outputs. That the search catches each kind of leak is shown on hand-built notebooks in
+above each answer cell, in the stored outputs and prose anywhere below it, and in reveal cells
+stored with outputs. That the search catches each kind of leak is shown on hand-built notebooks in
 tests/labkit/notebooks/test_leaks.py.
 
 A small whole number (below 100) is a *weak* match: it shows up in prose for many reasons. Each
@@ -28,6 +28,9 @@ READ_BY_EYE = {
     ("17", "culprit of job 1", "1"): "'job 1' names the job; the report's rank numbers are the "
                                      "evidence the question asks the learner to read",
     ("17", "culprit of job 5", "1"): "the report's rank numbers, the evidence to read",
+    ("13", "expert ranks", "4"): "rank numbers in the printed groups ([0, 4], ...), the next "
+                                 "question's material; the count itself is not printed",
+    ("14", "micro-batches on 16 GPUs", "1"): "TP = 1, the padded vocabulary's setting",
 }
 
 

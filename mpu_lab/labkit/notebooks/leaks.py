@@ -4,8 +4,8 @@ a stored notebook before running the cell where they commit to their own.
 A lab asks a question ("**Predict**: how many all-reduces ...?"), the learner writes an answer
 in a cell (``answer = None`` then ``check_...(answer, ...)``; ``grade(...)`` for a
 write-the-code exercise) and only then sees the result. That only teaches if nothing above the
-question already says it, and no stored output just below prints it before the learner has run
-the answer cell. The graders know each answer, so they declare it here
+question already says it, and nothing below it (stored outputs, prose) says it before the
+learner has run the answer cell. The graders know each answer, so they declare it here
 (:func:`declare_answers`: lab, question id, answer values, and the text that marks the
 learner's answer cell), and :func:`find_leaks` searches a notebook for them:
 
@@ -18,9 +18,11 @@ learner's answer cell), and :func:`find_leaks` searches a notebook for them:
   "Predict"; the rest of that cell is prose above like any other), the answer cell's own
   "No answer yet: ..." line (it restates what to answer), and numbering that is not content
   (``## 9. Exercises``, ``**1.**``, a numbered list's ``2.``);
-* **just below the answer cell**: stored outputs of the code cells that follow it up to the
-  next markdown cell, which sit on the screen while the learner answers (lab 11's bubble share
-  printed by the next cell's stored table);
+* **below the answer cell**, to the end of the notebook: stored outputs, prose and the comments
+  and string literals of code cells. A learner can scroll before they commit, so a measurement
+  that prints the answer (lab 11's bubble share in the next cell's stored table, lab 12's idle
+  slots a section further on) is a ``reveal`` cell, stored empty, and the prose after it
+  explains without restating the answer (a ``reveal`` cell's own output can);
 * **reveal cells stored with outputs**: a code cell tagged ``reveal``, or one that calls
   ``reveal(...)``, must be stored empty (lab 17's fault named in stored reveal outputs).
 
@@ -39,8 +41,8 @@ How an answer is matched (:func:`hits`), by its type:
   brackets (``2, 6, 10, 14``).
 
 A whole number below 100 is a *weak* match (it appears in prose for many reasons): it is only
-searched in the answer's own section (from the last ``#``/``##`` heading above the answer cell)
-and its leaks carry ``weak=True``, to be read by eye. Every other match is searched from the
+searched in the answer's own section (from the last ``#``/``##`` heading above the answer cell
+to the next one below it) and its leaks carry ``weak=True``, to be read by eye. Every other match is searched from the
 notebook's first cell. A grader whose answer is a small number should also declare the phrase
 that would give it away ("4 ranks").
 """
@@ -318,18 +320,33 @@ def _texts_above(nb, commit: int) -> List[Tuple[int, str, str, bool]]:
     return out
 
 
+def _texts_below(nb, commit: int) -> List[Tuple[int, str, str, bool]]:
+    """``(cell, where, text, in the answer's section)`` for everything below the answer cell,
+    to the end of the notebook: the section ends at the next ``#``/``##`` heading."""
+    out, in_section = [], True
+    for i in range(commit + 1, len(nb.cells)):
+        cell = nb.cells[i]
+        if cell.cell_type == "markdown":
+            text = cell.source
+            head = _HEADING.search(text) if in_section else None
+            if head:
+                out.append((i, "prose below", _NUMBERING.sub(" ", text[:head.start()]), True))
+                text, in_section = text[head.start():], False
+            out.append((i, "prose below", _NUMBERING.sub(" ", text), in_section))
+        elif cell.cell_type == "code":
+            code = "\n".join(m.group(0) for m in _CODE_TEXT.finditer(cell.source))
+            out.append((i, "code below (comments, titles, labels)", code, in_section))
+            out.append((i, "output below, stored", output_text(cell), in_section))
+    return out
+
+
 def answer_leaks(nb, answers: Iterable[Answer], lab: str = "") -> List[Leak]:
     """Each place where one of ``answers`` shows before its learner commits (see the module
     docstring), in cell order per question."""
     leaks = []
     for answer in answers:
         commit = commit_cell(nb, answer)
-        texts = _texts_above(nb, commit)
-        for j in range(commit + 1, len(nb.cells)):
-            if nb.cells[j].cell_type != "code":
-                break
-            texts.append((j, "output below, before the answer cell runs",
-                          output_text(nb.cells[j]), True))
+        texts = _texts_above(nb, commit) + _texts_below(nb, commit)
         for cell, where, text, in_section in texts:      # one leak per cell and kind of text
             found = [(matched, weak) for value in answer.answers
                      for matched, weak in hits(text, value) if in_section or not weak]

@@ -1,8 +1,8 @@
 """The leak check (mpu_lab.labkit.notebooks.leaks, issue 38 item 1) on hand-built notebooks: it
 catches each of the three kinds of leak the issue names (an answer in the prose or a figure's
-labels above the question, an answer printed by the next cell's stored output before the
-learner's answer cell has run, a reveal cell stored with its outputs), passes a clean notebook,
-and matches answers by the stated rules."""
+labels above the question, an answer in a stored output or prose anywhere below the learner's
+answer cell, a reveal cell stored with its outputs), passes a clean notebook, and matches
+answers by the stated rules."""
 import fractions
 
 import nbformat
@@ -43,7 +43,7 @@ def _clean():
         _figure('plot_fg(tp, title="f and g around the MLP")'),
         QUESTION, COMMIT,
         new_code_cell("print(counts)", metadata={"tags": ["reveal", "nbval-ignore-output"]}),
-        new_markdown_cell("So the MLP all-reduces (1, 1) times: once each way."),   # after: fine
+        new_markdown_cell("So the MLP all-reduces once each way: f in backward, g in forward."),
     ]
     return nb
 
@@ -85,9 +85,30 @@ def test_an_answer_printed_by_the_next_cells_stored_output_is_caught():
         new_markdown_cell("The measured share sits above the formula's."),
         _run("print(later)", "0.11 again, after the learner has read on\n", count=3),
     ]
-    (leak,) = leaks.find_leaks(nb, [BUBBLE], "11")
-    assert (leak.cell, leak.text) == (2, "0.11")
-    assert leak.where == "output below, before the answer cell runs"
+    found = leaks.find_leaks(nb, [BUBBLE], "11")
+    assert [(x.cell, x.text, x.where) for x in found] == [
+        (2, "0.11", "output below, stored"), (4, "0.11", "output below, stored")]
+
+
+def test_below_the_answer_cell_prose_and_later_sections_count_and_small_numbers_stay_local():
+    """A learner can scroll before committing: prose below the answer cell that states it is
+    a leak, in its section or later; a small number (weak) only counts in the answer's own
+    section, which ends at the next heading."""
+    nb = _clean()
+    nb.cells.append(new_markdown_cell("## 4. Next\n\nThe MLP all-reduced (1, 1) times."))
+    (leak,) = leaks.find_leaks(nb, [MLP], "07")
+    assert (leak.cell, leak.where, leak.text) == (6, "prose below", "(1, 1)")
+    ranks = Answer("13", "expert-DP size", (4,), "check_expert_data_parallel_size(")
+    nb = new_notebook()
+    nb.cells = [
+        new_markdown_cell("## 2. Where experts live\n\n**Predict:** on how many ranks?"),
+        new_code_cell("answer = None\ncheck_expert_data_parallel_size(answer, 16, 2, 2, 2)"),
+        new_markdown_cell("Each expert lives on 4 ranks.\n\n## 3. Routing\n\nA layer has 4 "
+                          "experts."),
+        _run("print(experts)", "4 experts\n", count=2),
+    ]
+    (leak,) = leaks.find_leaks(nb, [ranks])
+    assert (leak.cell, leak.where, leak.text, leak.weak) == (2, "prose below", "4", True)
 
 
 def test_reveal_cells_stored_with_outputs_are_caught_tagged_or_calling_reveal():
