@@ -1,4 +1,5 @@
-"""Lab 09's overlap verdict, computed from the step times it prints.
+"""Lab 09's reading of the sequence-parallel layer's collectives (printed once the learner has
+committed to a count), and its overlap verdict, computed from the step times it prints.
 
 ``launch/linear_overlap.py`` times the sequence-parallel MLP overlapped and serial on each rank
 (:func:`mpu_lab.perf.linear_overlap.format_saving` prints them). What those numbers show is
@@ -10,10 +11,38 @@ engines and NVLink beside the GEMM on the compute units, Megatron-core's
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Sequence
+
+from mpu_lab.perf.comm_counts import expected_layer_counts
 
 #: the relative difference of two step times below which they count as the same
 TOLERANCE = 0.05
+
+
+def explain_sp_layer_collectives(tp: int, width: int = 96) -> str:
+    """Where the collectives of one sequence-parallel layer sit, per direction, with the counts
+    of :func:`mpu_lab.perf.comm_counts.expected_layer_counts` (the answer to lab 09's
+    prediction: printed by a cell stored without its output)."""
+    counts = expected_layer_counts(True, tp)
+    fwd, bwd = counts["forward"], counts["backward"]
+    extra = bwd["all_gather"] - fwd["reduce_scatter"]
+    paragraphs = [
+        f"Forward, the f's and g's of the two blocks: {fwd['all_gather']} all-gathers + "
+        f"{fwd['reduce_scatter']} reduce-scatters, and backward the other way round, "
+        f"{fwd['reduce_scatter']} all-gathers + {fwd['all_gather']} reduce-scatters.",
+        "One more all-gather hides in backward. A column-parallel layer needs its whole input X, "
+        "[s,b,h], again for its weight gradient (dL/dW = dL/dY^T X). Keeping the gathered X "
+        "would keep t times the activation that sequence parallelism has just split, so "
+        "Megatron's linear (LinearWithGradAccumulationAndAsyncCommunication in "
+        "tensor_parallel/layers.py) keeps only the rank's [s/t,b,h] block and all-gathers it "
+        "again in backward, overlapped with the input-gradient GEMM (Korthikanti et al. 2022, "
+        f"§4.2.2): {extra} more all-gathers, one per column-parallel layer, so "
+        f"{bwd['all_gather']} all-gathers + {bwd['reduce_scatter']} reduce-scatters backward. "
+        "mpu_lab's layers do the same (mpu_lab.core.tensor_parallel.linear_autograd mirrors "
+        "that function), and the job below counts them.",
+    ]
+    return "\n\n".join(textwrap.fill(p, width, break_on_hyphens=False) for p in paragraphs)
 
 
 def overlap_savings(reports: Sequence[dict]) -> list:

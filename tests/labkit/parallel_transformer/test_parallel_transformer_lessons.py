@@ -31,3 +31,16 @@ def test_the_split_table_marks_only_the_rows_tensor_parallelism_changed():
     rows = {line.split()[0]: line for line in lines[1:]}
     assert rows["Q"].endswith("*") and "2 x 8 x 8" in rows["Q"]
     assert not rows["Out"].endswith("*")
+
+
+def test_the_sequence_parallel_reading_gives_the_papers_counts():
+    """Korthikanti et al. 2022, §4.2.2, worked by hand for one layer (two column-parallel and two
+    row-parallel linears): forward an all-gather per f and a reduce-scatter per g (2 + 2),
+    backward the other way round plus the weight gradient's all-gather of each column-parallel
+    layer's input (4 + 2); lines fit the notebook's 100 characters."""
+    text = lessons.explain_sp_layer_collectives(tp=2)
+    flat = " ".join(text.split())
+    assert "2 all-gathers + 2 reduce-scatters, and backward" in flat
+    assert "2 more all-gathers, one per column-parallel layer" in flat
+    assert "4 all-gathers + 2 reduce-scatters backward" in flat
+    assert max(len(line) for line in text.splitlines()) <= 100
