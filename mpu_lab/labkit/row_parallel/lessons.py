@@ -1,7 +1,7 @@
-"""Lab 07's reading of ``launch/linear_options.py``'s table, line by line: what each row-parallel
-option's input is and which of its collectives come from which operator. It is printed by the
-cell that runs the job (a reveal cell, stored empty), after the learner has committed to the
-MLP's all-reduces: the table answers that prediction."""
+"""Lab 07's readings, printed by reveal cells (stored empty) once the learner has committed to
+the MLP's all-reduces, which they answer: the two operators around the MLP
+(:func:`explain_mlp_operators`), and ``launch/linear_options.py``'s table line by line, what each
+row-parallel option's input is and which of its collectives come from which operator."""
 from __future__ import annotations
 
 import textwrap
@@ -42,3 +42,17 @@ def explain_row_options(results: Sequence[dict]) -> str:
         lines.append(textwrap.fill(f"- {name} ({counted}): {_WHY[key]}", 96,
                                    subsequent_indent="  "))
     return "\n".join(lines)
+
+
+def explain_mlp_operators(width: int = 96) -> str:
+    """f and g around GeLU(XA)B, what each does in each pass (Shoeybi et al. 2019, §3,
+    Fig. 3a), and so the MLP's all-reduces per pass."""
+    text = ("The partial sums of the row-parallel layer must be added: the operator g "
+            "(reduce_from_tensor_model_parallel_region) all-reduces them forward and passes the "
+            "gradient through unchanged backward (each X_i A_i term has the gradient dL/dY). The "
+            "paper puts a second operator before A: f (copy_to_tensor_model_parallel_region), "
+            "identity forward and all-reduce backward (lab 06, section 4), since every rank's "
+            "block of columns contributes a part of the input's gradient. So the MLP all-reduces "
+            "once forward (g) and once backward (f), and nothing happens between A and B: "
+            "GeLU works on each rank's block of columns as it is.")
+    return textwrap.fill(text, width, break_on_hyphens=False)

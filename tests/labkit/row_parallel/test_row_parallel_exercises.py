@@ -169,3 +169,16 @@ def test_the_options_table_is_read_line_by_line_from_the_counted_collectives():
     assert "backward none" in lines[2] and "[b, in/t]" in lines[2] and "bias" in lines[2]
     assert lines[3].startswith("mlp (forward 1 all_reduce; backward 1 all_reduce)")
     assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_the_operators_reading_gives_the_papers_all_reduces():
+    """Shoeybi et al. 2019, §3, Fig. 3a: g all-reduces forward (identity backward), f all-reduces
+    backward (identity forward), so the MLP all-reduces once each way; the reveal cell that
+    prints it fits the notebook's 100 characters."""
+    from mpu_lab.labkit.row_parallel.lessons import explain_mlp_operators
+    text = explain_mlp_operators()
+    flat = " ".join(text.split())
+    assert "g (reduce_from_tensor_model_parallel_region) all-reduces them forward" in flat
+    assert "f (copy_to_tensor_model_parallel_region), identity forward and all-reduce backward" in flat
+    assert "once forward (g) and once backward (f)" in flat
+    assert max(len(line) for line in text.splitlines()) <= 100
