@@ -76,8 +76,10 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def init(backend: str = "auto", timeout_s: Optional[float] = None, device: Optional[str] = None) -> DistInfo:
-    """Initialise the default process group from torchrun's environment variables.
+def init(backend: str = "auto", timeout_s: Optional[float] = None, device: Optional[str] = None,
+         store=None) -> DistInfo:
+    """Initialise the default process group from torchrun's environment variables (or, given a
+    ``store``, with it as the rendezvous: :func:`init_single_process`'s world of one).
 
     ``backend``: ``"auto"`` (the rule above), ``"gloo"`` or ``"nccl"``; the environment variable
     ``MPU_LAB_BACKEND`` overrides ``"auto"``. ``device``: ``"cpu"`` forces CPU tensors even when
@@ -116,6 +118,8 @@ def init(backend: str = "auto", timeout_s: Optional[float] = None, device: Optio
         kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         if backend == "nccl":
             kwargs["device_id"] = dev
+        if store is not None:
+            kwargs.update(store=store, rank=rank, world_size=world_size)
         dist.init_process_group(**kwargs)
     # Megatron's groups get the same short timeout, not torch's 30-minute default for new groups
     parallel_state.set_default_timeout(datetime.timedelta(seconds=timeout_s))
@@ -142,12 +146,18 @@ def shutdown():
 
 def init_single_process(backend: str = "auto"):
     """A one-rank ``torch.distributed`` world and TP=1 groups in this very process (a notebook,
-    a benchmark, a unit test). Does nothing when a world already exists."""
+    a benchmark, a unit test). Does nothing when a world already exists. Outside torchrun its
+    rendezvous is an in-process ``HashStore``: a TCP port chosen free and bound later could be
+    taken in between by another job on the machine (seen under the full suite: EADDRINUSE, and
+    every later call retried the same port)."""
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        init(backend=backend)
+        store = None
+        # not under torchrun: no environment yet, or ours from an earlier world of one
+        if "RANK" not in os.environ or ("MASTER_ADDR" not in os.environ
+                                        and os.environ.get("WORLD_SIZE") == "1"):
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+            store = dist.HashStore()
+        init(backend=backend, store=store)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
 
