@@ -141,10 +141,16 @@ def _torch_call(traceback_text: str) -> Optional[str]:
 
 def _where(text: str, innermost_last: bool = True) -> str:
     frames = _own_frames(text)
-    if not frames:
-        return "an unknown place"
-    path, line, func = frames[-1] if innermost_last else frames[0]
-    return f"{short_path(path)}:{line} in {func}"
+    if frames:
+        path, line, func = frames[-1] if innermost_last else frames[0]
+        return f"{short_path(path)}:{line} in {func}"
+    every = _FRAME.findall(text)    # torch's or the launcher's frames only: name the innermost
+    if every:
+        path, line, func = every[-1] if innermost_last else every[0]
+        return (f"an unknown place (no frame of its own; innermost {short_path(path)}:{line} "
+                f"in {func})")
+    first = text.strip().splitlines()[0][:60] if text.strip() else "empty"
+    return f"an unknown place (its dump has no frame: {first!r})"
 
 
 def _rank_facts(result_dir: pathlib.Path, nproc: int, exit_codes: Dict[int, int]

@@ -70,8 +70,13 @@ FAULTHANDLER_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in 
 
 def main_thread_stack(text: str) -> str:
     """The main thread's part of a faulthandler dump of every thread: the last one (CPython
-    lists a process's threads newest first). A dump of one thread is returned as it is."""
-    return THREAD_HEADING.split(text)[-1]
+    lists a process's threads newest first) whose outermost frame is a script's ``<module>``,
+    else the last one. A second signal can start a second dump, and one cut short ends with
+    a thread that is not the main one. A dump of one thread is returned as it is."""
+    parts = THREAD_HEADING.split(text)
+    mains = [p for p in parts if (frames := FAULTHANDLER_FRAME.findall(p))
+             and frames[-1][2] == "<module>"]
+    return (mains or parts)[-1]
 
 
 def _dump_stack_on_sigterm(directory: str, rank: int) -> None:

@@ -102,10 +102,24 @@ def _record(call: hooks.Call) -> CommCall:
                     time.perf_counter())
 
 
+# How long closing the last timer waits for the backend to run the timer's completion
+# callbacks (they run as soon as each async call finishes, which a waited-for call has).
+DRAIN_TIMEOUT_S = 10.0
+
+
 class _Booking(hooks.CommHook):
     """The one hook behind every open :class:`CommTimer`: registered with
     :mod:`mpu_lab.core.comm.hooks` while at least one timer is open; books each call into all of
-    them (so nested timers hold the same records)."""
+    them (so nested timers hold the same records).
+
+    An async call's completion time comes from a callback on its future, which gloo runs on its
+    own worker thread, and only *after* it has woken the rank waiting for the call. The thread
+    takes the GIL twice: to run the callback and to drop it (torch's wrapper of a Python
+    callable). Had it not done both by the time the rank's interpreter shuts down, it would take
+    the GIL of a finalizing interpreter, and the process aborts ("terminate called without an
+    active exception", seen once in a DP-overlap job under the full suite). So closing the last
+    timer waits, with the GIL released, until every callback it registered has been run and
+    dropped: ``callbacks`` holds a weak reference to each."""
 
     def __init__(self):
         self.timers: List[CommTimer] = []
@@ -113,6 +127,7 @@ class _Booking(hooks.CommHook):
         self.in_flight: "weakref.WeakKeyDictionary[hooks.Call, CommCall]" = \
             weakref.WeakKeyDictionary()
         self.lock = threading.Lock()
+        self.callbacks: List[weakref.ref] = []
 
     def open(self, timer: CommTimer) -> None:
         if not self.timers:
@@ -124,6 +139,18 @@ class _Booking(hooks.CommHook):
         if not self.timers:
             self.handle.remove()
             self.handle = None
+            self.drain()
+
+    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> int:
+        """Wait until the backend has run and dropped every completion callback registered so
+        far, or ``timeout_s`` has passed (a call that never completes); returns how many are
+        left (0 but for such a call)."""
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            self.callbacks = [ref for ref in self.callbacks if ref() is not None]
+            if not self.callbacks or time.perf_counter() > deadline:
+                return len(self.callbacks)
+            time.sleep(0.001)       # releases the GIL for the backend's thread
 
     def _book(self, record: CommCall) -> None:
         for timer in self.timers:
@@ -166,6 +193,8 @@ class _Booking(hooks.CommHook):
                 work.get_future().add_done_callback(completed)
             except (AttributeError, RuntimeError):    # some Work kinds have no future
                 pass
+        # from here on only the futures hold the callback: it dies when the backend drops it
+        self.callbacks.append(weakref.ref(completed))
 
     @contextlib.contextmanager
     def wait(self, call: hooks.Call):

@@ -82,3 +82,34 @@ def test_a_job_whose_ranks_all_ended_by_signals_is_not_blamed_on_a_rank_that_rai
 def test_torchrun_summary_root_cause_is_the_fallback_rank():
     assert diagnosis.first_failed_rank(_summary((2, 1), (0, -15))) == 2
     assert diagnosis.first_failed_rank(_summary((2, 1), (0, -15))[:5]) == 0
+
+
+# A faulthandler dump of every thread of a rank asleep in main (written out by hand in the
+# format CPython 3.11 prints), then a second dump, started by a second SIGTERM, cut short.
+_GLOO_THREAD = ('Thread 0x00007f5b6a7146c0 (most recent call first):\n'
+                '  File "/usr/lib/python3.11/threading.py", line 982 in run\n'
+                '  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap\n\n')
+_MAIN_THREAD = ('Current thread 0x00007f5b6b47cb80 (most recent call first):\n'
+                '  File "/repo/tests/mp/launch_probe.py", line 31 in main\n'
+                '  File "/repo/mpu_lab/launcher/worker.py", line 121 in wrapper\n'
+                '  File "/repo/tests/mp/launch_probe.py", line 44 in <module>\n')
+
+
+def test_the_main_thread_is_read_from_a_dump_even_when_a_second_one_was_cut_short():
+    whole = _GLOO_THREAD + _MAIN_THREAD
+    assert "line 31 in main" in diagnosis.main_thread_stack(whole)
+    cut = whole + _GLOO_THREAD.split("  File")[0] + '  File "/usr/lib/python3.11/thr'
+    assert "line 31 in main" in diagnosis.main_thread_stack(cut)
+    assert "line 982 in run" in diagnosis.main_thread_stack(_GLOO_THREAD)   # one thread
+
+
+def test_a_place_without_a_frame_of_the_repository_names_what_the_dump_shows():
+    in_torch = ('Current thread 0x00007f5b6b47cb80 (most recent call first):\n'
+                '  File "/venv/site-packages/torch/distributed/distributed_c10d.py", '
+                'line 2810 in all_reduce\n'
+                '  File "/venv/site-packages/torch/distributed/c10d_logger.py", '
+                'line 81 in wrapper\n')
+    where = diagnosis._where(in_torch, innermost_last=False)
+    assert where == ("an unknown place (no frame of its own; innermost distributed_c10d.py:2810 "
+                     "in all_reduce)")
+    assert diagnosis._where("") == "an unknown place (its dump has no frame: 'empty')"
