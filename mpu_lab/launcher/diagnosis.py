@@ -139,7 +139,9 @@ def _torch_call(traceback_text: str) -> Optional[str]:
     return f"{func} ({'/'.join(parts[len(parts) - 1 - parts[::-1].index('torch'):])})"
 
 
-def _where(text: str, innermost_last: bool = True) -> str:
+def where_in(text: str, innermost_last: bool = True) -> str:
+    """The place a traceback (innermost last) or a faulthandler dump (``innermost_last=False``)
+    stands at: the innermost frame of the repository's own code, as ``file:line in function``."""
     frames = _own_frames(text)
     if frames:
         path, line, func = frames[-1] if innermost_last else frames[0]
@@ -168,14 +170,14 @@ def _rank_facts(result_dir: pathlib.Path, nproc: int, exit_codes: Dict[int, int]
             d = None
         text = main_thread_stack(stack.read_text()) if stack.exists() else ""
         if d is not None:
-            facts[r] = dict(how="raised", where=_where(d["traceback"]), message=d["message"],
+            facts[r] = dict(how="raised", where=where_in(d["traceback"]), message=d["message"],
                             op=_collective_in(d["traceback"]), traceback=d["traceback"],
                             time=d.get("time", 0.0))
         elif (result_dir / f"finished_rank{r}.json").exists():
             facts[r] = dict(how="finished")
         elif text.strip():
             facts[r] = dict(how="aborted" if code == -6 else "stopped",
-                            where=_where(text, innermost_last=False), op=_collective_in(text))
+                            where=where_in(text, innermost_last=False), op=_collective_in(text))
         elif code is not None and code > 0:
             facts[r] = dict(how="exited", code=code)
         elif code is not None and code < 0:
@@ -244,7 +246,7 @@ def diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: s
     facts = _rank_facts(result_dir, nproc, exit_codes or {})
     states = {r: _state(f) for r, f in facts.items()}
     op = _collective_in(root_tb)
-    place = _where(root_tb)
+    place = where_in(root_tb)
     timed_out = bool(_COLLECTIVE_TIMEOUT.search(root_message))
     secondary = bool(SECONDARY_FAILURE.search(root_message))
     waiting = [r for r, f in sorted(facts.items()) if f["how"] == "stopped" and f["op"]]
@@ -265,7 +267,7 @@ def diagnose(result_dir: pathlib.Path, nproc: int, root_message: str, root_tb: s
                 + [r for r, f in sorted(facts.items()) if f["how"] == "killed"])
         if root is not None:
             first = root
-            head = f"Rank {root} raised in its own code at {_where(root_tb)}, not in a collective."
+            head = f"Rank {root} raised in its own code at {where_in(root_tb)}, not in a collective."
         elif not root_tb and gone:
             # No rank raised and none was waiting in a collective: one ended on its own (an
             # exit code, a signal) while the others were still in their own code.

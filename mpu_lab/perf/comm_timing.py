@@ -119,7 +119,7 @@ class _Booking(hooks.CommHook):
     the GIL of a finalizing interpreter, and the process aborts ("terminate called without an
     active exception", seen once in a DP-overlap job under the full suite). So closing the last
     timer waits, with the GIL released, until every callback it registered has been run and
-    dropped: ``callbacks`` holds a weak reference to each."""
+    dropped (:func:`watch_callback`, :func:`drain_callbacks`)."""
 
     def __init__(self):
         self.timers: List[CommTimer] = []
@@ -127,7 +127,6 @@ class _Booking(hooks.CommHook):
         self.in_flight: "weakref.WeakKeyDictionary[hooks.Call, CommCall]" = \
             weakref.WeakKeyDictionary()
         self.lock = threading.Lock()
-        self.callbacks: List[weakref.ref] = []
 
     def open(self, timer: CommTimer) -> None:
         if not self.timers:
@@ -139,18 +138,7 @@ class _Booking(hooks.CommHook):
         if not self.timers:
             self.handle.remove()
             self.handle = None
-            self.drain()
-
-    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> int:
-        """Wait until the backend has run and dropped every completion callback registered so
-        far, or ``timeout_s`` has passed (a call that never completes); returns how many are
-        left (0 but for such a call)."""
-        deadline = time.perf_counter() + timeout_s
-        while True:
-            self.callbacks = [ref for ref in self.callbacks if ref() is not None]
-            if not self.callbacks or time.perf_counter() > deadline:
-                return len(self.callbacks)
-            time.sleep(0.001)       # releases the GIL for the backend's thread
+            drain_callbacks()
 
     def _book(self, record: CommCall) -> None:
         for timer in self.timers:
@@ -193,8 +181,7 @@ class _Booking(hooks.CommHook):
                 work.get_future().add_done_callback(completed)
             except (AttributeError, RuntimeError):    # some Work kinds have no future
                 pass
-        # from here on only the futures hold the callback: it dies when the backend drops it
-        self.callbacks.append(weakref.ref(completed))
+        watch_callback(completed)   # from here on only the futures hold it
 
     @contextlib.contextmanager
     def wait(self, call: hooks.Call):
@@ -207,6 +194,31 @@ class _Booking(hooks.CommHook):
         record.seconds = record.done_s - start
         if record.completed_s is None or record.completed_s > record.done_s:
             record.completed_s = record.done_s
+
+
+_CALLBACKS: List[weakref.ref] = []     # the callbacks given to futures, not yet dropped
+
+
+def watch_callback(callback) -> None:
+    """Count ``callback``, given to a backend's future and held by nothing else, as pending
+    until the backend has run and dropped it (it dies then: a weak reference tells)."""
+    _CALLBACKS.append(weakref.ref(callback))
+
+
+def pending_callbacks() -> int:
+    """How many watched callbacks the backend still holds."""
+    _CALLBACKS[:] = [ref for ref in _CALLBACKS if ref() is not None]
+    return len(_CALLBACKS)
+
+
+def drain_callbacks(timeout_s: float = DRAIN_TIMEOUT_S) -> int:
+    """Wait, with the GIL released, until the backend has run and dropped every watched
+    callback, or ``timeout_s`` has passed (a call that never completes); return how many are
+    left (0 but for such a call)."""
+    deadline = time.perf_counter() + timeout_s
+    while pending_callbacks() and time.perf_counter() <= deadline:
+        time.sleep(0.001)           # releases the GIL for the backend's thread
+    return pending_callbacks()
 
 
 _BOOKING = _Booking()

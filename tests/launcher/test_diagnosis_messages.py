@@ -109,7 +109,7 @@ def test_a_place_without_a_frame_of_the_repository_names_what_the_dump_shows():
                 'line 2810 in all_reduce\n'
                 '  File "/venv/site-packages/torch/distributed/c10d_logger.py", '
                 'line 81 in wrapper\n')
-    where = diagnosis._where(in_torch, innermost_last=False)
+    where = diagnosis.where_in(in_torch, innermost_last=False)
     assert where == ("an unknown place (no frame of its own; innermost distributed_c10d.py:2810 "
                      "in all_reduce)")
-    assert diagnosis._where("") == "an unknown place (its dump has no frame: 'empty')"
+    assert diagnosis.where_in("") == "an unknown place (its dump has no frame: 'empty')"

@@ -7,7 +7,6 @@ and one recorded backward holds the GEMMs and collectives its docstring lists, i
 import contextlib
 import threading
 import time
-import weakref
 
 import pytest
 import torch
@@ -109,41 +108,39 @@ def test_closing_the_timer_waits_until_the_backend_has_run_and_dropped_its_callb
     """gloo runs a completion callback on its own thread after it has woken the waiting rank;
     had that thread not run and dropped it when the interpreter shuts down, it would take the
     GIL of a finalizing interpreter and abort the process. A real torch future completed by
-    another thread 50 ms later stands for the backend's: drain() returns only after the
-    callback ran and was dropped; a future that never completes is given up after the
-    timeout, and counted."""
-    booking = comm_timing._BOOKING
+    another thread 50 ms later stands for the backend's: the drain returns only after the
+    callback ran and was dropped; a future that does not complete in time is given up after
+    the timeout, and counted."""
     ran = []
     late = torch.futures.Future()
 
     def callback(_future):
         ran.append(time.perf_counter())
     late.add_done_callback(callback)
-    booking.callbacks.append(weakref.ref(callback))
-    del callback                                  # only the future holds it, as in _issue
+    comm_timing.watch_callback(callback)
+    del callback                                  # only the future holds it, as for a call
     start = time.perf_counter()
     threading.Timer(0.05, late.set_result, args=(None,)).start()
-    assert booking.drain() == 0
+    assert comm_timing.drain_callbacks() == 0
     assert ran and time.perf_counter() - start >= 0.05
-    assert booking.callbacks == []
 
-    never = torch.futures.Future()
+    stuck = torch.futures.Future()
     pending = lambda _future: None                  # noqa: E731
-    never.add_done_callback(pending)
-    booking.callbacks.append(weakref.ref(pending))
+    stuck.add_done_callback(pending)
+    comm_timing.watch_callback(pending)
     del pending
     start = time.perf_counter()
-    assert booking.drain(timeout_s=0.05) == 1
+    assert comm_timing.drain_callbacks(timeout_s=0.05) == 1
     assert 0.05 <= time.perf_counter() - start < 1.0
-    booking.callbacks.clear()
+    stuck.set_result(None)                          # runs and drops its callback
+    assert comm_timing.pending_callbacks() == 0
 
 
 def test_an_issued_call_leaves_no_callback_behind_once_its_timer_closes(world):
     with comm_timing.CommTimer():
         for _ in range(3):
             comm.all_reduce_async(torch.ones(1 << 16)).wait()
-        assert comm_timing._BOOKING.callbacks             # one per async call, while open
-    assert comm_timing._BOOKING.callbacks == []
+    assert comm_timing.pending_callbacks() == 0
 
 
 def _two_linears(seq=8, batch=2, hidden=8):

@@ -24,6 +24,7 @@ from mpu_lab.labkit.grader import Case, Exercise, Outcome, compare, show
 from mpu_lab.labkit.debugging.broken_jobs import FOREGROUND, NOT_RUN, lab_jobs, wrap_lines
 from mpu_lab.labkit.notebooks import leaks
 from mpu_lab.labkit.debugging.tools import overflow_demo
+from mpu_lab.labkit.debugging.readings import READINGS
 from mpu_lab.training.faults import FAULT_KINDS
 from mpu_lab.megatron_reference import runtime as megatron_core
 
@@ -157,35 +158,6 @@ def run_playground_job(world) -> List[Dict[str, Any]]:
     """The last job, run on the playground's ranks (:data:`PLAYGROUND_FAULT`): each rank's one
     step side by side (:func:`mpu_lab.labkit.debugging.tools.overflow_demo`)."""
     return overflow_demo(world, bad_rank=int(PLAYGROUND_FAULT.split(":")[1]))
-
-
-# What the lab's jobs show of each fault, printed by reveal after the learner's answer (in the
-# notebook's prose it would name the fault before they commit).
-READINGS = {
-    "skip-collective": (
-        "After the step of iteration 2, rank 0 averages the loss over the data-parallel group "
-        "once more (for a log line) and rank 1 does not: the call stands in a rank-dependent "
-        "`if`. Rank 1 went on into its next collective while rank 0 still waited in that loss "
-        "all-reduce: gloo paired two different calls, and a message of the wrong size made the "
-        "receiving rank abort. Usually the launcher finds rank 1 inside the gradient all-reduce "
-        "and names both calls; when torchrun stops rank 1 before it gets there, it can only say "
-        "where rank 1 was stopped, and names no likely cause."),
-    "crash": "In iteration 2, rank 1 raises after its backward. The others are then waiting for "
-             "a peer that has gone.\nThe fix: the first rank's own error (here the injected "
-             "one). Reading the last traceback of a job's log is the classic mistake: it usually "
-             "belongs to a rank that only lost its peer.",
-    "divergence": "At the start of iteration 3, rank 1 re-draws its shard of one weight matrix "
-                  "from another seed, as a shard initialised apart from the master weight "
-                  "would be.\nThe fix: make every shard from one master weight and one seed per "
-                  "purpose (lab 06's ColumnParallelLinear slices a master weight; Megatron's RNG "
-                  "tracker gives the tensor-parallel ranks different dropout masks only where "
-                  "they should differ). The tool is the check itself: run it in CI on a few "
-                  "iterations, on gloo or NCCL alike, since no error message will ever report "
-                  "this fault.",
-    "fp16-overflow": "It multiplies rank 1's loss scale by 2**64 for one backward, so its fp16 "
-                     "gradients overflow. The job itself runs in the tests; here each rank's "
-                     "scaler is printed side by side.",
-}
 
 
 def reveal(fault: str, run=None) -> None:
