@@ -302,10 +302,13 @@ def print_agreement(runs: Sequence[TrainRun], reference: TrainRun, rtol: float =
     return ok_all
 
 
-def print_losses(runs: Sequence[TrainRun], every: int = 10) -> None:
+def print_losses(runs: Sequence[TrainRun], every: int = 10, first: Optional[int] = None) -> None:
     """Losses rounded to 4 decimals every ``every`` iterations (and the last), one column per
-    run (``-`` where a run did not log that iteration)."""
-    its = sorted({i for r in runs for i in r.iterations})
+    run (``-`` where a run did not log that iteration), from iteration ``first`` on (default:
+    the first logged; lab 14 starts its later tables at 10, since the first loss answers its
+    prediction of section 2)."""
+    its = sorted(i for i in {i for r in runs for i in r.iterations}
+                 if first is None or i >= first)
     shown = [i for i in its if i % every == 0 or i in (its[0], its[-1])]
     widths = [max(7, len(r.label)) + 2 for r in runs]
     print(f"{'iteration':>9}" + "".join(f"{r.label:>{w}}" for r, w in zip(runs, widths)))
