@@ -14,10 +14,14 @@ import linecache
 import os
 import pickle
 import re
+import signal
+import threading
+import time
 import traceback
 from typing import Any, Dict, Optional
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -52,12 +56,58 @@ def _waited_in_collective(exc: BaseException) -> bool:
         _TIMEOUT_TEXT.search(str(exc)))
 
 
-def engine_setup(env: Dict[str, str]) -> int:
-    """Put torchrun's variables in this engine's environment. Returns the engine's PID. (The
-    heavy modules, torch and mpu_lab.core.tensor_parallel, came with this module when the engine
+def engine_env(rank: int, world_size: int, port: int, timeout_s: float) -> Dict[str, str]:
+    """The environment of the engine that is ``rank``: torchrun's variables, as a one-node
+    ``torchrun --nproc-per-node world_size`` gives its workers (``LOCAL_RANK`` = rank), so
+    :func:`mpu_lab.training.initialize.init` takes the same decision as in a launched job: NCCL and
+    ``cuda:LOCAL_RANK`` when every engine has a GPU of its own, gloo with
+    ``cuda:LOCAL_RANK % GPUs`` when the engines share GPUs, gloo on the CPU without one."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "MPU_LAB_TIMEOUT_S": str(timeout_s),
+            # NCCL runs collectives asynchronously and, by default, a watchdog ends the
+            # process when one times out; blocking wait makes the cell that waits raise the
+            # timeout instead, as gloo does, so CollectiveTimeout and restart() work the same.
+            # (Read by NCCL only; a value set in the notebook's environment is kept.)
+            "TORCH_NCCL_BLOCKING_WAIT": os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "1")}
+
+
+def engine_setup(env: Dict[str, str], owner: Optional[Dict[str, Any]] = None) -> int:
+    """Put torchrun's variables in this engine's environment and, given the ``owner`` (the
+    process that started the world: ``pid``, ``started`` as psutil's ``create_time``, and the
+    ``controller`` PID), watch it (:func:`watch_owner`). Returns the engine's PID. (The heavy
+    modules, torch and mpu_lab.core.tensor_parallel, came with this module when the engine
     unpickled this function: before any collective timeout runs.)"""
     os.environ.update(env)
+    if owner is not None:
+        watch_owner(owner["pid"], owner["started"], owner["controller"])
     return os.getpid()
+
+
+def owner_alive(pid: int, started: float) -> bool:
+    """Whether process ``pid``, created at ``started`` (psutil's ``create_time``: a PID reused
+    by a later process is not it), still runs."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.create_time() == started and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def watch_owner(pid: int, started: float, controller: int, every_s: float = 0.5
+                ) -> threading.Thread:
+    """A daemon thread of this engine that, once the world's owner is gone (a kernel or a test
+    killed by a signal: its exit handler, which stops the world, never ran), stops the
+    controller and ends this engine, so that no process of the world outlives it."""
+    def watch():
+        while owner_alive(pid, started):
+            time.sleep(every_s)
+        with contextlib.suppress(OSError):
+            os.kill(controller, signal.SIGTERM)
+        os._exit(0)
+    thread = threading.Thread(target=watch, name="mpu_lab-owner-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def engine_init(backend: str, timeout_s: float, tp: int, pp: int, port: Optional[int] = None):

@@ -11,13 +11,15 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+import psutil
 import torch
 
 from mpu_lab.training import initialize
 from mpu_lab import launcher
 from mpu_lab.core import parallel_state
 from mpu_lab.labkit.playground.cluster_logs import quiet_about_removed_logs
-from mpu_lab.labkit.playground.engine import engine_init, engine_setup, engine_values, run_on_engine
+from mpu_lab.labkit.playground.engine import (engine_env, engine_init, engine_setup, engine_values,
+                                              run_on_engine)
 from mpu_lab.labkit.playground.errors import (
     HEADING,
     PlaygroundError,
@@ -51,22 +53,6 @@ def connection_failed(exc: BaseException) -> bool:
 
 def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def engine_env(rank: int, world_size: int, port: int, timeout_s: float) -> Dict[str, str]:
-    """The environment of the engine that is ``rank``: torchrun's variables, as a one-node
-    ``torchrun --nproc-per-node world_size`` gives its workers (``LOCAL_RANK`` = rank), so
-    :func:`mpu_lab.training.initialize.init` takes the same decision as in a launched job: NCCL and
-    ``cuda:LOCAL_RANK`` when every engine has a GPU of its own, gloo with
-    ``cuda:LOCAL_RANK % GPUs`` when the engines share GPUs, gloo on the CPU without one."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "MPU_LAB_TIMEOUT_S": str(timeout_s),
-            # NCCL runs collectives asynchronously and, by default, a watchdog ends the
-            # process when one times out; blocking wait makes the cell that waits raise the
-            # timeout instead, as gloo does, so CollectiveTimeout and restart() work the same.
-            # (Read by NCCL only; a value set in the notebook's environment is kept.)
-            "TORCH_NCCL_BLOCKING_WAIT": os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "1")}
 
 
 def check_world_args(world_size, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -152,8 +138,10 @@ class World:
         # engine has answered, each is connected, and later requests are sent once.
         envs = [engine_env(r, self.world_size, port, self.timeout_s)
                 for r in range(self.world_size)]
+        owner = {"pid": os.getpid(), "started": psutil.Process().create_time(),
+                 "controller": self.controller_pid}
         self.pids = self._answers(
-            lambda r: self.client[self.engine_ids[r]].apply_async(engine_setup, envs[r]),
+            lambda r: self.client[self.engine_ids[r]].apply_async(engine_setup, envs[r], owner),
             self.start_timeout_s, "set up", resend_s=SETUP_RESEND_S)
         self.timings["engine_start_s"] = time.perf_counter() - t0
 

@@ -5,6 +5,7 @@ tensor-parallel groups. Expected values are written out from that layout by hand
 of consecutive ranks, tp at a time), not taken from the code under test.
 """
 import os
+import time
 
 import ipyparallel
 import psutil
@@ -245,6 +246,39 @@ def test_hard_restart_replaces_the_engines_and_interpreter_exit_leaves_no_proces
     assert [p for p in got["old"] + got["new"] if not _gone(p)] == []
 
 
+KILLED_SCRIPT = """
+import json, time
+from mpu_lab.labkit import playground
+world = playground.start_world(2, timeout_s=5)
+print(json.dumps(world.process_tree()), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_world_whose_owner_is_killed_ends_with_it():
+    """A kernel (or a test) killed by a signal never runs its exit handler, which stops the
+    world: each engine watches the process that started it and, once it is gone, stops the
+    controller and ends itself; the nannies and schedulers follow."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(launcher.REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SCRIPT], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        tree = json.loads(proc.stdout.readline())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert len(tree) > 3
+    deadline = time.monotonic() + 20
+    while [p for p in tree if not _gone(p)] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [p for p in tree if not _gone(p)] == []
+
+
 STOP_SCRIPT = """
 import sys
 from mpu_lab.labkit import playground
@@ -281,7 +315,7 @@ def test_stop_does_not_report_a_log_file_someone_else_already_removed(caplog):
         "Failed to remove /tmp/ipcontroller-1.log: [Errno 13] Permission denied"]
 
 
-def _setup_that_hangs_the_first_time(env, flags=""):
+def _setup_that_hangs_the_first_time(env, owner=None, flags=""):
     """Shipped to the engines in place of engine_setup (ipyparallel sends its code): each rank's
     first engine writes its PID to a flag file and never answers, as an engine under load once
     did in CI; an engine of the same rank started later finds the flag and sets up."""
@@ -293,14 +327,14 @@ def _setup_that_hangs_the_first_time(env, flags=""):
             f.write(str(os.getpid()))
         time.sleep(3600)
     from mpu_lab.labkit.playground.engine import engine_setup
-    return engine_setup(env)
+    return engine_setup(env, owner)
 
 
 def test_a_start_whose_engines_do_not_answer_is_made_again_from_fresh_engines(tmp_path,
                                                                               monkeypatch):
     from mpu_lab.labkit.playground import world as world_module
     hang = ipyparallel.interactive(_setup_that_hangs_the_first_time)   # sent as code
-    hang.__defaults__ = (str(tmp_path),)
+    hang.__defaults__ = (None, str(tmp_path))
     monkeypatch.setattr(world_module, "engine_setup", hang)
     w = playground.start_world(2, timeout_s=5, start_timeout_s=10)
     try:

@@ -2,7 +2,7 @@
 without starting engines.
 
 Each test plays the engines of a world one after another in this process: it puts the
-environment :func:`~mpu_lab.labkit.playground.world.engine_env` gives engine ``r`` in
+environment :func:`~mpu_lab.labkit.playground.engine.engine_env` gives engine ``r`` in
 ``os.environ`` and calls the engine's own :func:`~mpu_lab.labkit.playground.engine.engine_init`
 with ``torch.cuda.is_available`` / ``device_count`` faked (0, 1, 2, 4 or 8 GPUs) and
 ``torch.distributed.init_process_group`` recorded instead of run. So what is checked is the
@@ -22,7 +22,8 @@ import torch.distributed as dist
 from mpu_lab.training import initialize
 from mpu_lab.core import parallel_state, utils
 from mpu_lab.labkit.playground import engine
-from mpu_lab.labkit.playground.world import check_world_args, engine_env
+from mpu_lab.labkit.playground.engine import engine_env
+from mpu_lab.labkit.playground.world import check_world_args
 
 
 @pytest.fixture
