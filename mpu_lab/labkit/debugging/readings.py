@@ -1,10 +1,8 @@
 """What lab 17 prints once the learner has answered: per fault, what the lab's job shows of it
-and its fix (:data:`READINGS`, printed by :func:`~mpu_lab.labkit.debugging.exercises.reveal`),
-and the lab's summary (:func:`print_summary`). In the notebook's prose either would name a cause
-before the learner commits to one: the lab's leak check reads everything below a question."""
+and its fix (:data:`READINGS`, printed by :func:`~mpu_lab.labkit.debugging.exercises.reveal`).
+In the notebook's prose it would name a cause before the learner commits to one: the lab's leak
+check reads everything below a question."""
 from __future__ import annotations
-
-from mpu_lab.labkit.debugging.broken_jobs import wrap_lines
 
 READINGS = {
     "hang": (
@@ -65,25 +63,4 @@ READINGS = {
         "that has bf16."),
 }
 
-SUMMARY = (
-    "The rank that raises first is usually a victim: it timed out waiting. The rank to debug is "
-    "the one that was somewhere else.",
-    "A collective completes only when every rank of its group calls it, on the same group, with "
-    "the same shapes, in the same order; a skipped call, another shape or another group leaves "
-    "the others waiting until the timeout, and a wrong group can also sum values that do not "
-    "belong together without any error.",
-    "Blocking point-to-point calls deadlock when both neighbours send first: give them opposite "
-    "orders, or post sends and receives together (`batch_isend_irecv`), as Megatron-core does.",
-    "Stack dumps and `TORCH_DISTRIBUTED_DEBUG=DETAIL` work on gloo and NCCL; the Flight Recorder "
-    "is NCCL's tool for a hang (and records gloo's collectives in recent torch).",
-)
-
-
-def print_summary() -> None:
-    """The lab's summary, one bullet per lesson (printed once the learner has answered: each
-    bullet is the answer to one of the lab's questions)."""
-    for lesson in SUMMARY:
-        print(wrap_lines("- " + lesson))
-
-
-__all__ = ["READINGS", "SUMMARY", "print_summary"]
+__all__ = ["READINGS"]

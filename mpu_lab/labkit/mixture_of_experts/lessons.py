@@ -277,6 +277,14 @@ def count_dispatch_bytes(tokens: int = 16, hidden: int = 8, num_experts: int = 8
     return out
 
 
+# Lab 13's reading of the two load curves, printed by the cell that runs them (stored empty):
+# in the notebook's prose it would answer "shrink, stay, or grow?" before the learner decides.
+LOAD_READING = (
+    "Without the loss nothing holds the router back: the experts that happen to be chosen early\n"
+    "get the gradient, improve, and are chosen more (the rich get richer). With it, the router is\n"
+    "pushed towards an even load at a small cost in the main loss.")
+
+
 def imbalance_summary(loads: Sequence[float], last: int = 10) -> float:
     """The mean of the last ``last`` loads, to one decimal (what survives another CPU)."""
     tail = list(loads)[-last:]

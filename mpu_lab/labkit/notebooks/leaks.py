@@ -26,10 +26,6 @@ learner's answer cell), and :func:`find_leaks` searches a notebook for them:
 * **reveal cells stored with outputs**: a code cell tagged ``reveal``, or one that calls
   ``reveal(...)``, must be stored empty (lab 17's fault named in stored reveal outputs).
 
-Prose folded in a ``<details>`` block is not searched: Jupyter and GitHub show only its
-``<summary>`` line until the learner opens it, which, like running a reveal cell, they do on
-purpose (a lab's Summary, the reading of a measurement the learner predicts).
-
 How an answer is matched (:func:`hits`), by its type:
 
 * an integer: as a whole number (``(?<![\\w.])`` ... no following letter, digit or decimal
@@ -69,8 +65,6 @@ _NUMBER = re.compile(rf"(?<![\w.])(-?(?:\d{{1,3}}(?:,\d{{3}})+|\d+))(?:\.(\d+))?
 _CODE_TEXT = re.compile(r"#[^\n]*|\"[^\"\n]*\"|'[^'\n]*'")
 _QUESTION = re.compile(r"\?|\bpredict\b", re.I)
 # numbering that is not content: "## 9. Exercises", "**1.**", an ordered list's "2. "
-# a folded block of markdown: hidden until the learner opens it (its <summary> line shows)
-_FOLDED = re.compile(r"<details>.*?</details>", re.S | re.I)
 _NUMBERING = re.compile(r"^#+\s*(?:\d+\.)+\s|^\s*\d+[.)]\s|\*\*\d+\.\*\*", re.M)
 # the answer cell's own stored output before an answer: it restates the question
 _UNANSWERED = re.compile(r"^No answer yet:.*$", re.M)
@@ -264,11 +258,6 @@ def output_text(cell) -> str:
     return "\n".join(p for p in parts if p)
 
 
-def folded(markdown: str) -> str:
-    """``markdown`` without its ``<details>`` blocks (each left as a blank line)."""
-    return _FOLDED.sub("\n", markdown)
-
-
 def _is_reveal(cell) -> bool:
     return cell.cell_type == "code" and (
         REVEAL_TAG in cell.get("metadata", {}).get("tags", [])
@@ -314,7 +303,7 @@ def _texts_above(nb, commit: int) -> List[Tuple[int, str, str, bool]]:
     for i in range(commit + 1):
         cell = nb.cells[i]
         if cell.cell_type == "markdown":
-            text = folded(cell.source)
+            text = cell.source
             if i == first:        # above the section's heading is not the answer's section
                 out.append((i, "prose above", _NUMBERING.sub(" ", text[:offset]), False))
                 text = text[offset:]
@@ -338,7 +327,7 @@ def _texts_below(nb, commit: int) -> List[Tuple[int, str, str, bool]]:
     for i in range(commit + 1, len(nb.cells)):
         cell = nb.cells[i]
         if cell.cell_type == "markdown":
-            text = folded(cell.source)
+            text = cell.source
             head = _HEADING.search(text) if in_section else None
             if head:
                 out.append((i, "prose below", _NUMBERING.sub(" ", text[:head.start()]), True))

@@ -111,21 +111,6 @@ def test_below_the_answer_cell_prose_and_later_sections_count_and_small_numbers_
     assert (leak.cell, leak.where, leak.text, leak.weak) == (2, "prose below", "4", True)
 
 
-
-def test_prose_folded_in_a_details_block_is_hidden_until_opened_and_the_rest_is_read():
-    """A ``<details>`` block shows only its summary line until the learner opens it (a lab's
-    Summary): what it folds is not in sight; what stands outside it still is."""
-    folded = ("## Summary\n\n<details><summary>Open once you have answered</summary>\n\n"
-              "- The MLP all-reduces (1, 1) times.\n\n</details>")
-    nb = _clean()
-    nb.cells.append(new_markdown_cell(folded))
-    assert leaks.find_leaks(nb, [MLP], "07") == []
-    nb.cells.append(new_markdown_cell(folded.replace("</details>", "</details>\n\nAgain: "
-                                                     "(1, 1).")))
-    (leak,) = leaks.find_leaks(nb, [MLP], "07")
-    assert (leak.cell, leak.where, leak.text) == (7, "prose below", "(1, 1)")
-    assert leaks.folded("a <DETAILS>\nb\n</details> c") == "a \n c"
-
 def test_reveal_cells_stored_with_outputs_are_caught_tagged_or_calling_reveal():
     nb = _clean()
     nb.cells[4] = _run("print(counts)", "forward 1, backward 1\n", tags=["reveal"], count=2)
