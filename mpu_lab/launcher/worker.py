@@ -64,19 +64,25 @@ def gather_lines(text: str):
 # A thread's heading in a faulthandler dump of every thread ("Current thread 0x7f... (most
 # recent call first):" for the one that took the signal, "Thread 0x7f...:" for the others).
 THREAD_HEADING = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+.*$", re.M)
+_THREAD_ID = re.compile(r"0x[0-9a-f]+")
 # A frame of a faulthandler dump: File "x.py", line 3 in f (no comma, unlike a traceback).
 FAULTHANDLER_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 
 def main_thread_stack(text: str) -> str:
     """The main thread's part of a faulthandler dump of every thread: the last one (CPython
-    lists a process's threads newest first) whose outermost frame is a script's ``<module>``,
-    else the last one. A second signal can start a second dump, and one cut short ends with
-    a thread that is not the main one. A dump of one thread is returned as it is."""
-    parts = THREAD_HEADING.split(text)
-    mains = [p for p in parts if (frames := FAULTHANDLER_FRAME.findall(p))
-             and frames[-1][2] == "<module>"]
-    return (mains or parts)[-1]
+    lists a process's threads newest first). A second signal can append a second dump, which a
+    thread's id heading a second time begins; the main thread is then the first dump's last
+    one, read from the second dump where that one got as far, else from the first. A dump of
+    one thread is returned as it is."""
+    heads = [m.group(0) for m in THREAD_HEADING.finditer(text)]
+    parts = THREAD_HEADING.split(text)        # parts[k + 1] follows heads[k]
+    ids = [_THREAD_ID.search(h).group(0) for h in heads]
+    first_end = next((k for k in range(1, len(ids)) if ids[k] in ids[:k]), len(ids))
+    if first_end == 0:
+        return parts[-1]
+    main = ids[first_end - 1]
+    return [parts[k + 1] for k in range(len(ids)) if ids[k] == main][-1]
 
 
 def _dump_stack_on_sigterm(directory: str, rank: int) -> None:

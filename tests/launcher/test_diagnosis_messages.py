@@ -100,7 +100,14 @@ def test_the_main_thread_is_read_from_a_dump_even_when_a_second_one_was_cut_shor
     assert "line 31 in main" in diagnosis.main_thread_stack(whole)
     cut = whole + _GLOO_THREAD.split("  File")[0] + '  File "/usr/lib/python3.11/thr'
     assert "line 31 in main" in diagnosis.main_thread_stack(cut)
+    # the second dump got as far as the main thread's innermost frame: that one is read
+    partial = _MAIN_THREAD.replace("line 31", "line 32").split('  File "/repo/mpu_lab')[0]
+    second = whole + _GLOO_THREAD + partial
+    assert "line 32 in main" in diagnosis.main_thread_stack(second)
     assert "line 982 in run" in diagnosis.main_thread_stack(_GLOO_THREAD)   # one thread
+    # a main thread deeper than faulthandler prints (no <module> frame) is still the main one
+    deep = _GLOO_THREAD + _MAIN_THREAD.split('  File "/repo/tests/mp/launch_probe.py", line 44')[0]
+    assert "line 31 in main" in diagnosis.main_thread_stack(deep)
 
 
 def test_a_place_without_a_frame_of_the_repository_names_what_the_dump_shows():

@@ -14,14 +14,10 @@ import linecache
 import os
 import pickle
 import re
-import signal
-import threading
-import time
 import traceback
 from typing import Any, Dict, Optional
 
 import numpy as np
-import psutil
 import torch
 import torch.distributed as dist
 
@@ -29,6 +25,7 @@ import mpu_lab
 from mpu_lab.core import comm, parallel_state, tensor_parallel
 from mpu_lab.training import initialize
 from mpu_lab.core.tensor_parallel import mappings
+from mpu_lab.labkit.playground.owner import watch_owner
 
 # What a rank that was inside a collective or a send/receive raises when the wait ends: its own
 # timeout, or the connection its peer closed on timing out first.
@@ -82,32 +79,6 @@ def engine_setup(env: Dict[str, str], owner: Optional[Dict[str, Any]] = None) ->
     if owner is not None:
         watch_owner(owner["pid"], owner["started"], owner["controller"])
     return os.getpid()
-
-
-def owner_alive(pid: int, started: float) -> bool:
-    """Whether process ``pid``, created at ``started`` (psutil's ``create_time``: a PID reused
-    by a later process is not it), still runs."""
-    try:
-        proc = psutil.Process(pid)
-        return proc.create_time() == started and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def watch_owner(pid: int, started: float, controller: int, every_s: float = 0.5
-                ) -> threading.Thread:
-    """A daemon thread of this engine that, once the world's owner is gone (a kernel or a test
-    killed by a signal: its exit handler, which stops the world, never ran), stops the
-    controller and ends this engine, so that no process of the world outlives it."""
-    def watch():
-        while owner_alive(pid, started):
-            time.sleep(every_s)
-        with contextlib.suppress(OSError):
-            os.kill(controller, signal.SIGTERM)
-        os._exit(0)
-    thread = threading.Thread(target=watch, name="mpu_lab-owner-watch", daemon=True)
-    thread.start()
-    return thread
 
 
 def engine_init(backend: str, timeout_s: float, tp: int, pp: int, port: Optional[int] = None):

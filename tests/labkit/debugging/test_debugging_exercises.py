@@ -21,6 +21,7 @@ from mpu_lab.labkit.debugging import broken_jobs, tools as debugging
 from mpu_lab.labkit.debugging import exercises as checks
 from mpu_lab.labkit.grader import grade
 from mpu_lab.training.faults import FAULT_KINDS
+from mpu_lab.labkit.debugging.readings import READINGS
 from mpu_lab.labkit.notebooks.solutions import solution_source
 
 # The lab's solution, as labs/solutions/ holds it (the learner loads it with %load): it must pass
@@ -292,7 +293,7 @@ def test_the_report_hides_the_fault_until_reveal(capsys):
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 100
     assert " ".join(out.split()) == " ".join(
-        f"it was --inject-fault hang:1: {FAULT_KINDS['hang']['what']} "
+        f"it was --inject-fault hang:1: {FAULT_KINDS['hang']['what']} {READINGS['hang']} "
         "likely cause: rank 1 never reached the collective".split())
     with pytest.raises(ValueError, match="part must be 'show' or 'diagnosis', got 'all'"):
         checks.print_report(run, "all")
