@@ -1,4 +1,5 @@
 """What lab 17 prints once the learner has answered: per fault, what the lab's job shows of it
+beyond the fault's own description (``FAULT_KINDS[kind]["what"]``, which reveal prints first)
 and its fix (:data:`READINGS`, printed by :func:`~mpu_lab.labkit.debugging.exercises.reveal`).
 In the notebook's prose it would name a cause before the learner commits to one: the lab's leak
 check reads everything below a question."""
@@ -6,8 +7,7 @@ from __future__ import annotations
 
 READINGS = {
     "hang": (
-        "Rank 1 sleeps at the start of its step while the others wait for it in the next "
-        "collective.\nThe fix: nothing in the job's configuration, since a longer timeout only "
+        "The other ranks wait for rank 1 in the next collective.\nThe fix: nothing in the job's configuration, since a longer timeout only "
         "makes the wait longer. The stack of the rank that was elsewhere names the line to fix "
         "(here the injected sleep, `hang` in `mpu_lab/training/faults.py`). In a real job it is "
         "a lock, a slow file system, a data loader that ran dry on one rank, or an endless loop."),
@@ -23,8 +23,7 @@ READINGS = {
         "Megatron, every data-parallel rank all-reduces the loss, even when only rank 0 prints "
         "it."),
     "mismatched-shape": (
-        "Rank 1 all-reduces 2 elements where the others all-reduce the 1-element loss.\nThe "
-        "fix: pass every rank the same shape, here the 1-element loss on every rank."),
+        "The fix: pass every rank the same shape, here the 1-element loss on every rank."),
     "wrong-group": (
         "Megatron's `clip_grad_norm` reduces over the model-parallel group; so does the "
         "gradient norm this job measures on every rank before the optimizer step, except on "
@@ -37,8 +36,8 @@ READINGS = {
         "reduction is meant for (`parallel_state.get_model_parallel_group()` here); a group "
         "picked by a variable that differs between ranks is the usual culprit."),
     "pp-deadlock": (
-        "Both stages post a blocking send first: on gloo each send waits for its peer's "
-        "receive, which never comes.\nThe fix: the order of section 2's exchange, or sends and "
+        "On gloo each blocking send waits for its peer's receive, which never comes.\nThe "
+        "fix: the order of section 2's exchange, or sends and "
         "receives posted together (`batch_isend_irecv`), as Megatron-core does."),
     "crash": "In iteration 2, rank 1 raises after its backward. The others are then waiting for "
              "a peer that has gone.\nThe fix: the first rank's own error (here the injected "

@@ -26,6 +26,12 @@ def tp_group(rank):
     return list(range(start, start + TP))
 
 
+def _child_env():
+    """This environment, with this checkout first on the path of a child interpreter."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(launcher.REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+
+
 def _gone(pid):
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -235,8 +241,7 @@ def test_hard_restart_replaces_the_engines_and_interpreter_exit_leaves_no_proces
     import json
     import subprocess
     import sys
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(launcher.REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+    env = _child_env()
     proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True,
                           timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -263,8 +268,7 @@ def test_a_world_whose_owner_is_killed_ends_with_it():
     import signal
     import subprocess
     import sys
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(launcher.REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+    env = _child_env()
     proc = subprocess.Popen([sys.executable, "-c", KILLED_SCRIPT], stdout=subprocess.PIPE,
                             text=True, env=env)
     try:
@@ -293,8 +297,7 @@ print("</stop>", file=sys.stderr, flush=True)
 def test_stop_writes_nothing_to_the_parents_stderr(tmp_path):
     import subprocess
     import sys
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(launcher.REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+    env = _child_env()
     proc = subprocess.run([sys.executable, "-c", STOP_SCRIPT], capture_output=True, text=True,
                           timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
