@@ -28,8 +28,6 @@ READ_BY_EYE = {
     ("17", "culprit of job 1", "1"): "'job 1' names the job; the report's rank numbers are the "
                                      "evidence the question asks the learner to read",
     ("17", "culprit of job 5", "1"): "the report's rank numbers, the evidence to read",
-    ("13", "expert ranks", "4"): "rank numbers in the printed groups ([0, 4], ...), the next "
-                                 "question's material; the count itself is not printed",
     ("14", "micro-batches on 16 GPUs", "1"): "TP = 1, the padded vocabulary's setting",
 }
 

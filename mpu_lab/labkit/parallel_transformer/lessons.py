@@ -65,7 +65,7 @@ def overlap_verdict(reports: Sequence[dict], cores: int, tolerance: float = TOLE
         beyond = sum(s >= tolerance for s in saved)
         seen = (f"a saving beyond {100 * tolerance:.0f} % on {beyond} of {len(saved)} ranks "
                 f"only ({shares}): no clear saving")
-    line = f"Measured with {len(reports)} ranks on {cores} cores: {seen}."
+    line = f"Measured with {len(reports)} ranks on {cores} cores:\n{seen}."
     if reports[0]["device"] == "cpu" and len(reports) >= cores:
         line += ("\nWith every core busy with a rank, gloo's thread has no idle unit to run on:"
                  "\nthis is not the GPU's overlap (see the prediction below), whatever its sign.")

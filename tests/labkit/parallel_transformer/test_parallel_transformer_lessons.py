@@ -16,8 +16,11 @@ def test_the_verdict_is_computed_from_the_printed_times():
     line = lessons.overlap_verdict(_reports([(37, 41), (39.4, 38.7)]), cores=2)
     assert "a saving beyond 5 % on 1 of 2 ranks only (+10 %, -2 %): no clear saving" in line
     line = lessons.overlap_verdict(_reports([(110, 100), (120, 100)], device="cuda"), cores=2)
-    assert line == ("Measured with 2 ranks on 2 cores: every rank was slower overlapped "
+    assert line == ("Measured with 2 ranks on 2 cores:\nevery rank was slower overlapped "
                     "(-10 %, -20 %).")
+    # the longest verdict a 2-rank run prints fits the notebooks' 100 characters per line
+    line = lessons.overlap_verdict(_reports([(37, 41), (39.4, 38.7)]), cores=2)
+    assert max(len(text) for text in line.splitlines()) <= 100, line
 
 
 def test_the_split_table_marks_only_the_rows_tensor_parallelism_changed():
