@@ -27,7 +27,7 @@ driver), :mod:`~mpu_lab.launcher.prechecks` (a script's flags checked before it 
 for the lab kit), :mod:`~mpu_lab.launcher.pump` (a child's output, line by line),
 :mod:`~mpu_lab.launcher.diagnosis`.
 """
-from mpu_lab.launcher.paths import LAUNCH_DIR, REPO_ROOT, RESULT_DIR_ENV
+from mpu_lab.launcher.paths import LAUNCH_DIR, REPO_ROOT, RESULT_DIR_ENV, job_pythonpath
 from mpu_lab.launcher.prechecks import precheck, precheck_spec, resolve_precheck, script_prechecks
 from mpu_lab.launcher.process_tree import descendants, kill_tree
 from mpu_lab.launcher.runner import (
@@ -42,8 +42,8 @@ from mpu_lab.launcher.runner import (
 from mpu_lab.launcher.worker import entrypoint, gather_lines, report
 
 __all__ = [
-    "LAUNCH_DIR", "REPO_ROOT", "RESULT_DIR_ENV", "descendants", "kill_tree", "LaunchError",
-    "LaunchResult", "LaunchTimeout", "max_ranks", "precheck", "precheck_spec",
+    "LAUNCH_DIR", "REPO_ROOT", "RESULT_DIR_ENV", "job_pythonpath", "descendants", "kill_tree",
+    "LaunchError", "LaunchResult", "LaunchTimeout", "max_ranks", "precheck", "precheck_spec",
     "resolve_precheck", "resolve_script", "run", "script_prechecks", "torchrun_command",
     "entrypoint", "gather_lines", "report",
 ]

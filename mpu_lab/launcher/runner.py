@@ -33,7 +33,7 @@ from mpu_lab.launcher.diagnosis import (
     root_cause,
     traceback_from_lines,
 )
-from mpu_lab.launcher.paths import LAUNCH_DIR, REPO_ROOT, RESULT_DIR_ENV
+from mpu_lab.launcher.paths import LAUNCH_DIR, RESULT_DIR_ENV, job_pythonpath
 from mpu_lab.launcher.prechecks import precheck
 from mpu_lab.launcher.process_tree import descendants, kill_tree
 from mpu_lab.launcher.pump import pump_lines
@@ -252,7 +252,7 @@ def job_environment(nproc: int, result_dir: pathlib.Path,
         "OMP_NUM_THREADS": threads,
         RESULT_DIR_ENV: str(result_dir),
         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), child_env.get("PYTHONPATH")) if p),
+        "PYTHONPATH": job_pythonpath(child_env.get("PYTHONPATH")),
     })
     child_env.update({k: str(v) for k, v in (env or {}).items()})
     return child_env

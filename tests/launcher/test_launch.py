@@ -39,6 +39,8 @@ def test_results_come_back_in_rank_order_with_rank_prefixed_lines(capsys):
     assert [r["rank"] for r in job.results] == [0, 1, 2, 3]
     assert all(r["sum"] == 24.0 and r["world_size"] == 4 for r in job.results)  # 6, then 4 x 6
     assert all(r["backend"] == "gloo" for r in job.results)
+    # every rank started through the launcher's start-up hook (launcher/startup/sitecustomize.py)
+    assert all(r["gc_threshold"][0] == 20_000 for r in job.results)
     printed = capsys.readouterr().out.splitlines()
     assert printed == [f"[rank{r}] rank {r} of 4: all-reduce of ranks = 6" for r in range(4)]
     assert job.output(2) == ["rank 2 of 4: all-reduce of ranks = 6"]

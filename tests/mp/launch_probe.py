@@ -7,6 +7,7 @@ all-reduce (the others time out after MPU_LAB_TIMEOUT_S, or the job's time limit
 SKIP_COLLECTIVE_RANK=r makes rank r skip the second all-reduce and finish (the others lose
 their peer). With either of the last two, each rank prints when it enters that all-reduce.
 """
+import gc
 import os
 import time
 
@@ -34,7 +35,8 @@ def main():
     if os.environ.get("SKIP_COLLECTIVE_RANK") != str(info.rank):
         dist.all_reduce(t)
     launcher.report({"rank": info.rank, "world_size": info.world_size, "sum": t.item(),
-                   "backend": info.backend, "device": str(info.device), "pid": os.getpid()})
+                   "backend": info.backend, "device": str(info.device), "pid": os.getpid(),
+                     "gc_threshold": list(gc.get_threshold())})
     initialize.shutdown()
 
 

@@ -100,7 +100,7 @@ class World:
         import ipyparallel as ipp    # optional (the labs extra): only when a world starts
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
         # engines import mpu_lab from this checkout, like torchrun jobs
-        path = os.pathsep.join(p for p in (str(launcher.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        path = launcher.job_pythonpath(os.environ.get("PYTHONPATH"))
         env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         t0 = time.perf_counter()
         # cluster_file="": the cluster is never written to the profile's security folder.
