@@ -104,7 +104,7 @@ def format_link_models(rows: Sequence[Dict], n: int, sizes: Sequence[float]) -> 
     predicted all-reduce time of each size in ``sizes`` over ``n`` ranks."""
     head = (f"{'link':<32} {'latency':>9} {'busbw GB/s':>11} {'crossover':>10} "
             + " ".join(f"{'t(' + _human(s) + ')':>10}" for s in sizes))
-    lines = [f"all-reduce over n = {n} ranks: t = latency + 2(n-1)/n x S / busbw", head]
+    lines = [f"all-reduce over n = {n} ranks: t = latency + (bytes each rank sends) / busbw", head]
     for r in rows:
         times = " ".join(f"{_seconds(all_reduce_seconds(r, s, n)):>10}" for s in sizes)
         lines.append(f"{r['name']:<32} {_seconds(r['latency_s']):>9} {r['busbw'] / 1e9:>11.3g} "
