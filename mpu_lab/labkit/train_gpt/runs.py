@@ -307,8 +307,13 @@ def print_losses(runs: Sequence[TrainRun], every: int = 10, first: Optional[int]
     run (``-`` where a run did not log that iteration), from iteration ``first`` on (default:
     the first logged; lab 14 starts its later tables at 10, since the first loss answers its
     prediction of section 2)."""
-    its = sorted(i for i in {i for r in runs for i in r.iterations}
-                 if first is None or i >= first)
+    logged = sorted({i for r in runs for i in r.iterations})
+    its = [i for i in logged if first is None or i >= first]
+    if not logged:
+        raise ValueError("print_losses: the runs logged no iteration")
+    if not its:
+        raise ValueError(f"print_losses: first={first} is past every logged iteration (the runs "
+                         f"logged iterations {logged[0]}-{logged[-1]}); use first <= {logged[-1]}")
     shown = [i for i in its if i % every == 0 or i in (its[0], its[-1])]
     widths = [max(7, len(r.label)) + 2 for r in runs]
     print(f"{'iteration':>9}" + "".join(f"{r.label:>{w}}" for r, w in zip(runs, widths)))

@@ -79,6 +79,9 @@ def test_comparisons_use_common_iterations_and_print_rounded_losses(capsys):
     gpt_runs.print_losses([ref, later], every=2, first=2)   # the first loss left out
     assert capsys.readouterr().out.splitlines()[1:] == ["        2   2.0000   2.0000",
                                                         "        3   1.0000   1.5000"]
+    with pytest.raises(ValueError, match=r"first=4 is past every logged iteration \(the runs "
+                                         r"logged iterations 1-3\); use first <= 3"):
+        gpt_runs.print_losses([ref, later], first=4)
     assert ref.ranks_agree and ref.curve == ([1, 2, 3], [3.0, 2.0, 1.0])
     with pytest.raises(ValueError, match="no iteration in common"):
         gpt_runs.max_relative_difference(run_of("x", [9], [1.0]), ref)
