@@ -35,7 +35,7 @@ def main():
     if os.environ.get("SKIP_COLLECTIVE_RANK") != str(info.rank):
         dist.all_reduce(t)
     launcher.report({"rank": info.rank, "world_size": info.world_size, "sum": t.item(),
-                   "backend": info.backend, "device": str(info.device), "pid": os.getpid(),
+                     "backend": info.backend, "device": str(info.device), "pid": os.getpid(),
                      "gc_threshold": list(gc.get_threshold())})
     initialize.shutdown()
 

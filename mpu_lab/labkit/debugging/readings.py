@@ -7,10 +7,11 @@ from __future__ import annotations
 
 READINGS = {
     "hang": (
-        "The other ranks wait for rank 1 in the next collective.\nThe fix: nothing in the job's configuration, since a longer timeout only "
-        "makes the wait longer. The stack of the rank that was elsewhere names the line to fix "
-        "(here the injected sleep, `hang` in `mpu_lab/training/faults.py`). In a real job it is "
-        "a lock, a slow file system, a data loader that ran dry on one rank, or an endless loop."),
+        "The other ranks wait for rank 1 in the next collective.\nThe fix: nothing in the job's "
+        "configuration, since a longer timeout only makes the wait longer. The stack of the rank "
+        "that was elsewhere names the line to fix (here the injected sleep, `hang` in "
+        "`mpu_lab/training/faults.py`). In a real job it is a lock, a slow file system, a data "
+        "loader that ran dry on one rank, or an endless loop."),
     "skip-collective": (
         "After the step of iteration 2, rank 0 averages the loss over the data-parallel group "
         "once more (for a log line) and rank 1 does not: the call stands in a rank-dependent "
@@ -37,8 +38,8 @@ READINGS = {
         "picked by a variable that differs between ranks is the usual culprit."),
     "pp-deadlock": (
         "On gloo each blocking send waits for its peer's receive, which never comes.\nThe "
-        "fix: the order of section 2's exchange, or sends and "
-        "receives posted together (`batch_isend_irecv`), as Megatron-core does."),
+        "fix: the order of section 2's exchange, or sends and receives posted together "
+        "(`batch_isend_irecv`), as Megatron-core does."),
     "crash": "In iteration 2, rank 1 raises after its backward. The others are then waiting for "
              "a peer that has gone.\nThe fix: the first rank's own error (here the injected "
              "one). Reading the last traceback of a job's log is the classic mistake: it usually "

@@ -308,9 +308,9 @@ def print_losses(runs: Sequence[TrainRun], every: int = 10, first: Optional[int]
     the first logged; lab 14 starts its later tables at 10, since the first loss answers its
     prediction of section 2)."""
     logged = sorted({i for r in runs for i in r.iterations})
-    its = [i for i in logged if first is None or i >= first]
     if not logged:
         raise ValueError("print_losses: the runs logged no iteration")
+    its = [i for i in logged if first is None or i >= first]
     if not its:
         raise ValueError(f"print_losses: first={first} is past every logged iteration (the runs "
                          f"logged iterations {logged[0]}-{logged[-1]}); use first <= {logged[-1]}")
