@@ -41,3 +41,35 @@ def test_a_sitecustomize_further_down_the_path_still_runs(tmp_path):
     lines = _fresh(job_pythonpath(str(tmp_path)))
     assert lines[0] == "theirs ran"
     assert eval(lines[1]) == (20_000, 7, 7)          # ours first, then theirs on top of it
+
+
+# A program whose object sits in a reference cycle at exit, a handler of its own, an exit status
+EXITING = """
+import atexit, os, sys
+class Node:
+    def __del__(self):
+        os.write(1, b"finalized by the last collection\\n")
+node = Node(); node.me = node
+atexit.register(lambda: print("its own atexit handler ran", flush=True))
+print("buffered line, never flushed by hand")
+sys.exit(3)
+"""
+
+
+def _exit_of(pythonpath=None):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    return subprocess.run([sys.executable, "-c", EXITING], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=os.path.dirname(STARTUP_DIR))
+
+
+def test_a_job_process_skips_only_the_last_collection_at_exit():
+    plain, job = _exit_of(), _exit_of(job_pythonpath())
+    # Python's own shutdown collects the cycle; a job's process leaves it to the OS
+    assert "finalized by the last collection" in plain.stdout
+    assert "finalized by the last collection" not in job.stdout
+    for out in (plain, job):
+        assert out.returncode == 3
+        assert "buffered line, never flushed by hand" in out.stdout
+        assert "its own atexit handler ran" in out.stdout
