@@ -1,7 +1,7 @@
 """The start-up hook of a job's processes (mpu_lab/launcher/startup/sitecustomize.py): a
 fresh interpreter started with the job's ``PYTHONPATH`` has the garbage collector's first
-threshold raised and nothing else changed, and a ``sitecustomize`` of the caller's own path
-still runs after it."""
+threshold raised and the others kept, skips only the last collection at exit, and a
+``sitecustomize`` of the caller's own path still runs after it."""
 import os
 import subprocess
 import sys
@@ -12,12 +12,17 @@ from mpu_lab.launcher.paths import REPO_ROOT, STARTUP_DIR
 SHOW = "import gc; print(gc.get_threshold())"
 
 
-def _fresh(pythonpath=None):
+def _python(code, pythonpath=None):
+    """``code`` in a fresh interpreter whose ``PYTHONPATH`` is ``pythonpath`` (none: unset)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    out = subprocess.run([sys.executable, "-c", SHOW], env=env, capture_output=True, text=True,
-                         timeout=60, cwd=os.path.dirname(STARTUP_DIR))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=os.path.dirname(STARTUP_DIR))
+
+
+def _fresh(pythonpath=None):
+    out = _python(SHOW, pythonpath)
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
 
@@ -56,16 +61,8 @@ sys.exit(3)
 """
 
 
-def _exit_of(pythonpath=None):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
-    return subprocess.run([sys.executable, "-c", EXITING], env=env, capture_output=True,
-                          text=True, timeout=60, cwd=os.path.dirname(STARTUP_DIR))
-
-
 def test_a_job_process_skips_only_the_last_collection_at_exit():
-    plain, job = _exit_of(), _exit_of(job_pythonpath())
+    plain, job = _python(EXITING), _python(EXITING, job_pythonpath())
     # Python's own shutdown collects the cycle; a job's process leaves it to the OS
     assert "finalized by the last collection" in plain.stdout
     assert "finalized by the last collection" not in job.stdout
