@@ -1,13 +1,31 @@
 """Shared fixtures for the package tests."""
 import os
+import pathlib
 import re
 
 import pytest
 
 
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# the sources that job processes, notebook kernels and engines import from the checkout
+COMPILED = ("mpu_lab", "launch", "tests", "labs/solutions")
+
+
 def pytest_configure(config):
     """Right answers graded in the tests save their pieces into a throwaway learner's package,
-    never into ./my_megatron (mpu_lab.labkit.my_megatron); notebook kernels inherit it."""
+    never into ./my_megatron (mpu_lab.labkit.my_megatron); notebook kernels inherit it.
+
+    The controller (not each xdist worker) first compiles the checkout's sources to bytecode.
+    A run starts some 500 interpreters that import about 120 of mpu_lab's modules each (ranks,
+    engines, kernels). Python writes those ``.pyc`` files on first import, unless
+    ``PYTHONDONTWRITEBYTECODE`` is set, as on the 2-core machine: then each interpreter compiles
+    them again, about 0.2 CPU-s, some 100 CPU-s a run. ``compileall`` writes them once, into
+    the ``__pycache__`` folders Python reads (git ignores them), and skips files already
+    compiled; the installed packages were compiled by pip."""
+    if not hasattr(config, "workerinput"):
+        import compileall
+        for folder in COMPILED:
+            compileall.compile_dir(str(REPO / folder), quiet=1)
     if "MPU_LAB_MY_MEGATRON" not in os.environ:
         import tempfile
         os.environ["MPU_LAB_MY_MEGATRON"] = os.path.join(tempfile.mkdtemp(prefix="my_megatron_"),
