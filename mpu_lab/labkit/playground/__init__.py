@@ -46,6 +46,7 @@ from mpu_lab.labkit.playground.errors import (
 from mpu_lab.labkit.playground.magic import load_ipython_extension, ranks_magic, start_world
 from mpu_lab.labkit.playground.world import (
     DEFAULT_TIMEOUT_S,
+    RESTART_PORTS,
     SETUP_RESEND_S,
     START_ATTEMPTS,
     START_TIMEOUT_S,
@@ -55,7 +56,8 @@ from mpu_lab.labkit.playground.world import (
 )
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S", "START_TIMEOUT_S", "START_ATTEMPTS", "SETUP_RESEND_S", "HEADING",
+    "DEFAULT_TIMEOUT_S", "START_TIMEOUT_S", "START_ATTEMPTS", "SETUP_RESEND_S",
+    "RESTART_PORTS", "HEADING",
     "PlaygroundError", "RankError", "CollectiveTimeout", "WorldStartTimeout", "RankOutput",
     "World", "check_world_args", "start_world", "current_world", "ranks_magic",
     "load_ipython_extension",

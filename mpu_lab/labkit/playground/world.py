@@ -36,6 +36,7 @@ START_TIMEOUT_S = 180.0       # engines registering with the controller on a bus
 START_ATTEMPTS = 2            # a start that times out (or whose group fails on a connection)
                               # is made again once, from fresh engines
 SETUP_RESEND_S = 10.0         # an engine's first request unanswered this long is sent again
+RESTART_PORTS = 3             # new ports a soft restart tries before it replaces the engines
 _WORLDS: List["World"] = []   # started and not stopped (stopped at exit)
 _CURRENT: Optional["World"] = None   # the world %%ranks talks to
 
@@ -93,6 +94,7 @@ class World:
         self.controller_pid: Optional[int] = None
         self.backend = self.device = None
         self.broken = ""            # why the group is unusable ("" when fine)
+        self.restart_errors: List[str] = []   # why the last restart's new ports failed
         self.timings: Dict[str, float] = {}
 
     # -- life cycle
@@ -259,19 +261,21 @@ class World:
         """Make the world usable again after a timeout or a stuck rank, in one call.
 
         Soft (default): every engine destroys its process group and joins a new one on a new
-        port (about a second); Python state in the engines is kept. A second new port is
-        tried if the first fails (gloo now and then loses a connection while a loaded machine
-        sets up the new group). If an engine does not answer (still stuck in a cell), or
-        with ``hard=True``, the engines are replaced.
+        port (about a second); Python state in the engines is kept. Up to ``RESTART_PORTS``
+        new ports are tried (gloo now and then loses a connection, or misses its timeout,
+        while a loaded machine sets up the new group); ``restart_errors`` keeps why each
+        failed. If an engine does not answer (still stuck in a cell), or with ``hard=True``,
+        the engines are replaced.
         """
-        for _ in range(2):
+        self.restart_errors = []
+        for _ in range(RESTART_PORTS):
             if not self.running or hard or any(self._queues()):
                 break
             try:
                 self._init_group(new_port=True)
                 return self
-            except Exception:      # noqa: BLE001 -- a new port, then fresh engines
-                pass
+            except Exception as exc:      # noqa: BLE001 -- a new port, then fresh engines
+                self.restart_errors.append(f"{type(exc).__name__}: {exc}"[:500])
         self.stop()
         return self.start()
 

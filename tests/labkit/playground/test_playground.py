@@ -177,6 +177,28 @@ def test_a_rank_that_raises_shows_its_traceback_and_the_world_stays_usable(world
     assert world.run("x = torch.tensor([1.]); dist.all_reduce(x); x.item()") == [4.0] * WORLD
 
 
+def test_a_restart_whose_new_ports_fail_tries_the_next_and_keeps_the_engines(world,
+                                                                             monkeypatch):
+    """A loaded machine can make a new group miss its timeout: the restart tries the next new
+    port, up to RESTART_PORTS, and says why each failed; after that it replaces the engines."""
+    world.run("kept = rank + 1")
+    real, calls = world._init_group, []
+
+    def failing_first(new_port=False):
+        calls.append(new_port)
+        if len(calls) < playground.RESTART_PORTS:
+            raise RuntimeError(f"stand-in failure {len(calls)}")
+        return real(new_port=new_port)
+
+    monkeypatch.setattr(world, "_init_group", failing_first)
+    pids = list(world.pids)
+    world.restart()
+    assert calls == [True] * playground.RESTART_PORTS
+    assert world.restart_errors == [f"RuntimeError: stand-in failure {n}"
+                                    for n in range(1, playground.RESTART_PORTS)]
+    assert world.pids == pids and world.run("kept") == [1, 2, 3, 4]
+
+
 def test_a_partial_collective_times_out_naming_the_missing_ranks_and_restart_recovers(world):
     world.run("kept = 7 * rank")
     with pytest.raises(playground.CollectiveTimeout) as info:
@@ -188,7 +210,8 @@ def test_a_partial_collective_times_out_naming_the_missing_ranks_and_restart_rec
         world.run("rank")
     pids = list(world.pids)
     world.restart()                  # the same engines (their state kept), a new group
-    assert world.pids == pids and world.run("kept") == [0, 7, 14, 21]
+    assert world.pids == pids, f"the engines were replaced: {world.restart_errors}"
+    assert world.run("kept") == [0, 7, 14, 21]
     # ranks 2 and 3 finish the cell without entering the collective
     with pytest.raises(playground.CollectiveTimeout) as info:
         world.run("if rank < 2:\n    dist.all_reduce(torch.ones(1))")
