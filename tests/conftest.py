@@ -16,10 +16,10 @@ def pytest_configure(config):
     never into ./my_megatron (mpu_lab.labkit.my_megatron); notebook kernels inherit it.
 
     The controller (not each xdist worker) first compiles the checkout's sources to bytecode.
-    A run starts some 500 interpreters that import about 120 of mpu_lab's modules each (ranks,
-    engines, kernels). Python writes those ``.pyc`` files on first import, unless
-    ``PYTHONDONTWRITEBYTECODE`` is set, as on the 2-core machine: then each interpreter compiles
-    them again, about 0.2 CPU-s, some 100 CPU-s a run. ``compileall`` writes them once, into
+    A run starts several hundred interpreters that import mpu_lab (ranks, engines, kernels;
+    a rank about 120 of its modules). Python writes those ``.pyc`` files on first import,
+    unless ``PYTHONDONTWRITEBYTECODE`` is set, as on the 2-core machine: then each interpreter
+    compiles them again, about 0.2 CPU-s (docs/TESTING.md, thirteenth stop). ``compileall`` writes them once, into
     the ``__pycache__`` folders Python reads (git ignores them), and skips files already
     compiled; the installed packages were compiled by pip."""
     if not hasattr(config, "workerinput"):
