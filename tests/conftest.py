@@ -19,9 +19,9 @@ def pytest_configure(config):
     A run starts several hundred interpreters that import mpu_lab (ranks, engines, kernels;
     a rank about 120 of its modules). Python writes those ``.pyc`` files on first import,
     unless ``PYTHONDONTWRITEBYTECODE`` is set, as on the 2-core machine: then each interpreter
-    compiles them again, about 0.2 CPU-s (docs/TESTING.md, thirteenth stop). ``compileall`` writes them once, into
-    the ``__pycache__`` folders Python reads (git ignores them), and skips files already
-    compiled; the installed packages were compiled by pip."""
+    compiles them again, about 0.2 CPU-s (docs/TESTING.md, thirteenth stop). ``compileall``
+    writes them once, into the ``__pycache__`` folders Python reads (git ignores them), and
+    skips files already compiled; the installed packages were compiled by pip."""
     if not hasattr(config, "workerinput"):
         import compileall
         for folder in COMPILED:
