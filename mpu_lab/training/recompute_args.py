@@ -62,9 +62,11 @@ def in_flag_names(message: str) -> str:
 
 
 def check_recompute_args(args) -> None:
-    """What the config would refuse, refused in flag names; and Megatron-LM's own rules:
-    ``--recompute-activations`` is selective, and ``--distribute-saved-activations`` needs
-    tensor parallelism to split over."""
+    """What the config would refuse, refused in flag names; and Megatron-LM's own rules (its
+    ``validate_args``, not Megatron-core's config): ``--recompute-activations`` is selective,
+    and ``--distribute-saved-activations`` needs tensor parallelism to split over and full
+    recomputation, whose saved input it splits (with selective recomputation the config takes
+    the field and nothing uses it)."""
     if getattr(args, "recompute_activations", False) and \
             getattr(args, "recompute_granularity", None) not in (None, "selective"):
         raise FlagError(f"--recompute-activations means --recompute-granularity selective, "
@@ -74,6 +76,11 @@ def check_recompute_args(args) -> None:
             args.tensor_model_parallel_size == 1:
         raise FlagError("--distribute-saved-activations splits each saved input over the "
                         "tensor-parallel ranks: it needs --tensor-model-parallel-size > 1")
+    granularity = recompute_config_fields(args)["recompute_granularity"]
+    if getattr(args, "distribute_saved_activations", False) and granularity != "full":
+        raise FlagError(f"--distribute-saved-activations splits the input that full "
+                        f"recomputation saves: it needs --recompute-granularity full, got "
+                        f"{granularity}")
     try:       # Megatron-core's own checks of the fields, on a config of one layer
         TransformerConfig(num_layers=1, hidden_size=1, num_attention_heads=1,
                           sequence_parallel=getattr(args, "sequence_parallel", False),

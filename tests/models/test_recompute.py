@@ -122,8 +122,6 @@ def test_the_checkpoint_replays_the_tracker_for_one_function():
      r"\['attention'\] are not Megatron's"),
     (dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
      r"\['moe_act'\] are Megatron-core's but not built here"),
-    (dict(recompute_granularity="selective", distribute_saved_activations=True),
-     r"needs recompute_granularity 'full', got 'selective'"),
     (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
           distribute_saved_activations=True, sequence_parallel=True),
      r"must be False with sequence_parallel"),
@@ -131,6 +129,22 @@ def test_the_checkpoint_replays_the_tracker_for_one_function():
 def test_recompute_fields_are_refused_as_megatron_core_refuses_them(fields, message):
     with pytest.raises(ValueError, match=message):
         TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, **fields)
+
+
+def test_distributed_saved_activations_are_refused_by_the_flags_not_the_config():
+    # Megatron-core's TransformerConfig takes distribute_saved_activations with selective
+    # recomputation (nothing uses it there); Megatron-LM's validate_args refuses the flags
+    TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4,
+                      recompute_granularity="selective", distribute_saved_activations=True)
+    from mpu_lab.training.arguments import parse_args, validate_args
+    from mpu_lab.training.flag_errors import FlagError
+    flags = ["--tensor-model-parallel-size", "2", "--distribute-saved-activations"]
+    with pytest.raises(FlagError, match="it needs --recompute-granularity full, got selective"):
+        validate_args(parse_args(flags + ["--recompute-activations"]), 2)
+    with pytest.raises(FlagError, match="it needs --recompute-granularity full, got None"):
+        validate_args(parse_args(flags), 2)
+    validate_args(parse_args(flags + ["--recompute-granularity", "full", "--recompute-method",
+                                      "uniform", "--recompute-num-layers", "1"]), 2)
 
 
 def test_recompute_modules_default_to_the_attention_core():

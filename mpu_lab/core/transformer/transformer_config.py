@@ -86,10 +86,7 @@ class TransformerConfig:
         if g == "selective" and n is not None:
             raise ValueError(f"recompute_granularity 'selective' recomputes every layer: "
                              f"recompute_num_layers must be None, got {n}")
-        if self.distribute_saved_activations and g != "full":
-            raise ValueError(f"distribute_saved_activations splits the input that full "
-                             f"recomputation saves: it needs recompute_granularity 'full', got {g!r}")
-        if self.distribute_saved_activations and self.sequence_parallel:
+        if g is not None and self.distribute_saved_activations and self.sequence_parallel:
             raise ValueError("distribute_saved_activations must be False with sequence_parallel: "
                              "the saved input is already split over the tensor-parallel ranks")
         unknown = sorted(set(self.recompute_modules) - set(MEGATRON_RECOMPUTE_MODULES))

@@ -9,6 +9,7 @@ fields accepted and refused (:func:`recompute_field_rows`), and GPT-3 175B per l
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 import textwrap
@@ -26,6 +27,8 @@ from mpu_lab.perf.cost_model import ModelShape, bytes_per_parameter, hardware_fl
 from mpu_lab.perf.cost_model.activations import activation_memory_per_layer
 from mpu_lab.perf.saved_activations import SavedTensors
 from mpu_lab.training import initialize
+from mpu_lab.training.flag_errors import FlagError
+from mpu_lab.training.recompute_args import check_recompute_args
 from mpu_lab.training.resident_bytes import storage_bytes
 
 KINDS = ("params", "grads", "optimizer")
@@ -201,6 +204,7 @@ def recompute_rows(shape: Shape, batch: int) -> Dict[str, Dict[str, int]]:
         rows[mode] = dict(
             saved=recompute.measure_gpt_saved_bytes(s, b, h, a, L, V, mode).bytes,
             derived=L * recompute.total(recompute.lab_terms(s, b, h, a, recompute=mode)) + outside,
+            outside=outside,
             flops=recompute.count_step_flops(s, b, h, a, mode, L, vocab_size=V)["step"],
             formula=round(hardware_flops_per_iteration(model, b, mode)))
     return rows
@@ -215,6 +219,10 @@ def format_recompute_rows(rows: Dict[str, Dict[str, int]]) -> str:
         lines.append(f"{mode:<11}{r['saved']:>12,}{r['derived']:>12,}"
                      f"{r['saved'] / base['saved']:>8.3f}{r['flops']:>13,}{r['formula']:>13,}"
                      f"{r['flops'] / base['flops']:>8.3f}")
+    full = rows["full"]
+    lines.append(f"full keeps {full['derived'] - full['outside']:,} bytes in its layers (their "
+                 f"inputs) and {full['outside']:,} outside them,")
+    lines.append("which no mode recomputes (embedding, final LayerNorm, output layer, loss)")
     return "\n".join(lines)
 
 
@@ -250,8 +258,12 @@ def format_step_times(times: Dict[str, List[float]], flops: Dict[str, int]) -> s
     full_t = statistics.median(times["full"]) / base_t
     full_f = flops["full"] / flops["none"]
     off = abs(full_t - full_f) / full_f
+    spread = max(spreads.values())
     lines.append(f"full: time x{full_t:.2f} vs FLOPs x{full_f:.2f} ({off:.0%} apart); "
-                 f"the repeats of one mode spread up to {max(spreads.values()):.0%}")
+                 f"the repeats of one mode spread up to {spread:.0%}")
+    lines.append("so the gap is " + ("within the spread: these times cannot price recomputation"
+                                     if off <= spread else
+                                     "beyond the spread: the time prices more than the FLOPs"))
     return "\n".join(lines)
 
 
@@ -271,16 +283,30 @@ FIELD_CASES = (
 
 
 def recompute_field_rows(num_layers: int = 4) -> List[Dict[str, str]]:
-    """Each of :data:`FIELD_CASES` given to ``TransformerConfig``: accepted, or its message."""
+    """Each of :data:`FIELD_CASES` given to ``TransformerConfig`` (Megatron-core's checks):
+    accepted, or its message; where the config accepts it, the same fields as
+    ``train_gpt.py``'s flags at TP = 2 (Megatron-LM's ``validate_args`` adds a rule:
+    ``distribute_saved_activations`` only with full recomputation)."""
     rows = []
     for fields in FIELD_CASES:
         shown = ", ".join(f"{k.replace('recompute_', '')}={v!r}" for k, v in fields.items())
         try:
             TransformerConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4,
                               **fields)
-            rows.append(dict(fields=shown or "(none: no recomputation)", verdict="accepted"))
         except ValueError as exc:
             rows.append(dict(fields=shown, verdict=f"refused: {exc}"))
+            continue
+        verdict = "accepted"
+        flags = argparse.Namespace(tensor_model_parallel_size=2, sequence_parallel=False,
+                                   recompute_activations=False, recompute_method=None,
+                                   recompute_num_layers=None, recompute_modules=None,
+                                   distribute_saved_activations=False, recompute_granularity=None)
+        vars(flags).update(fields)
+        try:
+            check_recompute_args(flags)
+        except FlagError as exc:
+            verdict += f"; train_gpt.py refuses its flags (as Megatron-LM does): {exc}"
+        rows.append(dict(fields=shown or "(none: no recomputation)", verdict=verdict))
     return rows
 
 
@@ -290,7 +316,7 @@ def format_field_rows(rows: List[Dict[str, str]], width: int = 96) -> str:
     for r in rows:
         lines += textwrap.wrap(r["fields"], width, subsequent_indent="  ")
         lines += textwrap.wrap(r["verdict"], width, initial_indent="    ",
-                               subsequent_indent="      ")
+                               subsequent_indent="      ", break_on_hyphens=False)
     return "\n".join(lines)
 
 
@@ -306,4 +332,10 @@ def format_gpt3(s: int = 2048, b: int = 1, h: int = 12288, a: int = 96, t: int =
         tp = activation_memory_per_layer(s, b, h, a, t, False, mode)
         sp = activation_memory_per_layer(s, b, h, a, t, True, mode)
         lines.append(f"{mode:<11}{tp / 1e6:>13.1f}{sp / 1e6:>16.1f}{layers * sp / 1e9:>22.2f}")
+    mb = {(mode, sp): activation_memory_per_layer(s, b, h, a, t, sp, mode)
+          for mode in ("none", "selective") for sp in (False, True)}
+    lines.append(f"selective alone (both with SP): {mb['none', True] / mb['selective', True]:.2f}x "
+                 f"less per layer")
+    lines.append(f"SP and selective together, against TP alone without recomputation: "
+                 f"{mb['none', False] / mb['selective', True]:.2f}x less")
     return "\n".join(lines)

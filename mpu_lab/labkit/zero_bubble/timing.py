@@ -86,7 +86,7 @@ class Timing:
                      f"measured {gap:.1%}")
         if gap >= gap_tol * time_gap:
             lines.append(f"Verdict: ZB-H1 idles less than 1F1B here, by at least {gap_tol:.0%} "
-                         f"of the predicted gap.")
+                         f"of the measured-time prediction's gap.")
         else:
             lines.append(f"Verdict: this run did NOT show the gap (measured {gap:.1%}, below "
                          f"{gap_tol:.0%} of the predicted {time_gap:.1%})"
