@@ -114,7 +114,8 @@ def _count(n: int, word: str) -> str:
 
 def machine_note(ranks: int, env: Optional[Dict[str, str]] = None) -> str:
     """One sentence: whether this machine gives each of ``ranks`` ranks a processor of its own
-    (a GPU, or else a CPU core), so that a measured timeline's gaps are a bubble. The ranks'
+    (a GPU, or else a CPU core), so that a measured timeline's gaps are a bubble; on cores, and
+    the load average above their number, it adds that other processes take turns on them. The ranks'
     devices follow :func:`mpu_lab.training.initialize.choose_device` (``MPU_LAB_DEVICE=cpu``, in ``env``
     or this process's environment, keeps them on the CPU): more ranks than GPUs share them."""
     on_cpu = {**os.environ, **(env or {})}.get("MPU_LAB_DEVICE") == "cpu"
@@ -122,8 +123,13 @@ def machine_note(ranks: int, env: Optional[Dict[str, str]] = None) -> str:
     cores = len(rank_clock.usable_cores())
     if (gpus or cores) >= ranks:
         n, kind = (gpus, "GPU") if gpus else (cores, "CPU core")
-        return (f"{_count(ranks, 'rank')} on {_count(n, kind)}: "
+        note = (f"{_count(ranks, 'rank')} on {_count(n, kind)}: "
                 f"one each, so the measured gaps are the bubble.")
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        if not gpus and load > cores:
+            note += (f"\nBut the load average is {load:.1f} on {cores} cores now: other "
+                     f"processes take\nturns on them, and the gaps include those turns.")
+        return note
     shared = (f"{_count(gpus, 'GPU')}: the ranks share "
               f"{'them' if gpus > 1 else 'it'}" if gpus else
               f"{cores} CPU cores and no GPU: the ranks share cores")

@@ -131,6 +131,18 @@ def test_machine_note_says_whether_each_rank_has_a_processor(monkeypatch, gpus, 
     assert ("share" in note and "no GPU" not in note) if gpus and not fits else True
 
 
+def test_machine_note_says_when_other_processes_take_the_cores(monkeypatch):
+    monkeypatch.delenv("MPU_LAB_DEVICE", raising=False)
+    monkeypatch.setattr(pb.torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(pb.rank_clock, "usable_cores", lambda: [0, 1])
+    monkeypatch.setattr(pb.os, "getloadavg", lambda: (5.6, 5.0, 4.0))
+    assert pb.machine_note(2).endswith("\nBut the load average is 5.6 on 2 cores now: other "
+                                       "processes take\nturns on them, and the gaps include "
+                                       "those turns.")
+    monkeypatch.setattr(pb.os, "getloadavg", lambda: (1.5, 1.0, 1.0))
+    assert pb.machine_note(2) == "2 ranks on 2 CPU cores: one each, so the measured gaps are the bubble."
+
+
 def test_machine_note_follows_a_forced_cpu_device(monkeypatch):
     monkeypatch.setattr(pb.torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(pb.rank_clock, "usable_cores", lambda: [0, 1])
