@@ -1,7 +1,7 @@
 # Lab 01, section "Write it": one answer to my_groups. Load it on purpose, in a new cell:
 #     %load solutions/01_rank_groups.py
 # run that cell, then grade it:
-#     exercises.grade(solution_groups, exercises.rank_groups.RANK_GROUPS, world)
+#     grader.grade(solution_groups, exercises.RANK_GROUPS, world)
 
 
 def solution_groups(world_size, tp, pp, family):

@@ -1,7 +1,7 @@
 # Lab 02, section 4: one answer to my_ring_all_reduce. Load it on purpose, in a new cell:
 #     %load solutions/02_collectives.py
 # run that cell, then grade it:
-#     exercises.grade(solution_ring_all_reduce, exercises.RING_ALL_REDUCE, world)
+#     grader.grade(solution_ring_all_reduce, exercises.RING_ALL_REDUCE, world)
 # It runs on the ranks, where torch, dist and comm exist.
 
 

@@ -1,8 +1,8 @@
 # Lab 04: answers to the write-the-code exercises. Load them on purpose, in a new cell:
 #     %load solutions/04_data_parallel.py
 # run that cell, then grade one:
-#     exercises.grade(solution_grad_ready_hook, dp_exercises.BUCKET_HOOK, world)
-#     exercises.grade(solution_distributed_step, exercises.DISTRIBUTED_STEP, world)
+#     grader.grade(solution_grad_ready_hook, exercises.BUCKET_HOOK, world)
+#     grader.grade(solution_distributed_step, exercises.DISTRIBUTED_STEP, world)
 # They run on the ranks, where torch and dist exist.
 
 

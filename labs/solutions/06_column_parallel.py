@@ -1,7 +1,7 @@
 # Lab 06, section 8: one answer to my_column_forward. Load it on purpose, in a new cell:
 #     %load solutions/06_column_parallel.py
 # run that cell, then grade it:
-#     exercises.grade(solution_column_forward, exercises.column_parallel.COLUMN_FORWARD, world)
+#     grader.grade(solution_column_forward, exercises.COLUMN_FORWARD, world)
 # It runs on the ranks, where copy_to_... and gather_from_tensor_model_parallel_region exist.
 
 

@@ -1,7 +1,7 @@
 # Lab 07, section 6: one answer to my_row_forward. Load it on purpose, in a new cell:
 #     %load solutions/07_row_parallel.py
 # run that cell, then grade it:
-#     exercises.grade(solution_row_forward, exercises.row_forward_exercise(input_size, output_size), world)
+#     grader.grade(solution_row_forward, exercises.row_forward_exercise(input_size, output_size), world)
 # It runs on the ranks, where the region functions of section 5 exist.
 
 

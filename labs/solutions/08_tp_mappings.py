@@ -2,8 +2,8 @@
 # g_backward. Load it on purpose, in a new cell:
 #     %load solutions/08_tp_mappings.py
 # run that cell, then grade it:
-#     exercises.grade((solution_f_forward, solution_f_backward), exercises.tp_mappings.F_EXERCISE, world)
-#     exercises.grade((solution_g_forward, solution_g_backward), exercises.tp_mappings.G_EXERCISE, world)
+#     grader.grade((solution_f_forward, solution_f_backward), exercises.F_EXERCISE, world)
+#     grader.grade((solution_g_forward, solution_g_backward), exercises.G_EXERCISE, world)
 # They run on the ranks, where dist and parallel_state exist.
 
 

@@ -2,9 +2,9 @@
 # my_vocab_parallel_ce_backward. Load it on purpose, in a new cell:
 #     %load solutions/09_parallel_transformer.py
 # run that cell, then grade them:
-#     exercises.grade(solution_vocab_parallel_ce, exercises.parallel_transformer.VOCAB_PARALLEL_CE, world)
-#     exercises.grade(solution_vocab_parallel_ce_backward,
-#                     exercises.parallel_transformer.VOCAB_PARALLEL_CE_BACKWARD, world)
+#     grader.grade(solution_vocab_parallel_ce, exercises.VOCAB_PARALLEL_CE, world)
+#     grader.grade(solution_vocab_parallel_ce_backward,
+#                     exercises.VOCAB_PARALLEL_CE_BACKWARD, world)
 # It runs on the ranks, where torch, dist and parallel_state exist.
 
 

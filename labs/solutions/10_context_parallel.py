@@ -1,8 +1,8 @@
 # Lab 10, section 7: one answer to each exercise. Load it on purpose, in a new cell:
 #     %load solutions/10_context_parallel.py
 # run that cell, then grade them:
-#     exercises.grade(solution_merge, exercises.LSE_MERGE, world)
-#     exercises.grade(solution_zigzag, exercises.ZIGZAG_LAYOUT, world)
+#     grader.grade(solution_merge, exercises.LSE_MERGE, world)
+#     grader.grade(solution_zigzag, exercises.ZIGZAG_LAYOUT, world)
 # They run on the ranks, where torch and dist exist.
 
 

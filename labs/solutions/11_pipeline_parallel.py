@@ -1,7 +1,7 @@
 # Lab 11, section 5: one answer to my_1f1b_order. Load it on purpose, in a new cell:
 #     %load solutions/11_pipeline_parallel.py
 # run that cell, then grade it:
-#     exercises.grade(solution_1f1b_order, exercises.pipeline_parallel.ONE_F_ONE_B, world)
+#     grader.grade(solution_1f1b_order, exercises.ONE_F_ONE_B, world)
 
 
 def solution_1f1b_order(stage, num_stages, num_microbatches):
@@ -14,7 +14,7 @@ def solution_1f1b_order(stage, num_stages, num_microbatches):
 
 # Lab 11, "Going further: write the 1F1B loop": one answer to my_1f1b_loop. After %load,
 # grade it with
-#     exercises.grade(solution_1f1b_loop, exercises.pipeline_parallel.ONE_F_ONE_B_LOOP, world)
+#     grader.grade(solution_1f1b_loop, exercises.ONE_F_ONE_B_LOOP, world)
 def solution_1f1b_loop(stage, num_stages, num_microbatches, forward, backward, p2p):
     warmup = min(num_stages - stage - 1, num_microbatches)
     remaining = num_microbatches - warmup

@@ -1,7 +1,7 @@
 # Lab 13, "Write the dispatcher": one answer to my_dispatch. Load it on purpose, in a new cell:
 #     %load solutions/13_mixture_of_experts.py
 # run that cell, then grade it:
-#     exercises.grade(solution_dispatch, exercises.mixture_of_experts.DISPATCH, world)
+#     grader.grade(solution_dispatch, exercises.DISPATCH, world)
 # It runs on the ranks, where torch and dist exist.
 
 

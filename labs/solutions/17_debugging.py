@@ -2,7 +2,7 @@
 # cell:
 #     %load solutions/17_debugging.py
 # run that cell, then grade it:
-#     exercises.grade(solution_exchange, exercises.debugging.EXCHANGE, world)
+#     grader.grade(solution_exchange, exercises.EXCHANGE, world)
 # It runs on the ranks, where torch and dist exist.
 
 

@@ -137,7 +137,7 @@ class Traffic:
 def tensor_parallel(h: int, tokens: int, t: int, dtype_bytes: int = 2,
                     ffn: Optional[int] = None, seq_length: Optional[int] = None) -> Traffic:
     """One layer, one micro-batch of ``tokens`` (s·b), split ``t`` ways (Megatron's f and g,
-    Narayanan et al. 2021 §3.3): the projections and the MLP, ``3·T·(8h² + 4h·ffn)/t`` FLOPs
+    Narayanan et al. 2021 §3.2): the projections and the MLP, ``3·T·(8h² + 4h·ffn)/t`` FLOPs
     (plus the attention core ``12·T·s·h/t`` when ``seq_length`` is given), against four ring
     all-reduces of ``T·h`` values (two forward, two backward; with sequence parallelism the
     same bytes as all-gather + reduce-scatter). Intensity ``9h/((t−1)B)`` for ffn = 4h: the

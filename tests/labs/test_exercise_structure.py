@@ -8,6 +8,7 @@ how to load it. The check itself (``notebooks.solutions.exercise_problems``) is 
 each kind of slip on notebooks built here by hand.
 """
 import ast
+import importlib
 import re
 
 import nbformat
@@ -135,3 +136,48 @@ def test_an_unknown_lab_has_no_solution_file():
     with pytest.raises(ValueError, match=re.escape(f"lab '14' has no solution file; labs with "
                                                    f"one: [{labs}]")):
         solution_source("14")
+
+
+# `grader.grade(solution_x, exercises.NAME, world)` as a lab's prose and its solution file's
+# header show it: every name must be what the lab's own code cells define or import.
+GRADE_LINE = re.compile(r"(\w+)\.grade\((?:\(([^)]*)\)|(\w+)),\s*([\w.]+)")
+
+
+def _grading_lines(text):
+    return [(m.group(1), m.group(2) or m.group(3), m.group(4))
+            for m in GRADE_LINE.finditer(text.replace("\n#", " "))]
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
+def test_the_shown_command_that_grades_a_solution_names_what_exists(lab):
+    nb = nbformat.read(lab, as_version=4)
+    imported = {}
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        lines = ["" if ln.lstrip().startswith(("%", "!")) else ln
+                 for ln in cell.source.splitlines()]
+        try:
+            tree = ast.parse("\n".join(lines))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    imported[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    solution_file = REPO_ROOT / "labs" / "solutions" / f"{lab.stem}.py"
+    texts = [c.source for c in nb.cells if c.cell_type == "markdown"]
+    if solution_file.exists():
+        texts.append(solution_file.read_text())
+    solutions = ({n.name for n in ast.walk(ast.parse(solution_file.read_text()))
+                  if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+                 if solution_file.exists() else set())
+    shown = [line for text in texts for line in _grading_lines(text)]
+    for receiver, names, target in shown:
+        for name in re.findall(r"\w+", names):
+            assert name in solutions, f"{lab.name}: {name} is not in {solution_file.name}"
+        alias, _, attribute = target.partition(".")
+        for used, what in ((receiver, "grade"), (alias, attribute.split(".")[0])):
+            assert used in imported, f"{lab.name}: {used}.{what} shown, {used} not imported"
+            assert hasattr(importlib.import_module(imported[used]), what), \
+                f"{lab.name}: {used}.{what} does not exist"

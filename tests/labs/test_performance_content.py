@@ -247,6 +247,15 @@ def test_the_schedule_alone_speedup_is_p_m_over_m_plus_p_minus_1(capsys):
         check_pipeline_speedup(1.0, p=1, m=8)
 
 
+def test_the_reveal_cells_schedule_figures_are_worked_by_hand():
+    from mpu_lab.labkit.performance.lessons import schedule_figures
+    # p = 2: one micro-batch keeps a stage busy 1/2 of the time, bubble 1/1; eight, 8/9 and 1/8
+    assert schedule_figures(2, 8).splitlines() == [
+        "p = 2, m = 1: each stage busy m/(m+p-1) = 50% of the time; bubble (p-1)/m = 1.00 of the work",
+        "p = 2, m = 8: each stage busy m/(m+p-1) = 89% of the time; bubble (p-1)/m = 0.12 of the work",
+        "by the schedule alone: the remedy 1.78x and DP 2x the bad run's speed"]
+
+
 def test_both_flop_forms_and_the_utilisations_are_defined(lab):
     text = "\n".join(_markdown(lab))
     assert FLOP_FORMS["none"] in text and FLOP_FORMS["full"] in text

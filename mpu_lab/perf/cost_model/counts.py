@@ -6,7 +6,7 @@ Each function's docstring names its source:
   Megatron-LM" (arXiv:2104.04473): parameter count (§5.1) and FLOPs — the paper's Appendix
   derives the ``96 B s L h²`` form with full recomputation (eq. (3)); without the recomputed
   forward pass it is the ``72 B s L h²`` form (:data:`FLOP_FORMS`) —, pipeline bubble (§2.2),
-  tensor-parallel communication (§3.3), scatter/gather of pipeline messages (§4.1).
+  tensor-parallel communication (§3.2), scatter/gather of pipeline messages (§4.1).
 * Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
   (arXiv:2205.05198): activation memory per layer (§4, Table 2;
   :mod:`mpu_lab.perf.cost_model.activations`), in-flight micro-batches of 1F1B and interleaved
@@ -182,7 +182,7 @@ def recomputed_share(model: ModelShape, cfg: ParallelConfig) -> float:
 
 
 def _collectives_per_layer(share: float) -> float:
-    # Narayanan et al. 2021 §3.3 / Fig. 4: the f and g of the MLP and attention blocks give two
+    # Narayanan et al. 2021 §3.2 / Fig. 4: the f and g of the MLP and attention blocks give two
     # all-reduces in the forward pass and two in the backward; recomputing the forward
     # (full recomputation, of a share of the layers) runs the forward's two again. With sequence
     # parallelism each all-reduce becomes an all-gather + reduce-scatter pair of the same total
@@ -193,7 +193,7 @@ def _collectives_per_layer(share: float) -> float:
 def tp_comm_per_layer(model: ModelShape, cfg: ParallelConfig, dtype_bytes: int = 2
                       ) -> Dict[str, float]:
     """Tensor-parallel traffic of one layer for one micro-batch, per GPU (Narayanan et al. 2021
-    §3.3): ``count`` all-reduces (or AG + RS pairs) of ``b·s·h`` elements each — 4, 6 with full
+    §3.2): ``count`` all-reduces (or AG + RS pairs) of ``b·s·h`` elements each — 4, 6 with full
     recomputation, on average between with the block method — and ``bytes`` each GPU sends in
     total: count × 2(t-1)/t × b·s·h × dtype_bytes."""
     count = _collectives_per_layer(recomputed_share(model, cfg)) if cfg.tp > 1 else 0
