@@ -28,9 +28,9 @@ def _accepts(config_class, fields, **extra) -> bool:
 @pytest.mark.parametrize("fields", CASES, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items())
                          or "none")
 def test_recompute_fields_accepted_and_refused_as_megatron_core_does(fields):
-    mc.import_megatron()
     with mc.without_cuda_runtime_notice(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")     # megatron-core's import-time notices
+        mc.import_megatron()
         from megatron.core.transformer.transformer_config import TransformerConfig as Megatron
         # Megatron-core also refuses sequence parallelism without tensor parallelism
         theirs = _accepts(Megatron, fields, tensor_model_parallel_size=2)
