@@ -1,4 +1,4 @@
-# Lab 01, section "Write it": one answer to my_groups. Load it on purpose, in a new cell:
+# Lab 01, section 6: one answer to my_groups. Load it on purpose, in a new cell:
 #     %load solutions/01_rank_groups.py
 # run that cell, then grade it:
 #     grader.grade(solution_groups, exercises.RANK_GROUPS, world)

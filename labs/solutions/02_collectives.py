@@ -1,4 +1,4 @@
-# Lab 02, section 4: one answer to my_ring_all_reduce. Load it on purpose, in a new cell:
+# Lab 02, section 5: one answer to my_ring_all_reduce. Load it on purpose, in a new cell:
 #     %load solutions/02_collectives.py
 # run that cell, then grade it:
 #     grader.grade(solution_ring_all_reduce, exercises.RING_ALL_REDUCE, world)

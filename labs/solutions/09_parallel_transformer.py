@@ -31,7 +31,7 @@ def solution_vocab_parallel_ce_backward(softmax_shard, target, vocab_start, voca
     return grad * grad_output[:, None]
 
 
-# Lab 09, "Build: the vocabulary-parallel ends": one answer to each whole piece. Load it the
+# Lab 09, "Build: the vocabulary-parallel embedding and loss": one answer to each whole piece. Load it the
 # same way, run the cell, then grade them (a class travels to the ranks as its source):
 #     grader.grade(SolutionVocabParallelEmbedding, build.VOCAB_PARALLEL_EMBEDDING, world)
 #     grader.grade(solution_vocab_parallel_cross_entropy, build.VOCAB_PARALLEL_CROSS_ENTROPY, world)
