@@ -37,6 +37,7 @@ START_ATTEMPTS = 2            # a start that times out (or whose group fails on 
                               # is made again once, from fresh engines
 SETUP_RESEND_S = 10.0         # an engine's first request unanswered this long is sent again
 RESTART_PORTS = 3             # new ports a soft restart tries before it replaces the engines
+BUSY_SETTLE_S = 2.0           # how long restart() waits for the hub to see a finished cell
 _WORLDS: List["World"] = []   # started and not stopped (stopped at exit)
 _CURRENT: Optional["World"] = None   # the world %%ranks talks to
 
@@ -269,7 +270,7 @@ class World:
         """
         self.restart_errors = []
         for _ in range(RESTART_PORTS):
-            if not self.running or hard or any(self._queues()):
+            if not self.running or hard or self._busy():
                 break
             try:
                 self._init_group(new_port=True)
@@ -282,6 +283,18 @@ class World:
     def _queues(self) -> List[int]:
         status = self.client.queue_status(targets=self.engine_ids)
         return [status[e]["queue"] + status[e].get("tasks", 0) for e in self.engine_ids]
+
+    def _busy(self, settle_s: float = BUSY_SETTLE_S) -> bool:
+        """Whether an engine still has work queued, asked again for up to ``settle_s``: the
+        hub learns that a task ended a moment after the client has its result, so on a loaded
+        machine a cell that has just finished can still count as queued (a full run once
+        replaced the engines of a soft restart that way)."""
+        deadline = time.monotonic() + settle_s
+        while any(self._queues()):
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.1)
+        return False
 
     def __enter__(self) -> "World":
         return self
