@@ -9,7 +9,6 @@ fields accepted and refused (:func:`recompute_field_rows`), and GPT-3 175B per l
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import textwrap
@@ -27,6 +26,7 @@ from mpu_lab.perf.cost_model import ModelShape, bytes_per_parameter, hardware_fl
 from mpu_lab.perf.cost_model.activations import activation_memory_per_layer
 from mpu_lab.perf.saved_activations import SavedTensors
 from mpu_lab.training import initialize
+from mpu_lab.training.arguments import parse_args
 from mpu_lab.training.flag_errors import FlagError
 from mpu_lab.training.recompute_args import check_recompute_args
 from mpu_lab.training.resident_bytes import storage_bytes
@@ -297,10 +297,7 @@ def recompute_field_rows(num_layers: int = 4) -> List[Dict[str, str]]:
             rows.append(dict(fields=shown, verdict=f"refused: {exc}"))
             continue
         verdict = "accepted"
-        flags = argparse.Namespace(tensor_model_parallel_size=2, sequence_parallel=False,
-                                   recompute_activations=False, recompute_method=None,
-                                   recompute_num_layers=None, recompute_modules=None,
-                                   distribute_saved_activations=False, recompute_granularity=None)
+        flags = parse_args(["--tensor-model-parallel-size", "2"])   # train_gpt.py's defaults
         vars(flags).update(fields)
         try:
             check_recompute_args(flags)
