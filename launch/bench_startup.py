@@ -53,13 +53,17 @@ def driver(ranks, repeats):
               f"{w['first_collective']:>17.2f} {total:>10.2f}  {backend}")
 
 
+def parse_args(argv=None):
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--repeats", type=int, default=2)
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
     if "RANK" in os.environ:
         worker()
     else:
-        import argparse
-        parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-        parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
-        parser.add_argument("--repeats", type=int, default=2)
-        a = parser.parse_args()
+        a = parse_args()
         driver(a.ranks, a.repeats)

@@ -1,9 +1,7 @@
 """Every command a learner is shown runs on a fresh clone (issue 37).
 
-The commands are read from where a learner reads them: README.md's code blocks and the
-docstring of every ``launch/*.py`` (the command line at its top). Each ``torchrun ...`` and
-``python launch/...`` line (with its ``\\`` continuations, leading ``VAR=value`` settings and
-trailing ``# comment``) runs as written, in a folder that looks like a fresh clone as far as
+The commands (tests/documented.py reads them from README.md and the docstrings of
+``launch/*.py``) run as written, in a folder that looks like a fresh clone as far as
 output paths go: an empty temporary working directory with ``launch`` linked to the
 repository's ``launch/``, so ``runs/...``, ``--save``, ``--metrics-file``, figure and profile
 outputs land there, in folders that do not exist yet and that the script has to create. Every
@@ -16,7 +14,7 @@ a new example gets a row, and a stale row is an error too. ``torchrun`` runs as 
 torch.distributed.run`` and ``python`` as this interpreter (the same programs, in the
 environment under test).
 """
-import ast
+import argparse
 import importlib.util
 import os
 import pathlib
@@ -30,12 +28,10 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import pytest
 
+from documented import (COMMANDS, REPO, commands_in, launch_docstring, readme_code,
+                        script_and_flags)
 from mpu_lab.launcher import LAUNCH_DIR, prechecks
 
-REPO = LAUNCH_DIR.parent
-# a command: optional VAR=value settings, then torchrun ... launch/x.py or python launch/x.py
-COMMAND = re.compile(r"^(?:[A-Z][A-Z0-9_]*=\S*\s+)*"
-                     r"(?:torchrun\s.*\blaunch/\w+\.py\b|python3?\s+launch/\w+\.py\b)")
 # flags whose value is a path the command writes (the folder must be created by the script)
 OUTPUT_FLAGS = ("--metrics-file", "--save", "--out", "--json", "--markdown", "--profile-dir",
                 "--breakdown-profile")
@@ -46,60 +42,22 @@ CLEAN_ENV = {k: v for k, v in os.environ.items()
 TIMEOUT_S = 300
 
 
-def commands_in(text: str) -> List[str]:
-    """The command lines of ``text``, continuations joined, comments dropped, one space
-    between words."""
-    found, lines, i = [], text.splitlines(), 0
-    while i < len(lines):
-        line = lines[i].strip()
-        if COMMAND.match(line):
-            while line.endswith("\\") and i + 1 < len(lines):
-                i += 1
-                line = line[:-1].rstrip() + " " + lines[i].strip()
-            found.append(" ".join(shlex.split(line, comments=True)))
-        i += 1
-    return found
-
-
-def readme_code(text: str) -> str:
-    """README.md's code blocks (fenced, or indented by four spaces), prose left out."""
-    kept, fenced = [], False
-    for line in text.splitlines():
-        if line.lstrip().startswith("```"):
-            fenced = not fenced
-        elif fenced or line.startswith("    ") or not line.strip():
-            kept.append(line)
-    return "\n".join(kept)
-
-
-def launch_docstring(path: pathlib.Path) -> str:
-    return ast.get_docstring(ast.parse(path.read_text())) or ""
-
-
-def documented_commands() -> Dict[str, str]:
-    """``{where: command}``, where = ``README:n`` or ``<script>:n`` (n-th command there, from
-    1). A command shown in two places runs once, under its first name."""
-    places = [("README", readme_code((REPO / "README.md").read_text()))]
-    places += [(p.name, launch_docstring(p)) for p in sorted(LAUNCH_DIR.glob("*.py"))]
-    out: Dict[str, str] = {}
-    for name, text in places:
-        for n, command in enumerate(commands_in(text), 1):
-            if command not in out.values():
-                out[f"{name}:{n}"] = command
-    return out
-
-
 class Toy(NamedTuple):
     """How a documented command runs here: ``append`` goes after it; ``nproc`` replaces its
     ``--nproc-per-node``; ``outputs`` are paths it writes by default (besides those its
-    :data:`OUTPUT_FLAGS` name); ``skip`` is a reason not to run it at all, and ``parse`` the
-    script's argument parser that its flags, as written, must then pass."""
+    :data:`OUTPUT_FLAGS` name); ``skip`` is a reason not to run it here at all (another
+    command here runs the same code), and ``parse`` the script's argument parser that its
+    flags and ``VAR=value`` settings, as written, must then pass (returning ``expect`` where
+    given, worked from the docstring). ``run_by`` names the test file that runs the command
+    as written, taken from tests/documented.py, for checks of its own: it does not run twice."""
     why: str
     append: Tuple[str, ...] = ()
     nproc: Optional[int] = None
     outputs: Tuple[str, ...] = ()
     skip: Optional[str] = None
     parse: Optional[str] = None
+    expect: object = None
+    run_by: Optional[str] = None
 
 
 AS_WRITTEN = "as written: small already"
@@ -145,12 +103,18 @@ TOY: Dict[str, Toy] = {
                                    TINY_VS_PLAIN),
     "bench_startup.py:1": Toy("one world of 2 ranks, once: 2, 4 and 8 ranks twice take a "
                               "minute", ("--ranks", "2", "--repeats", "1")),
-    "bench_startup.py:2": Toy("its 2 and 4 ranks once instead of twice", ("--repeats", "1")),
+    "bench_startup.py:2": Toy("not run; its flags parse", parse="parse_args",
+                              expect=argparse.Namespace(ranks=[2, 4], repeats=2),
+                              skip="bench_startup.py:1 runs the same driver at toy size (one "
+                                   "world of 2 ranks) and bench_startup.py:3 a 4-rank job"),
     "bench_startup.py:3": Toy("2 ranks: any world size runs it", nproc=2),
-    "capstone.py:1": Toy("the reference package by its absolute path (the fresh-clone folder "
-                         "holds launch/ only); 4 ranks, 3 iterations, about 20 s",
-                         ("--code", str(REPO / "labs" / "solutions"))),
-    "collectives.py:2": Toy("as written: 8 ranks for the layouts (TEST_* switches chosen)"),
+    "capstone.py:1": Toy("as written (its --code resolved from the repository), with the "
+                         "lines the capstone prints checked",
+                         run_by="tests/labkit/capstone/test_capstone_mp.py"),
+    "collectives.py:2": Toy("not run; its switches select two of the seven tests",
+                            parse="selected_tests", expect=["broadcast", "copy"],
+                            skip="README:1 runs all seven tests of collectives.py (--test all), "
+                                 "these two among them, on the same 8 ranks"),
     "dp_overlap.py:1": Toy("1 timed step of a one-layer width-32 GPT at DP = 2 (its flags as "
                            "written are pre-checked for 4 ranks)",
                            ("--steps", "1", "--num-layers", "1", "--hidden-size", "32",
@@ -160,12 +124,19 @@ TOY: Dict[str, Toy] = {
     "linear_options.py:2": Toy(AS_WRITTEN),
     "linear_overlap.py:1": Toy("2 steps at sequence 64, width 64",
                                ("--seq", "64", "--hidden", "64", "--steps", "2")),
-    "megatron_core_ddp.py:1": Toy("1 Adam step per mode", ("--steps", "1")),
-    "megatron_core_moe.py:1": Toy("2 ranks, EP = 2 with both dispatchers: importing "
-                                  "Megatron-core on 4 ranks is most of its 20 s",
-                                  ("--cases", "ep2/alltoall/top2", "ep2/allgather/top1"),
-                                  nproc=2),
-    "megatron_core_schedules.py:1": Toy(AS_WRITTEN),
+    "megatron_core_ddp.py:1": Toy("as written, every mode's values checked against mpu_lab's "
+                                  "and a one-process AdamW (where megatron-core is installed)",
+                                  run_by="tests/megatron_reference/test_megatron_ddp.py"),
+    "megatron_core_moe.py:1": Toy("its cases on its 4 ranks and one case more, every output "
+                                  "checked against Megatron-core's MoE layer (where "
+                                  "megatron-core is installed)",
+                                  run_by="tests/megatron_reference/test_megatron_moe.py"),
+    "megatron_core_schedules.py:1": Toy("its cases on its 2 ranks and one case more, every "
+                                        "stage's gradients checked against Megatron-core's "
+                                        "schedules and the one-process twin (where "
+                                        "megatron-core is installed)",
+                                        run_by="tests/megatron_reference/"
+                                               "test_megatron_schedules.py"),
     "megatron_core_side_by_side.py:1": Toy("2 ranks (TP = the world size): importing "
                                            "Megatron-core on 4 ranks is most of its 20 s",
                                            nproc=2),
@@ -188,21 +159,14 @@ TOY: Dict[str, Toy] = {
     "zero_bubble_timing.py:1": Toy("1 timed iteration of each schedule, width 32, 4 "
                                    "micro-batches", ("--iterations", "1", "--hidden-size", "32",
                                                      "--microbatches", "4")),
-    "utilisation.py:1": Toy("2 ranks (its CPU default on 2 cores), a two-layer width-32 GPT, "
-                            "2 steps per run", TINY_UTIL, outputs=("runs/utilisation",)),
-    "utilisation.py:2": Toy("the 8-GPU command at utilisation.py:1's toy size and 2 ranks: "
-                            "its bf16 and its --out folder on the CPU", TINY_UTIL),
+    "utilisation.py:1": Toy("not run; its flags parse", parse="parse_args",
+                            skip="at toy size the three jobs of utilisation.py:2 in fp32 and "
+                                 "writing runs/utilisation: utilisation.py:2 runs the driver "
+                                 "(bf16, --out) and lab 15 its fp32 runs"),
+    "utilisation.py:2": Toy("2 ranks (the CPU default on 2 cores), a two-layer width-32 GPT, "
+                            "2 steps per run: its bf16 and its --out folder on the CPU",
+                            TINY_UTIL),
 }
-
-
-def script_and_flags(command: str) -> Tuple[str, List[str], Optional[int]]:
-    """``(script name, its flags, torchrun's --nproc-per-node or None)`` of ``command`` as
-    written."""
-    words = shlex.split(command)
-    at = next(i for i, w in enumerate(words) if re.fullmatch(r"launch/\w+\.py", w))
-    nproc = int(words[words.index("--nproc-per-node") + 1]) if "--nproc-per-node" in words \
-        else None
-    return words[at].split("/")[1], words[at + 1:], nproc
 
 
 def as_run(command: str, toy: Toy) -> Tuple[List[str], Dict[str, str]]:
@@ -248,8 +212,6 @@ def run_in(argv: Sequence[str], env: Dict[str, str], cwd: pathlib.Path):
     return proc.returncode, out
 
 
-COMMANDS = documented_commands()
-
 
 def test_every_command_has_a_row():
     assert len(COMMANDS) >= 30
@@ -290,17 +252,34 @@ def test_the_flags_as_written_pass_the_scripts_precheck(where, tmp_path):
 
 
 @pytest.mark.parametrize("where", sorted(w for w in COMMANDS if w in TOY and TOY[w].parse))
-def test_a_command_not_run_parses_as_written(where):
+def test_a_command_not_run_parses_as_written(where, monkeypatch):
     script, flags, _ = script_and_flags(COMMANDS[where])
+    _, env = as_run(COMMANDS[where], TOY[where])
+    for key in set(env) - set(CLEAN_ENV):                 # its VAR=value settings
+        monkeypatch.setenv(key, env[key])
     spec = importlib.util.spec_from_file_location(f"_doc_{script[:-3]}", LAUNCH_DIR / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     args = getattr(module, TOY[where].parse)(flags)
     assert args is not None
+    if TOY[where].expect is not None:
+        assert args == TOY[where].expect
+
+
+RUN_ELSEWHERE = sorted(w for w in COMMANDS if w in TOY and TOY[w].run_by)
+
+
+@pytest.mark.parametrize("where", RUN_ELSEWHERE)
+def test_a_command_run_by_another_test_is_taken_from_here_there(where):
+    """The test a row names reads the command from tests/documented.py (so it runs what the
+    docstring shows, whatever the docstring becomes) and is not skipped for a missing row."""
+    source = (REPO / TOY[where].run_by).read_text()
+    assert f'COMMANDS["{where}"]' in source, (
+        f"{TOY[where].run_by} does not take {where} from tests/documented.py")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", sorted(COMMANDS))
+@pytest.mark.parametrize("where", sorted(set(COMMANDS) - set(RUN_ELSEWHERE)))
 def test_the_documented_command_runs_on_a_fresh_clone(where, tmp_path):
     if where not in TOY:
         pytest.fail(f"{where}: no row in TOY for {COMMANDS[where]!r}")

@@ -4,6 +4,7 @@ the CPU patches are undone after use."""
 import pytest
 import torch
 
+from documented import COMMANDS, script_and_flags
 from mpu_lab import launcher
 from mpu_lab.megatron_reference import runtime as megatron_core, ddp as megatron_core_ddp
 from mpu_lab.labkit.data_parallel import megatron_core as data_parallel_megatron_core
@@ -30,8 +31,10 @@ def test_cpu_patches_patch_nothing_on_a_gpu_rank():
 @pytest.mark.slow          # starts a 2-rank torchrun job itself
 @pytest.mark.skipif(not megatron_core.available(), reason="megatron-core is not installed")
 def test_megatron_core_ddp_and_distributed_optimizer_match_mpu_lab_and_the_reference():
-    job = launcher.run("megatron_core_ddp.py", ["--steps", "2"], nproc=2, show="none",
-                       timeout_s=300)
+    """The command megatron_core_ddp.py's docstring shows, as written (tests/documented.py)."""
+    script, flags, nproc = script_and_flags(COMMANDS["megatron_core_ddp.py:1"])
+    steps = int(flags[flags.index("--steps") + 1])
+    job = launcher.run(script, flags, nproc=nproc, show="none", timeout_s=300)
     results = job.results
     assert [r["rank"] for r in results] == [0, 1]
     assert [m["mode"] for m in results[0]["modes"]] == list(megatron_core_ddp.MODES)
@@ -41,7 +44,7 @@ def test_megatron_core_ddp_and_distributed_optimizer_match_mpu_lab_and_the_refer
         for m in r["modes"]:
             overlap, dist_opt = megatron_core_ddp.MODES[m["mode"]]
             assert (m["grad"] == {}) == dist_opt
-            assert len(m["params"]["megatron-core"]) == len(m["params"]["mpu_lab"]) == 2
+            assert len(m["params"]["megatron-core"]) == len(m["params"]["mpu_lab"]) == steps
             if overlap:       # the MLP's ~3,600 parameters in buckets of 1,000 elements
                 assert m["buckets"]["megatron-core"] > 1 and m["buckets"]["mpu_lab"] > 1
     table = data_parallel_megatron_core.format_ddp_results(results)

@@ -7,6 +7,7 @@ its output with its own initial weights must differ (so equal outputs are not va
 """
 import pytest
 
+from documented import COMMANDS, script_and_flags
 from mpu_lab.megatron_reference import runtime as mc
 from mpu_lab.megatron_reference import moe as mcm
 from mpu_lab.labkit.mixture_of_experts import megatron_core
@@ -41,8 +42,12 @@ def test_without_megatron_core_the_run_is_skipped_with_the_install_hint(monkeypa
 @needs_megatron
 @pytest.mark.slow
 def test_moe_layer_equals_megatron_cores_on_four_cpu_ranks():
-    cases = ["ep2/alltoall/top2", "ep4/allgather/top1", "tp2-ep2/allgather/top2"]
-    result = megatron_core.run_side_by_side(cases, nproc=4)
+    """The command megatron_core_moe.py's docstring shows (tests/documented.py): its cases on
+    its 4 ranks, and one case more (TP x EP)."""
+    script, flags, nproc = script_and_flags(COMMANDS["megatron_core_moe.py:1"])
+    assert script == "megatron_core_moe.py" and flags[0] == "--cases" and nproc == 4
+    cases = flags[1:] + ["tp2-ep2/allgather/top2"]
+    result = megatron_core.run_side_by_side(cases, nproc=nproc)
     assert result["version"] == mc.version()
     assert [r["rank"] for r in result["results"]] == [0, 1, 2, 3]
     for name in cases:

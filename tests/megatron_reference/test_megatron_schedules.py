@@ -7,6 +7,7 @@ The references are independent of both schedules: the single-process twin of the
 """
 import pytest
 
+from documented import COMMANDS, script_and_flags
 from mpu_lab.megatron_reference import runtime as mc
 from mpu_lab.labkit.pipeline_parallel import megatron_core as mcs
 from mpu_lab.megatron_reference import schedules as megatron_schedules
@@ -17,8 +18,11 @@ needs_megatron = pytest.mark.skipif(not mc.available(), reason=mc.missing() or "
 
 @pytest.fixture(scope="module")
 def side_by_side():
-    return mcs.run_side_by_side(["1f1b", "interleaved", "interleaved-batched"],
-                                num_microbatches=4, nproc=2)
+    """The command megatron_core_schedules.py's docstring shows (tests/documented.py): its
+    cases on its 2 ranks (the script's 4 micro-batches), and Megatron's batched p2p besides."""
+    script, flags, nproc = script_and_flags(COMMANDS["megatron_core_schedules.py:1"])
+    assert script == "megatron_core_schedules.py" and flags[0] == "--cases" and nproc == 2
+    return mcs.run_side_by_side([*flags[1:], "interleaved-batched"], nproc=nproc)
 
 
 def _worst(side_by_side, case, key):

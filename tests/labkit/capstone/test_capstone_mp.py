@@ -11,7 +11,9 @@ import shutil
 
 import pytest
 
-from mpu_lab.labkit.capstone import lesson, run_capstone
+from documented import COMMANDS, REPO, script_and_flags
+from mpu_lab.labkit.capstone import lesson, parse_args, run_capstone
+from mpu_lab.labkit.capstone.run import run_checked
 
 pytestmark = pytest.mark.slow
 SOLUTIONS = pathlib.Path(__file__).resolve().parents[3] / "labs" / "solutions"
@@ -24,7 +26,15 @@ class _Reduce'''
 
 
 def test_labs_solutions_trains_equal_to_the_mirror_at_tp2_pp2():
-    result = run_capstone(SOLUTIONS, 2, 2, train_iters=3, echo=False)
+    """The command capstone.py's docstring shows, as written (tests/documented.py; its
+    --code, labs/solutions, read from the repository): the reference run."""
+    script, flags, nproc = script_and_flags(COMMANDS["capstone.py:1"])
+    at = flags.index("--code") + 1
+    flags[at] = str(REPO / flags[at])
+    assert script == "capstone.py" and pathlib.Path(flags[at]).resolve() == SOLUTIONS
+    args = parse_args(flags)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, nproc) == (2, 2, 4)
+    result = run_checked(args, echo=False)
     assert result.exit_code == 0, result.lines
     assert result.lines[-1] == "capstone: losses equal the mirror's within 1e-05 over 3 iterations"
     assert "used: layers.py:ColumnParallelLinear x8" in result.lines       # 2 per layer, 4 layers
