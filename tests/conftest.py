@@ -9,6 +9,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # the sources that job processes, notebook kernels and engines import from the checkout
 COMPILED = ("mpu_lab", "launch", "tests", "labs/solutions")
+_MADE = []   # the folder made below for the learner's package (the workers inherit its name)
 
 
 def pytest_configure(config):
@@ -28,8 +29,16 @@ def pytest_configure(config):
             compileall.compile_dir(str(REPO / folder), quiet=1)
     if "MPU_LAB_MY_MEGATRON" not in os.environ:
         import tempfile
-        os.environ["MPU_LAB_MY_MEGATRON"] = os.path.join(tempfile.mkdtemp(prefix="my_megatron_"),
-                                                         "my_megatron")
+        _MADE.append(tempfile.mkdtemp(prefix="my_megatron_"))
+        os.environ["MPU_LAB_MY_MEGATRON"] = os.path.join(_MADE[-1], "my_megatron")
+
+
+def pytest_unconfigure(config):
+    """The learner's package folder goes with the run (the controller's, or -n 0's) that made
+    it."""
+    import shutil
+    for folder in _MADE:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

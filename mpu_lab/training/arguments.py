@@ -88,7 +88,15 @@ def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("precision")
     g.add_argument("--fp16", action="store_true", help="autocast to float16, dynamic loss scale")
     g.add_argument("--bf16", action="store_true", help="autocast to bfloat16")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16,
+                   help="the fp16 loss scale at the start (Megatron-LM's default is 2^32, "
+                        "which its first dozens of steps back off from)")
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="clean steps in a row before the loss scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="overflows since the scale last grew before it is halved (each "
+                        "overflowing step is skipped)")
 
 
 def _add_logging_and_checkpointing_args(p: argparse.ArgumentParser) -> None:
@@ -317,6 +325,12 @@ def _check_optimizer_and_schedule(args) -> None:
     if not 0 <= args.lr_warmup_steps <= args.lr_decay_iters:
         raise ValueError(f"the warmup ({args.lr_warmup_steps} iterations) must be in "
                          f"[0, --lr-decay-iters {args.lr_decay_iters}]")
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        raise ValueError(f"need 0 < --min-loss-scale ({args.min_loss_scale}) <= "
+                         f"--initial-loss-scale ({args.initial_loss_scale})")
+    if args.loss_scale_window < 1 or args.hysteresis < 1:
+        raise ValueError(f"--loss-scale-window ({args.loss_scale_window}) and --hysteresis "
+                         f"({args.hysteresis}) must be >= 1")
     if args.clip_grad < 0 or args.weight_decay < 0:
         raise ValueError(f"--clip-grad ({args.clip_grad}) and --weight-decay "
                          f"({args.weight_decay}) must be >= 0")

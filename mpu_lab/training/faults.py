@@ -19,8 +19,9 @@ that goes wrong in real jobs (Megatron-LM issue #881 and nanotron issue #209 are
 * crash: a rank raises; the others lose their peer at once;
 * divergence finishes with plausible losses: only the dense twin shows it
   (:func:`mpu_lab.labkit.debugging.twin_check.compare_with_dense_twin`);
-* fp16-overflow finishes too: the step is skipped on every rank and the loss scale halved, as
-  Megatron's dynamic loss scaler does (``skipped_iterations``, ``loss_scale`` in the metrics).
+* fp16-overflow finishes too: the step is skipped on every rank and the loss scale halved from
+  the ``--hysteresis``-th overflow on, as Megatron's dynamic loss scaler does
+  (``skipped_iterations``, ``loss_scale`` in the metrics).
 
 ``RANK`` is a global rank (default 1) and ``ITERATION`` the 1-based iteration of the log lines
 (default 2: the first step runs as usual). :func:`check_fault` says which flags a kind needs;
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from mpu_lab.training import initialize
 from mpu_lab.core import parallel_state
 from mpu_lab.training.checkpointing import iteration_dir
-from mpu_lab.core.optimizer import DynamicLossScaler, clip_grad_norm
+from mpu_lab.core.optimizer import DynamicGradScaler, clip_grad_norm
 from mpu_lab.training import arguments
 from mpu_lab.training import training as loop
 
@@ -100,8 +101,9 @@ FAULT_KINDS: Dict[str, Dict[str, str]] = {
                 "one backward)",
         "needs": "--fp16",
         "cause": "A loss scale too large for fp16 turns gradients into inf: the dynamic loss "
-                 "scaler skips the step on every rank and halves the scale, and the loss goes "
-                 "on as if that iteration had not happened."},
+                 "scaler skips the step on every rank and halves the scale from the "
+                 "--hysteresis-th overflow since it last grew (2 by default), and the loss "
+                 "goes on as if that iteration had not happened."},
 }
 
 DEFAULT_RANK = 1
@@ -281,6 +283,11 @@ def grad_norm_over(state, group) -> float:
     return clip_grad_norm(params, 0.0, group)
 
 
+def _multiply_scale(scaler: DynamicGradScaler, factor: float) -> None:
+    state = scaler.state_dict()
+    scaler.load_state_dict({**state, "scale": state["scale"] * factor})
+
+
 class Injection(loop.Callback):
     """One fault as a callback of the training loop (:class:`mpu_lab.training.training.Callback`),
     passed to ``train(..., callbacks=[...])`` on every rank (pp-deadlock also acts on the fault
@@ -300,7 +307,7 @@ class Injection(loop.Callback):
     def __init__(self, fault: Fault, rank: int):
         self.fault, self.rank = fault, rank
         self.in_fault_step = False
-        self.inflated_scaler: Optional[DynamicLossScaler] = None
+        self.inflated_scaler: Optional[DynamicGradScaler] = None
 
     @property
     def armed(self) -> bool:
@@ -319,13 +326,14 @@ class Injection(loop.Callback):
         elif self.armed and fault.kind == "divergence":
             redraw_one_shard(state)
         elif self.armed and fault.kind == "fp16-overflow":
-            # this rank's loss is scaled 2^64 times too much for one backward
+            # this rank's loss is scaled 2^64 times too much for one backward (through the
+            # scaler's state dict, the way a checkpoint would set it)
             self.inflated_scaler = state.scaler
-            state.scaler.scale *= OVERFLOW_FACTOR
+            _multiply_scale(state.scaler, OVERFLOW_FACTOR)
 
     def on_before_optimizer_step(self, state) -> None:
         if self.inflated_scaler is not None:
-            self.inflated_scaler.scale /= OVERFLOW_FACTOR
+            _multiply_scale(self.inflated_scaler, 1.0 / OVERFLOW_FACTOR)
             self.inflated_scaler = None
         if self.armed and self.fault.kind == "crash":
             crash(self.fault)

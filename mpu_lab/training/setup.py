@@ -25,7 +25,7 @@ from mpu_lab.core.distributed.fsdp import (FullyShardedDataParallel, FullySharde
                                            unsharded_parameters)
 from mpu_lab.core.transformer.moe import is_expert_parameter
 from mpu_lab.core.distributed.finalize_model_grads import sequence_parallel_params
-from mpu_lab.core.optimizer import DistributedOptimizer, DynamicLossScaler, build_optimizer
+from mpu_lab.core.optimizer import DistributedOptimizer, DynamicGradScaler, build_optimizer
 from mpu_lab.core.pipeline_parallel import (
     model_chunks_of, shared_embedding_or_output_weight, sync_embedding_weights)
 from mpu_lab.core.tensor_parallel import broadcast_data, model_parallel_manual_seed
@@ -46,7 +46,7 @@ class TrainState:
     scheduler: OptimizerParamScheduler
     dataset: Any
     iteration: int = 0               # optimizer steps done
-    scaler: Optional[DynamicLossScaler] = None
+    scaler: Optional[DynamicGradScaler] = None
     skipped_iterations: int = 0
     model_chunks: List[torch.nn.Module] = dataclasses.field(default_factory=list)
     # Megatron's data parallelism (mpu_lab.core.distributed.DistributedDataParallel), one per chunk,
@@ -117,7 +117,7 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
     dataset = datasets.build_dataset(args.data_path, num_samples, args.seq_length,
                                      args.vocab_size, args.seed)
     state = TrainState(args, model, ddp_model, optimizer, scheduler, dataset,
-                       scaler=DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None,
+                       scaler=build_grad_scaler(args) if args.fp16 else None,
                        ddp_chunks=ddp_chunks)
     if dist.get_rank() == 0 and args.padded_vocab_size != args.vocab_size:
         log(vocab_padding_message(args))
@@ -135,6 +135,15 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
                 f"{info['tensor_model_parallel_size']} PP={info.get('pipeline_model_parallel_size', 1)}"
                 f", now TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size})")
     return state
+
+
+def build_grad_scaler(args: argparse.Namespace) -> DynamicGradScaler:
+    """The fp16 loss scaler as Megatron-LM's ``get_megatron_optimizer`` builds it: growth 2,
+    backoff 0.5, the window and the hysteresis from the flags."""
+    return DynamicGradScaler(initial_scale=args.initial_loss_scale,
+                             min_scale=args.min_loss_scale, growth_factor=2.0,
+                             backoff_factor=0.5, growth_interval=args.loss_scale_window,
+                             hysteresis=args.hysteresis)
 
 
 def has_experts(args: argparse.Namespace) -> bool:

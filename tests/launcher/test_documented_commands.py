@@ -140,20 +140,26 @@ TOY: Dict[str, Toy] = {
     "megatron_core_side_by_side.py:1": Toy("2 ranks (TP = the world size): importing "
                                            "Megatron-core on 4 ranks is most of its 20 s",
                                            nproc=2),
-    "memory_breakdown.py:1": Toy("one of its four configurations (TP 2 x DP 2), both "
-                                 "optimizers", ("--configs", "2,1,2")),
+    "memory_breakdown.py:1": Toy("its configurations and optimizers on its 4 ranks (the "
+                                 "model's flags spelled out, a global batch of 8), every term "
+                                 "checked against counts worked by hand",
+                                 run_by="tests/perf/test_memory_accounting.py"),
     "parallel_linear.py:1": Toy(AS_WRITTEN),
     "pipeline_bubble.py:1": Toy("1 timed iteration per micro-batch count",
                                 ("--iterations", "1")),
     "rank_groups.py:1": Toy("as written: its --pp defaults to 2, so 8 ranks give the data-"
                             "parallel groups of the example"),
-    "rank_groups.py:2": Toy("as written: at --pp 2, 8 ranks are the fewest that fit "
-                            "--tp 2 --ep 2"),
+    "rank_groups.py:2": Toy("not run; its flags pass the pre-check for its 8 ranks",
+                            skip="rank_groups.py:1 runs the script on the same 8 ranks; the "
+                                 "expert groups of --ep are the 8-rank job's "
+                                 "(tests/test_parallel_state_mp.py) and lab 13's"),
     "train_gpt.py:1": Toy("2 of its 300 iterations (its --metrics-file and --save must be "
                           "written), TP 2 x DP 1 on 2 of its 4 ranks (pre-checked for 4)",
                           TRAIN_2, nproc=2),
     "train_gpt.py:2": Toy("2 iterations; " + FOUR_RANKS + " (DP 1)", TRAIN_2, nproc=4),
-    "train_gpt.py:3": Toy("2 iterations; " + FOUR_RANKS + " (DP 1)", TRAIN_2, nproc=4),
+    "train_gpt.py:3": Toy("not run; its flags pass the pre-check for its 8 ranks",
+                          skip="at toy size (4 ranks, DP 1) the layout README:2 runs: TP 2 x "
+                               "CP 2, p2p"),
     "train_gpt.py:4": Toy("2 iterations", TRAIN_2),
     "train_gpt.py:5": Toy("2 iterations", TRAIN_2),
     "zero_bubble_timing.py:1": Toy("1 timed iteration of each schedule, width 32, 4 "

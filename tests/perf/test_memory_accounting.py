@@ -4,6 +4,7 @@ optimizer's states, and one micro-batch's activations. One torchrun job of 4 ran
 whole file (every configuration re-initialises the groups inside it)."""
 import pytest
 
+from documented import COMMANDS, script_and_flags
 from mpu_lab.perf import memory_breakdown
 from mpu_lab.perf.saved_activations import mpu_lab_terms, total
 
@@ -15,8 +16,16 @@ SB = S * MICRO
 
 @pytest.fixture(scope="module")
 def rows():
+    """The command memory_breakdown.py's docstring shows (tests/documented.py): its
+    configurations and optimizers on its 4 ranks, with the model's flags spelled out (the
+    script's defaults) and a global batch of 8."""
+    script, flags, nproc = script_and_flags(COMMANDS["memory_breakdown.py:1"])
+    configs = flags[flags.index("--configs") + 1:flags.index("--optimizers")]
+    assert script == "memory_breakdown.py" and nproc == 4
+    assert configs == [",".join(map(str, c)) for c in CONFIGS]
+    assert flags[flags.index("--optimizers") + 1:] == ["AdamW", "distributed"]
     return memory_breakdown.run_memory_breakdown(
-        CONFIGS, 4, (False, True), num_layers=L, hidden_size=H, num_attention_heads=A,
+        configs, nproc, (False, True), num_layers=L, hidden_size=H, num_attention_heads=A,
         seq_length=S, vocab_size=V, micro_batch_size=MICRO, global_batch_size=GLOBAL)
 
 

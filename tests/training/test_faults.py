@@ -21,7 +21,7 @@ from mpu_lab import launcher, training
 from mpu_lab.launcher import LaunchError, diagnosis, runner
 from mpu_lab.training import faults
 from mpu_lab.labkit.debugging import twin_check
-from mpu_lab.core.optimizer import DynamicLossScaler
+from mpu_lab.core.optimizer import DynamicGradScaler
 from mpu_lab.training import checkpointing
 from mpu_lab.training import training as loop
 from process_watch import ProcessWatch
@@ -45,7 +45,7 @@ JOBS = {   # id: (ranks, flags)
     "crash": (2, ["--inject-fault", "crash:0:2"]),
     "pp-deadlock": (2, [PP, 2, "--num-layers", 2, "--inject-fault", "pp-deadlock:0:2"]),
     "divergence": (2, ["--dense-twin", "--inject-fault", "divergence:1:3"]),
-    "fp16-overflow": (2, ["--fp16", "--inject-fault", "fp16-overflow:1:2"]),
+    "fp16-overflow": (2, ["--fp16", "--hysteresis", "1", "--inject-fault", "fp16-overflow:1:2"]),
     "correct": (2, ["--dense-twin"]),                                  # divergence's twin
 }
 
@@ -194,7 +194,8 @@ def test_dense_twin_check_flags_the_diverged_run_and_passes_a_correct_one(fault_
 
 
 def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale(fault_jobs):
-    """Megatron's DynamicGradScaler: an inf gradient on any rank skips the step everywhere and
+    """Megatron's DynamicGradScaler: an inf gradient on any rank skips the step everywhere and,
+    with --hysteresis 1 (the job's: Megatron's default of 2 would wait for a second overflow),
     halves the loss scale (2^16 -> 2^15); the run goes on."""
     entry = fault_jobs["fp16-overflow"]
     assert "result" in entry, f"the fp16 run failed: {entry.get('error')}"
@@ -315,7 +316,8 @@ def _one_step(fault, iteration, scale=2.0 ** 16):
     """Run the fault's callback through one step's three hook points, as train_step calls
     them, on a stand-in state; returns what the step would have seen."""
     seen = {}
-    state = SimpleNamespace(iteration=iteration, scaler=DynamicLossScaler(scale))
+    state = SimpleNamespace(iteration=iteration, scaler=DynamicGradScaler(scale, 1.0, 2.0, 0.5,
+                                                                          1000, 2))
     injection, = faults.inject(fault)
     injection.on_step_begin(state)
     seen["scale_in_backward"] = state.scaler.scale

@@ -36,7 +36,7 @@ from mpu_lab.core import comm, parallel_state
 from mpu_lab.training import initialize
 from mpu_lab.launcher.diagnosis import repo_relative
 from mpu_lab.launcher.worker import FAULTHANDLER_FRAME, THREAD_HEADING
-from mpu_lab.core.optimizer import DynamicLossScaler
+from mpu_lab.core.optimizer import DynamicGradScaler
 
 STACK_SIGNAL = signal.SIGUSR1
 FR_BUFFER = "TORCH_FR_BUFFER_SIZE"   # the Flight Recorder's ring buffer (NCCL's older name:
@@ -137,25 +137,35 @@ def _detail_mismatch(odd_rank: int) -> str:
     return "finished"
 
 
-def _overflow_step(bad_rank: int, factor: float) -> Dict[str, Any]:
-    """Runs inside a rank: one fp16 backward of a tiny layer with the loss scale of
-    :class:`~mpu_lab.core.optimizer.DynamicLossScaler`, ``factor`` times larger on ``bad_rank``;
-    the gradient averaged over the data-parallel group (what DDP does), then the scaler's
-    overflow check agreed over the model-parallel group and its update, as ``train_gpt.py``
-    does after every backward."""
+# train_gpt.py --fp16's scaler: Megatron-LM's defaults (window 1000, hysteresis 2), but an
+# initial scale of 2^16 instead of 2^32
+SCALER_ARGS = dict(initial_scale=2.0 ** 16, min_scale=1.0, growth_factor=2.0,
+                   backoff_factor=0.5, growth_interval=1000, hysteresis=2)
+
+
+def _overflow_steps(bad_rank: int, factor: float, steps: int) -> List[Dict[str, Any]]:
+    """Runs inside a rank: ``steps`` fp16 backwards of a tiny layer with the loss scale of a
+    :class:`~mpu_lab.core.optimizer.DynamicGradScaler` built as ``train_gpt.py`` builds it,
+    ``factor`` times larger on ``bad_rank``; each time the gradient averaged over the
+    data-parallel group (what DDP does), then the scaler's overflow check agreed over the
+    model-parallel group and its update, as ``train_gpt.py`` does after every backward."""
     device = initialize.get_device()
-    scaler = DynamicLossScaler()
-    before = scaler.scale
-    weight = torch.ones(4, 4, dtype=torch.float16, device=device, requires_grad=True)
-    x = torch.ones(2, 4, dtype=torch.float16, device=device)
-    scale = scaler.scale * (factor if dist.get_rank() == bad_rank else 1.0)
-    ((x @ weight).float().mean() * scale).backward()
-    own = not bool(weight.grad.isfinite().all())
-    weight.grad = comm.all_reduce(weight.grad, group=parallel_state.get_data_parallel_group())
-    after_dp = not bool(weight.grad.isfinite().all())
-    skipped = scaler.unscale_and_check([weight], parallel_state.get_model_parallel_group())
-    scaler.update(skipped)
-    return dict(own=own, after_dp=after_dp, skipped=skipped, before=before, after=scaler.scale)
+    scaler = DynamicGradScaler(**SCALER_ARGS)
+    rows = []
+    for _ in range(steps):
+        before = scaler.scale
+        weight = torch.ones(4, 4, dtype=torch.float16, device=device, requires_grad=True)
+        x = torch.ones(2, 4, dtype=torch.float16, device=device)
+        scale = scaler.scale * (factor if dist.get_rank() == bad_rank else 1.0)
+        ((x @ weight).float().mean() * scale).backward()
+        own = not bool(weight.grad.isfinite().all())
+        weight.grad = comm.all_reduce(weight.grad, group=parallel_state.get_data_parallel_group())
+        after_dp = not bool(weight.grad.isfinite().all())
+        skipped = scaler.unscale_and_check([weight], parallel_state.get_model_parallel_group())
+        scaler.update(skipped)
+        rows.append(dict(own=own, after_dp=after_dp, skipped=skipped, before=before,
+                         after=scaler.scale))
+    return rows
 
 
 # --------------------------------------------------------------------------- notebook side
@@ -284,17 +294,22 @@ def detail_demo(world, odd_rank: int = 1) -> List[str]:
     return lines
 
 
-def overflow_demo(world, bad_rank: int = 1, factor: float = 2.0 ** 64) -> List[Dict[str, Any]]:
-    """One fp16 step on every rank of ``world`` in which ``bad_rank``'s loss scale is
-    ``factor`` times too large (:func:`_overflow_step`). Prints, per rank, whether its own
-    gradient overflowed, whether it did after the data-parallel all-reduce, whether the
-    model-parallel group agreed to skip the step, and the loss scale before and after."""
-    rows = world.run(_overflow_step, bad_rank, factor)
-    print("rank  inf in its own gradient  inf after the DP all-reduce  step skipped  loss scale")
-    for rank, row in enumerate(rows):
-        print(f"{rank:>4}  {row['own']!s:<24}  {row['after_dp']!s:<27}  {row['skipped']!s:<12}  "
-              f"{row['before']:g} -> {row['after']:g}")
-    return rows
+def overflow_demo(world, bad_rank: int = 1, factor: float = 2.0 ** 64,
+                  steps: int = 2) -> List[List[Dict[str, Any]]]:
+    """``steps`` fp16 steps in a row on every rank of ``world``, in each of which
+    ``bad_rank``'s loss scale is ``factor`` times too large (:func:`_overflow_steps`). Prints,
+    per step and rank, whether its own gradient overflowed, whether it did after the
+    data-parallel all-reduce, whether the model-parallel group agreed to skip the step, and
+    the loss scale before and after. Returns each rank's rows."""
+    per_rank = world.run(_overflow_steps, bad_rank, factor, steps)
+    print("step  rank  inf in its own gradient  inf after the DP all-reduce  step skipped  "
+          "loss scale")
+    for step in range(steps):
+        for rank, rows in enumerate(per_rank):
+            row = rows[step]
+            print(f"{step + 1:>4}  {rank:>4}  {row['own']!s:<24}  {row['after_dp']!s:<27}  "
+                  f"{row['skipped']!s:<12}  {row['before']:g} -> {row['after']:g}")
+    return per_rank
 
 
 def py_spy() -> Optional[str]:

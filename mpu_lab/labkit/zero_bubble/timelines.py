@@ -37,11 +37,14 @@ def layers_for(pp: int) -> int:
 def run_timeline(schedule: str, pp: int, microbatches: int, env: Optional[dict] = None,
                  folder: Optional[pathlib.Path] = None) -> Dict[int, List[Action]]:
     """Train the tiny GPT one iteration on ``pp`` ranks (one pipeline) under ``schedule`` and
-    return ``{pipeline rank: [Action, ...]}`` from its ``--timeline-file``."""
+    return ``{pipeline rank: [Action, ...]}`` from its ``--timeline-file`` (written into
+    ``folder``, else into a temporary folder removed afterwards)."""
     if schedule not in RUN_SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: choose one of {list(RUN_SCHEDULES)}")
-    folder = pathlib.Path(folder or tempfile.mkdtemp(prefix="zero_bubble_"))
-    path = folder / f"{schedule}.json"
+    if folder is None:
+        with tempfile.TemporaryDirectory(prefix="zero_bubble_") as tmp:
+            return run_timeline(schedule, pp, microbatches, env, pathlib.Path(tmp))
+    path = pathlib.Path(folder) / f"{schedule}.json"
     args = ["--pipeline-model-parallel-size", str(pp), "--num-layers", str(layers_for(pp)),
             "--global-batch-size", str(microbatches), "--pipeline-schedule", schedule,
             "--timeline-file", str(path), *MODEL_FLAGS]

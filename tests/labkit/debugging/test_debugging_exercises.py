@@ -249,17 +249,24 @@ def test_every_fault_kind_has_one_lab_job_that_the_launcher_accepts():
 
 def test_one_ranks_fp16_overflow_makes_every_rank_skip_the_step(grading_world, capsys):
     """tp = 2, dp = 2: the model-parallel groups are [0, 1], [2, 3], the data-parallel ones
-    [0, 2], [1, 3]. Rank 1 overflows; its data-parallel partner 3 gets the inf through the
-    gradient all-reduce; 0 and 2 learn of it from the overflow check of their model-parallel
-    group. Every rank skips and halves the scale (Megatron's DynamicGradScaler)."""
-    rows = debugging.overflow_demo(grading_world, bad_rank=1)
+    [0, 2], [1, 3]. Rank 1 overflows, twice in a row; its data-parallel partner 3 gets the inf
+    through the gradient all-reduce; 0 and 2 learn of it from the overflow check of their
+    model-parallel group. Every rank skips both steps; with Megatron's hysteresis of 2 the scale
+    (2^16) stays at the first overflow and is halved at the second (Megatron's
+    DynamicGradScaler.update, worked by hand)."""
+    per_rank = debugging.overflow_demo(grading_world, bad_rank=1)
     capsys.readouterr()
-    assert [row["own"] for row in rows] == [False, True, False, False]
-    assert [row["after_dp"] for row in rows] == [False, True, False, True]
-    assert all(row["skipped"] and row["after"] == row["before"] / 2 for row in rows)
+    for step in (0, 1):
+        rows = [rows[step] for rows in per_rank]
+        assert [row["own"] for row in rows] == [False, True, False, False]
+        assert [row["after_dp"] for row in rows] == [False, True, False, True]
+        assert all(row["skipped"] for row in rows)
+    assert {(rows[0]["before"], rows[0]["after"], rows[1]["after"]) for rows in per_rank} == {
+        (65536.0, 65536.0, 32768.0)}
     no_fault = debugging.overflow_demo(grading_world, bad_rank=1, factor=1.0)
     capsys.readouterr()
-    assert not any(row["skipped"] for row in no_fault)
+    assert not any(row["skipped"] for rows in no_fault for row in rows)
+    assert all(row["after"] == 65536.0 for rows in no_fault for row in rows)
 
 
 # --------------------------------------------------------------------------- the jobs, unnamed
