@@ -218,7 +218,6 @@ def run_in(argv: Sequence[str], env: Dict[str, str], cwd: pathlib.Path):
     return proc.returncode, out
 
 
-
 def test_every_command_has_a_row():
     assert len(COMMANDS) >= 30
     assert sorted(COMMANDS) == sorted(TOY), (
@@ -277,8 +276,8 @@ RUN_ELSEWHERE = sorted(w for w in COMMANDS if w in TOY and TOY[w].run_by)
 
 @pytest.mark.parametrize("where", RUN_ELSEWHERE)
 def test_a_command_run_by_another_test_is_taken_from_here_there(where):
-    """The test a row names reads the command from tests/documented.py (so it runs what the
-    docstring shows, whatever the docstring becomes) and is not skipped for a missing row."""
+    """The test file a row names reads the command from tests/documented.py, so it runs what
+    the README or the docstring shows, whatever that becomes."""
     source = (REPO / TOY[where].run_by).read_text()
     assert f'COMMANDS["{where}"]' in source, (
         f"{TOY[where].run_by} does not take {where} from tests/documented.py")

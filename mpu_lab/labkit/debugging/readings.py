@@ -58,7 +58,8 @@ READINGS = {
         "side. fp16 keeps 5 exponent bits where bf16 keeps fp32's 8 (the cell below prints both "
         "ranges).\nThe fix: one skipped step is the scaler doing its job: it skips the step on "
         "every rank (the overflow check is an all-reduce over the model-parallel group), halves "
-        "the scale from the second overflow since it last grew (`--hysteresis 2`) and goes on. A run that skips step after step needs a smaller "
+        "the scale from the second overflow since it last grew (`--hysteresis 2`) and goes "
+        "on. A run that skips step after step needs a smaller "
         "`--initial-loss-scale`, or `--bf16` instead of `--fp16` (no loss scale at all) on a GPU "
         "that has bf16."),
 }

@@ -36,7 +36,6 @@ from mpu_lab.core import comm, parallel_state
 from mpu_lab.training import initialize
 from mpu_lab.launcher.diagnosis import repo_relative
 from mpu_lab.launcher.worker import FAULTHANDLER_FRAME, THREAD_HEADING
-from mpu_lab.core.optimizer import DynamicGradScaler
 
 STACK_SIGNAL = signal.SIGUSR1
 FR_BUFFER = "TORCH_FR_BUFFER_SIZE"   # the Flight Recorder's ring buffer (NCCL's older name:
@@ -137,20 +136,16 @@ def _detail_mismatch(odd_rank: int) -> str:
     return "finished"
 
 
-# train_gpt.py --fp16's scaler: Megatron-LM's defaults (window 1000, hysteresis 2), but an
-# initial scale of 2^16 instead of 2^32
-SCALER_ARGS = dict(initial_scale=2.0 ** 16, min_scale=1.0, growth_factor=2.0,
-                   backoff_factor=0.5, growth_interval=1000, hysteresis=2)
-
-
 def _overflow_steps(bad_rank: int, factor: float, steps: int) -> List[Dict[str, Any]]:
     """Runs inside a rank: ``steps`` fp16 backwards of a tiny layer with the loss scale of a
     :class:`~mpu_lab.core.optimizer.DynamicGradScaler` built as ``train_gpt.py`` builds it,
     ``factor`` times larger on ``bad_rank``; each time the gradient averaged over the
     data-parallel group (what DDP does), then the scaler's overflow check agreed over the
     model-parallel group and its update, as ``train_gpt.py`` does after every backward."""
+    from mpu_lab.training.arguments import parse_args
+    from mpu_lab.training.setup import build_grad_scaler   # the model's modules: on the rank
     device = initialize.get_device()
-    scaler = DynamicGradScaler(**SCALER_ARGS)
+    scaler = build_grad_scaler(parse_args(["--fp16"]))      # train_gpt.py --fp16's defaults
     rows = []
     for _ in range(steps):
         before = scaler.scale
