@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from mpu_lab.core import comm, parallel_state
 from mpu_lab.training import initialize
+from mpu_lab.training.arguments import parse_args
 from mpu_lab.launcher.diagnosis import repo_relative
 from mpu_lab.launcher.worker import FAULTHANDLER_FRAME, THREAD_HEADING
 
@@ -142,7 +143,6 @@ def _overflow_steps(bad_rank: int, factor: float, steps: int) -> List[Dict[str, 
     ``factor`` times larger on ``bad_rank``; each time the gradient averaged over the
     data-parallel group (what DDP does), then the scaler's overflow check agreed over the
     model-parallel group and its update, as ``train_gpt.py`` does after every backward."""
-    from mpu_lab.training.arguments import parse_args
     from mpu_lab.training.setup import build_grad_scaler   # the model's modules: on the rank
     device = initialize.get_device()
     scaler = build_grad_scaler(parse_args(["--fp16"]))      # train_gpt.py --fp16's defaults
