@@ -2,8 +2,9 @@
 notebook watchdog (a kernel and what it started) and the playground (ipyparallel engines and
 their controller) find a process's descendants and end them.
 
-:func:`kill_tree` sends SIGTERM to a child and every descendant, waits up to a grace period,
-sends SIGKILL to what is left, and looks again (a process may start one while it is being
+:func:`kill_tree` sends SIGTERM to a child, waits up to a grace period for it (a torchrun agent
+stops its workers itself), then to every descendant left, sends SIGKILL to what is left after
+the grace period, and looks again (a process may start one while it is being
 stopped) until nothing is left, so no orphan outlives a job. Processes are signalled one by one,
 not by process group: torchrun's workers and the engines run in sessions of their own.
 A zombie (exited, not yet reaped by its parent) counts as gone: it holds no resources and
@@ -101,13 +102,20 @@ def stop(procs: Sequence[psutil.Process], grace_s: float,
 def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0,
               also: Optional[Callable[[], List[psutil.Process]]] = None) -> List[int]:
     """Stop the child ``proc``, its descendants and the processes ``also()`` names (e.g.
-    :func:`tagged`): SIGTERM, then SIGKILL after ``grace_s``, then look again, until none is
-    left. Returns the PIDs that were signalled, sorted; ``proc`` is reaped."""
+    :func:`tagged`): SIGTERM to ``proc`` and up to ``grace_s`` for it to end, then SIGTERM to
+    the rest, SIGKILL after ``grace_s``, then look again, until none is left. Returns the PIDs
+    signalled from here, sorted (not those ``proc`` stopped itself); ``proc`` is reaped."""
     me = os.getpid()
     roots = processes([proc.pid]) if proc.returncode is None else []   # not yet reaped
-    stopped = {}
+    family = [p for root in roots for p in tree(root.pid)] if roots else []
+    stopped = {p.pid: p for p in roots if is_alive(p)}
+    # The child first, alone: a torchrun agent passes one SIGTERM to each worker and waits
+    # for them. A second SIGTERM from here, landing while a worker writes its stack dump,
+    # would end that worker mid-dump (faulthandler chains to the default action).
+    _send(stopped.values(), signal.SIGTERM)
+    wait_gone(list(stopped.values()), grace_s, child=proc)
     for _ in range(MAX_ROUNDS):
-        found = roots + (also() if also is not None else [])
+        found = roots + family + (also() if also is not None else [])
         for p in roots + list(stopped.values()):   # what was stopped may have started more
             with contextlib.suppress(psutil.Error):
                 if p.is_running():                   # (false once its PID is reused)
