@@ -128,7 +128,7 @@ def setup(args: argparse.Namespace, log: Callable[[str], None] = print) -> Train
             info = checkpointing.load_checkpoint(
                 args.load, model, optimizer=None if args.no_load_optim else optimizer,
                 scheduler=None if args.no_load_optim else scheduler, load_rng=not args.no_load_rng,
-                args=args)
+                args=args, grad_scaler=None if args.no_load_optim else state.scaler)
         state.iteration = info["iteration"]
         if dist.get_rank() == 0:
             log(f"> loaded {info['path']} (iteration {info['iteration']}, saved at TP="

@@ -38,7 +38,9 @@ A rank killed mid-save (the reliability tests) comes from outside, from the lab 
 (:func:`mpu_lab.training.faults.kill_in_save`, ``MPU_LAB_FAULT_IN_SAVE=RANK:ITERATION``).
 
 What is saved: ``model.<name>`` (parameters), ``optimizer.<name>.{exp_avg,exp_avg_sq,step}``
-(AdamW state, sharded like the parameter), ``scheduler``, ``iteration``, ``args``, and the RNG
+(AdamW state, sharded like the parameter), ``scheduler``, with ``--fp16`` ``grad_scaler`` (the
+loss scale, growth count and unspent hysteresis; not loaded with ``--no-load-optim``, as
+Megatron keeps it in the optimizer's state), ``iteration``, ``args``, and the RNG
 states per pipeline and tensor-parallel rank (``rng.pp<k>.tp<r>.*``: the default generator and
 the tracker's tensor-parallel stream; all restored when the TP and PP sizes are unchanged;
 otherwise only the default generator of stage 0 / TP rank 0, and the streams are reseeded as

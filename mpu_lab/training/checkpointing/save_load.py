@@ -67,6 +67,8 @@ def save_checkpoint(save_dir, state, storage_writer=None) -> pathlib.Path:
     sd.update(rng_state_dict(f"rng.pp{pp_rank}.tp{tp_rank}"))
     # Small objects as JSON text: DCP would flatten a dict into one entry per key.
     sd["scheduler"] = json.dumps(state.scheduler.state_dict())
+    if getattr(state, "scaler", None) is not None:   # fp16: Megatron keeps it with the optimizer
+        sd["grad_scaler"] = json.dumps(state.scaler.state_dict())
     sd["iteration"] = it
     sd["args"] = json.dumps(jsonable_args(state.args))
     dcp.save(sd, checkpoint_id=str(d), storage_writer=storage_writer)
@@ -260,10 +262,12 @@ def _restore_rng(sd, prefix: str, same_sizes: bool) -> None:
 
 
 def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool = True,
-                    args=None) -> Dict[str, Any]:
+                    args=None, grad_scaler=None) -> Dict[str, Any]:
     """Load a checkpoint saved at any tensor- and pipeline-parallel size into ``model`` (a
-    module or a list of pipeline model chunks; and ``optimizer``, ``scheduler``). Collective.
-    Returns the marker's info plus ``path``.
+    module or a list of pipeline model chunks; and ``optimizer``, ``scheduler``, the fp16
+    ``grad_scaler``). Collective. Returns the marker's info plus ``path``, and under
+    ``grad_scaler`` whether the scaler's state was loaded (a checkpoint saved without fp16 has
+    none: the scaler keeps its fresh state, as Megatron's optimizer keeps it then).
 
     Checks first, naming what is wrong: missing/partial folder, model shape (``args``), and
     every parameter's global shape against the checkpoint's metadata. The one shape that may
@@ -291,6 +295,9 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
     sd = reads.sd
     for k in ("scheduler", "iteration"):
         sd[k] = None
+    scaler_saved = grad_scaler is not None and "grad_scaler" in reads.saved
+    if scaler_saved:
+        sd["grad_scaler"] = None
 
     dcp.load(sd, checkpoint_id=str(d))
 
@@ -299,6 +306,9 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, load_rng: bool 
         _restore_optimizer(optimizer, names, sharded, sd)
     if scheduler is not None and sd.get("scheduler") is not None:
         scheduler.load_state_dict(json.loads(sd["scheduler"]))
+    if scaler_saved:
+        grad_scaler.load_state_dict(json.loads(sd["grad_scaler"]))
+    info["grad_scaler"] = scaler_saved
     if rng_keys:
         _restore_rng(sd, rng_prefix, same_sizes)
     info["iteration"] = int(sd["iteration"]) if sd.get("iteration") is not None else info["iteration"]
