@@ -293,6 +293,7 @@ def test_the_documented_command_runs_on_a_fresh_clone(where, tmp_path):
         pytest.skip(toy.skip)
     cwd = fresh_clone(tmp_path)
     argv, env = as_run(COMMANDS[where], toy)
+    env["TMPDIR"] = str(tmp_path)   # torchrun's own torchelastic_* log folders go with the test's
     outputs = output_paths(argv, toy)
     assert not any((cwd / p).exists() for p in outputs)
     start = time.monotonic()

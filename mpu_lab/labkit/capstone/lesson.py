@@ -23,6 +23,8 @@ from mpu_lab.labkit.capstone.run import piece_lines, verdict
 from mpu_lab.training.code_folder import defining_files
 
 SOLUTIONS = REPO_ROOT / "labs" / "solutions"
+# the lab's broken package: under the git-ignored /runs/, rewritten by each run of the lab
+BROKEN_DIR = REPO_ROOT / "runs" / "18_your_megatron" / "broken_megatron"
 
 # (file, name, the lab whose exercise writes it), in launch/capstone.py's order
 PIECES = (
@@ -138,7 +140,7 @@ class RowParallelLinear(MirrorRowParallelLinear):
 '''
 
 
-def write_broken_row_parallel(folder) -> pathlib.Path:
+def write_broken_row_parallel(folder=BROKEN_DIR) -> pathlib.Path:
     """A package of one piece, broken: ``<folder>/layers.py`` whose ``RowParallelLinear``
     forgets g's all-reduce in its forward (the input is already split: the capstone's layer
     spec passes ``input_is_parallel=True``). Returns the file written."""
