@@ -32,6 +32,11 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
     (lambda a: pipeline_parallel_exercises.check_peak_in_flight(a, "1f1b", 4, 8), 4, 8),
     (lambda a: pipeline_parallel_exercises.check_peak_in_flight(a, "gpipe", 4, 8), 8, 4),
     (lambda a: pipeline_parallel_exercises.check_peak_in_flight(a, "1f1b", 4, 8, stage=3), 1, 4),
+    # lab 11's: m = 4 < p - r = 5 caps it; interleaved: warm-up 2(p-1) + (v-1)p = 22, then the
+    # steady state's first forward (Megatron-core's get_pp_rank_microbatches)
+    (lambda a: pipeline_parallel_exercises.check_peak_in_flight(a, "1f1b", 8, 4, stage=3), 4, 5),
+    (lambda a: pipeline_parallel_exercises.check_peak_in_flight(a, "interleaved", 8, 32, 0, v=2),
+     23, 22),
     # Megatron-core's _VocabParallelCrossEntropy.backward issues no collective
     (lambda a: parallel_transformer_exercises.check_ce_backward_collectives(a), 0, 3),
 ])

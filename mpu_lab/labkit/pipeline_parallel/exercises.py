@@ -46,11 +46,12 @@ def check_peak_in_flight(answer: Any, schedule: str, p: int, m: int, stage: int 
     if unanswered(answer, "a number of micro-batches"):
         return Verdict(False)
     expected = simulate(schedule, p, m, v).peak_in_flight[stage]
+    held = "micro-batches' activations" if v == 1 else f"chunk forwards' activations (1/{v} stage each)"
     return verdict(as_int(answer) == expected,
-                    f"stage {stage} holds at most {expected} micro-batches' activations under "
-                    f"{schedule} with p = {p}, m = {m}.",
-                    f"{answer!r} is not it. Hint: count the forwards a stage runs before its "
-                    f"first backward; GPipe runs all m first, 1F1B only enough to fill the pipeline.")
+                    f"stage {stage} holds at most {expected} {held} under {schedule} with "
+                    f"p = {p}, m = {m}{'' if v == 1 else f', v = {v}'}.",
+                    f"{answer!r} is not it. Hint: count the forwards a stage has run when its "
+                    f"first backward starts, and whether there are that many micro-batches.")
 
 
 

@@ -30,6 +30,10 @@ def test_bounds_by_hand(capsys):
     assert "not a pair" in capsys.readouterr().out
     assert not scaling.check_bounds(None, tp, DGX_H100)
     assert "No answer yet" in capsys.readouterr().out
+    # lab 16's question, h = 2048, t = 8: 9·2048/(7·2) = 1,317 FLOPs per byte, below both ridges
+    small = be.tensor_parallel(2048, 4096, 8)
+    assert scaling.check_bounds(("communication", "communication"), small, DGX_H100)
+    assert not scaling.check_bounds(("compute", "communication"), small, DGX_H100)  # GPT-3's row
 
 
 def test_critical_hidden_size_by_hand(capsys):
