@@ -107,7 +107,7 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0,
     signalled from here, sorted (not those ``proc`` stopped itself); ``proc`` is reaped."""
     me = os.getpid()
     roots = processes([proc.pid]) if proc.returncode is None else []   # not yet reaped
-    family = [p for root in roots for p in tree(root.pid)] if roots else []
+    family = [p for root in roots for p in tree(root.pid)]   # the roots among them
     stopped = {p.pid: p for p in roots if is_alive(p)}
     # The child first, alone: a torchrun agent passes one SIGTERM to each worker and waits
     # for them. A second SIGTERM from here, landing while a worker writes its stack dump,
@@ -115,7 +115,7 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0,
     _send(stopped.values(), signal.SIGTERM)
     wait_gone(list(stopped.values()), grace_s, child=proc)
     for _ in range(MAX_ROUNDS):
-        found = roots + family + (also() if also is not None else [])
+        found = family + (also() if also is not None else [])
         for p in roots + list(stopped.values()):   # what was stopped may have started more
             with contextlib.suppress(psutil.Error):
                 if p.is_running():                   # (false once its PID is reused)

@@ -8,16 +8,9 @@ window 1000: an overflow resets the growth count and spends one unit of hysteres
 halves when none is left), and the uninterrupted run's loss scales."""
 from mpu_lab import training
 from mpu_lab.training import checkpointing, faults
+from tiny_gpt import tiny_state
 
-TINY = ["--num-layers", 1, "--hidden-size", 16, "--num-attention-heads", 2, "--seq-length", 8,
-        "--micro-batch-size", 2, "--global-batch-size", 4, "--vocab-size", 32,
-        "--make-vocab-size-divisible-by", 16, "--log-interval", 1, "--quiet"]
 FRESH = {"scale": 2.0 ** 16, "growth_tracker": 0, "hysteresis_tracker": 2}
-
-
-def tiny_state(*extra):
-    args = training.validate_args(training.parse_args([str(a) for a in TINY + list(extra)]), 1)
-    return training.setup(args, log=lambda s: None)
 
 
 def overflow_at(*iterations):

@@ -14,16 +14,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from mpu_lab import training
 from mpu_lab.training import checkpointing
+from tiny_gpt import tiny_state
 
-TINY = ["--num-layers", 1, "--hidden-size", 16, "--num-attention-heads", 2, "--seq-length", 8,
-        "--micro-batch-size", 2, "--global-batch-size", 4, "--vocab-size", 32,
-        "--make-vocab-size-divisible-by", 16, "--train-iters", 3, "--log-interval", 1,
-        "--quiet"]
-
-
-def tiny_state(*extra):
-    args = training.validate_args(training.parse_args([str(a) for a in TINY + list(extra)]), 1)
-    return training.setup(args, log=lambda s: None)
 
 
 class Recorder(training.Callback):
