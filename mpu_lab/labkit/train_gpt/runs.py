@@ -8,8 +8,9 @@ losses, and the lecture's ``GPT_ARGS`` launch line.
   (:class:`mpu_lab.labkit.train_gpt.viz.LiveLossPlot`, redrawn from the ``--metrics-file`` as rank 0
   logs each iteration); returns a :class:`TrainRun` with the loss of every iteration;
 * :func:`from_job` — the same from a job started with ``launcher.run("train_gpt.py", ...)``;
-* :func:`max_relative_difference`, :func:`print_agreement`, :func:`print_losses` — compare
-  runs that should coincide (TP = 1, 2, 4; a run resumed from a resharded checkpoint);
+* :func:`max_relative_difference`, :func:`print_agreement`, :func:`first_iteration_apart`,
+  :func:`print_losses` — compare runs that should coincide (TP = 1, 2, 4; a run resumed from a
+  resharded checkpoint; EP = 1 and 2 until a rounding-level difference re-routes a token);
 * :func:`throughput`, :func:`print_throughput` — tokens/s, achieved model FLOP/s and MFU of a
   run (the model FLOPs from :mod:`mpu_lab.perf.cost_model`, the peak from
   :mod:`mpu_lab.perf.hardware`); :func:`precision_flags`, :func:`agreement_rtol` — a run's
@@ -265,29 +266,45 @@ def from_job(job: "launcher.LaunchResult", label: str, flags: Sequence = ()) -> 
 
 
 # --------------------------------------------------------------------------- comparing
-def max_relative_difference(run: TrainRun, reference: TrainRun) -> float:
-    """Largest ``|loss - reference loss| / |reference loss|`` over the iterations both logged."""
+def _common(run: TrainRun, reference: TrainRun, last: Optional[int] = None):
+    """(iteration, loss, reference loss) for the iterations both logged, up to ``last``."""
     ref = dict(zip(reference.iterations, reference.losses))
-    common = [(v, ref[i]) for i, v in zip(run.iterations, run.losses) if i in ref]
+    common = [(i, v, ref[i]) for i, v in zip(run.iterations, run.losses)
+              if i in ref and (last is None or i <= last)]
     if not common:
-        raise ValueError(f"{run.label} and {reference.label} logged no iteration in common")
-    return max(abs(v - r) / abs(r) for v, r in common)
+        raise ValueError(f"{run.label} and {reference.label} logged no iteration in common"
+                         + ("" if last is None else f" up to iteration {last}"))
+    return common
+
+
+def max_relative_difference(run: TrainRun, reference: TrainRun,
+                            last: Optional[int] = None) -> float:
+    """Largest ``|loss - reference loss| / |reference loss|`` over the iterations both logged
+    (up to iteration ``last``, where given)."""
+    return max(abs(v - r) / abs(r) for _, v, r in _common(run, reference, last))
+
+
+def first_iteration_apart(run: TrainRun, reference: TrainRun, rtol: float) -> Optional[int]:
+    """The first common iteration whose losses differ by more than ``rtol`` relative, or None."""
+    return next((i for i, v, r in _common(run, reference) if abs(v - r) > rtol * abs(r)), None)
 
 
 def _padded_vocab(run: TrainRun) -> Optional[int]:
     return model_shape(run.flags, run.nproc).V if run.flags else None
 
 
-def print_agreement(runs: Sequence[TrainRun], reference: TrainRun, rtol: float = 1e-5) -> bool:
+def print_agreement(runs: Sequence[TrainRun], reference: TrainRun, rtol: float = 1e-5,
+                    last: Optional[int] = None) -> bool:
     """One verdict line per run: does it follow ``reference`` within ``rtol`` relative on
-    every common iteration? (The value itself is in the plot; it depends on the machine.)
+    every common iteration (up to iteration ``last``, where given)? (The value itself is in
+    the plot; it depends on the machine.)
     A run whose vocabulary is padded to another size (a multiple of 128 x its TP) is another
     model: it is named as such, not compared."""
     ok_all = True
     ref = set(reference.iterations)
     ref_rows = _padded_vocab(reference)
     for run in runs:
-        common = [i for i in run.iterations if i in ref]
+        common = [i for i in run.iterations if i in ref and (last is None or i <= last)]
         rows = _padded_vocab(run)
         if rows != ref_rows:
             print(f"{run.label} vs {reference.label}: not compared: the vocabulary is padded to "
@@ -295,7 +312,7 @@ def print_agreement(runs: Sequence[TrainRun], reference: TrainRun, rtol: float =
                   f"their own random draws, every weight after them differs, and the softmax "
                   f"has more dummy ids)")
             continue
-        ok = max_relative_difference(run, reference) <= rtol
+        ok = max_relative_difference(run, reference, last) <= rtol
         ok_all &= ok
         print(fit(f"{run.label} vs {reference.label}: iterations {common[0]}-{common[-1]}, max "
                   f"relative difference <= {rtol:g}: {'the same losses' if ok else 'DIFFERENT'}"))

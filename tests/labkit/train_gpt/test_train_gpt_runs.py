@@ -87,6 +87,23 @@ def test_comparisons_use_common_iterations_and_print_rounded_losses(capsys):
         gpt_runs.max_relative_difference(run_of("x", [9], [1.0]), ref)
 
 
+def test_a_comparison_up_to_an_iteration_and_the_first_iteration_apart(capsys):
+    # EP = 2 against EP = 1 (lab 13): equal until a re-routed token parts them at iteration 3
+    ref = run_of("EP=1", [1, 2, 3, 4], [4.0, 2.0, 1.0, 1.0])
+    parted = run_of("EP=2", [1, 2, 3, 4], [4.0, 2.000004, 1.001, 1.0])
+    assert gpt_runs.max_relative_difference(parted, ref, last=2) == pytest.approx(2e-6)
+    assert gpt_runs.max_relative_difference(parted, ref) == pytest.approx(1e-3)
+    assert gpt_runs.first_iteration_apart(parted, ref, rtol=1e-5) == 3
+    assert gpt_runs.first_iteration_apart(parted, ref, rtol=1e-2) is None
+    assert gpt_runs.print_agreement([parted], ref, last=2)
+    assert not gpt_runs.print_agreement([parted], ref)
+    out = capsys.readouterr().out.splitlines()
+    assert "iterations 1-2," in out[0] and out[0].endswith("the same losses")
+    assert "iterations 1-4," in out[1] and out[1].endswith("DIFFERENT")
+    with pytest.raises(ValueError, match="no iteration in common up to iteration 0"):
+        gpt_runs.max_relative_difference(parted, ref, last=0)
+
+
 def test_a_bad_launch_line_fails_before_any_process_starts():
     with pytest.raises(ValueError, match="--num-attention-heads 4 is not divisible"):
         gpt_runs.train(gpt_runs.gpt_flags(2, tensor_model_parallel_size=8), nproc=8)
