@@ -320,7 +320,9 @@ def test_rank_killed_mid_save_leaves_an_incomplete_checkpoint_that_is_refused(gp
     err, crash = gpt_runs["crash"], gpt_runs["root"] / "crash"
     assert isinstance(err, LaunchError)
     assert err.rank == 1 and "rank 1 exited with code 3 without a Python exception" in str(err)
-    assert "in save_checkpoint" in str(err)
+    # rank 0 is in the save too: raised in save_checkpoint when gloo noticed first, or, under
+    # load, stopped by torchrun while still writing its own file (the writer's write_data)
+    assert re.search(r"in (save_checkpoint|write_data)\b", str(err)), str(err)
     assert gpt_runs["crash_leftovers"] == []
     cut = crash / "iter_0000004"
     assert cut.is_dir() and not (cut / ".metadata").exists()
