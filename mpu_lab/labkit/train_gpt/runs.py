@@ -301,10 +301,8 @@ def print_agreement(runs: Sequence[TrainRun], reference: TrainRun, rtol: float =
     A run whose vocabulary is padded to another size (a multiple of 128 x its TP) is another
     model: it is named as such, not compared."""
     ok_all = True
-    ref = set(reference.iterations)
     ref_rows = _padded_vocab(reference)
     for run in runs:
-        common = [i for i in run.iterations if i in ref and (last is None or i <= last)]
         rows = _padded_vocab(run)
         if rows != ref_rows:
             print(f"{run.label} vs {reference.label}: not compared: the vocabulary is padded to "
@@ -312,6 +310,7 @@ def print_agreement(runs: Sequence[TrainRun], reference: TrainRun, rtol: float =
                   f"their own random draws, every weight after them differs, and the softmax "
                   f"has more dummy ids)")
             continue
+        common = [i for i, _, _ in _common(run, reference, last)]
         ok = max_relative_difference(run, reference, last) <= rtol
         ok_all &= ok
         print(fit(f"{run.label} vs {reference.label}: iterations {common[0]}-{common[-1]}, max "
