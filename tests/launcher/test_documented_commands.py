@@ -147,12 +147,12 @@ TOY: Dict[str, Toy] = {
     "parallel_linear.py:1": Toy(AS_WRITTEN),
     "pipeline_bubble.py:1": Toy("1 timed iteration per micro-batch count",
                                 ("--iterations", "1")),
-    "rank_groups.py:1": Toy("as written: its --pp defaults to 2, so 8 ranks give the data-"
-                            "parallel groups of the example"),
+    "rank_groups.py:1": Toy("TP 2 x PP 2 on " + FOUR_RANKS + "; lab 01 prints the 8-rank "
+                            "groups of the example (DP 2)", nproc=4),
     "rank_groups.py:2": Toy("not run; its flags pass the pre-check for its 8 ranks",
-                            skip="rank_groups.py:1 runs the script on the same 8 ranks; the "
-                                 "expert groups of --ep are the 8-rank job's "
-                                 "(tests/test_parallel_state_mp.py) and lab 13's"),
+                            skip="rank_groups.py:1 runs the script; the expert groups of --ep "
+                                 "are the 8-rank job's (tests/test_parallel_state_mp.py) and "
+                                 "lab 13's"),
     "train_gpt.py:1": Toy("2 of its 300 iterations (its --metrics-file and --save must be "
                           "written), TP 2 x DP 1 on 2 of its 4 ranks (pre-checked for 4)",
                           TRAIN_2, nproc=2),
