@@ -37,10 +37,10 @@ def test_tp_shards_are_slices_of_the_tp1_master_weights(reports):
 
 
 @pytest.mark.parametrize("config", ["tp1", "tp2", "tp2_sp", "tp4", "tp4_sp"])
-def test_losses_match_the_dense_twin_for_20_iterations(reports, config):
+def test_losses_match_the_dense_twin_for_12_iterations(reports, config):
     for r in reports:
         losses = r["losses"][config]
-        assert len(losses) == 20
+        assert len(losses) == 12
         assert rel_diff(losses, r["dense_losses"]) <= RTOL
         assert rel_diff(losses, r["losses"]["tp1"]) <= RTOL
     assert reports[0]["losses"][config][-1] < reports[0]["losses"][config][0] - 0.3   # it learns
@@ -127,7 +127,7 @@ def test_shape_table_read_off_live_tensors_matches_the_lecture(reports, tp):
 @pytest.mark.parametrize("tp", ["tp4", "tp1", "tp2"])
 def test_checkpoint_saved_at_tp2_loads_at_other_sizes_and_training_continues(reports, tp):
     for r in reports:
-        assert r["loaded_iteration"][tp] == 10
+        assert r["loaded_iteration"][tp] == 6
         assert r["loaded_identical"][tp] is True                 # bit-identical parameters
         assert rel_diff(r["resumed"][tp], r["resume_reference"]) <= RTOL
 

@@ -23,7 +23,7 @@ from mpu_lab.perf.comm_counts import count_collectives, per_layer_counts
 BASE = ["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 32,
         "--micro-batch-size", 2, "--global-batch-size", 8, "--vocab-size", 256,
         "--make-vocab-size-divisible-by", 64, "--lr", 3e-3, "--min-lr", 3e-4,
-        "--lr-warmup-iters", 2, "--train-iters", 20, "--log-interval", 1, "--quiet"]
+        "--lr-warmup-iters", 2, "--train-iters", 12, "--log-interval", 1, "--quiet"]
 # (TP, sequence parallel, micro batch size): the global batch is 8 everywhere; at 4 ranks
 # DP = 4 / TP. TP=2 without SP accumulates 2 micro-batches per step, the dense twin 4; the
 # others take one micro-batch per step (collectives are what costs time on 2 shared cores).
@@ -86,17 +86,17 @@ def collective_counts(out):
 
 
 def resharding(out, ckpt_dir):
-    # Uninterrupted TP=2 run: 10 iterations, save, 4 more.
-    args = args_for(2, True, "--train-iters", 14)
+    # Uninterrupted TP=2 run: 6 iterations, save, 3 more.
+    args = args_for(2, True, "--train-iters", 9)
     state = training.setup(args, log=lambda s: None)
-    training.train(state, train_iters=10, log=lambda s: None)
+    training.train(state, train_iters=6, log=lambda s: None)
     saved = checkpointing.gather_model_state_dict(state.model)
     path = checkpointing.save_checkpoint(ckpt_dir, state)
     out["saved_path"] = str(path)
     out["saved_digest"] = digest(saved)
     out["resume_reference"] = [m["lm_loss"] for m in training.train(state, log=lambda s: None)]
     for tp, sp in [(4, False), (1, False), (2, False)]:
-        args = args_for(tp, sp, "--train-iters", 14, "--load", ckpt_dir)
+        args = args_for(tp, sp, "--train-iters", 9, "--load", ckpt_dir)
         state = training.setup(args, log=lambda s: None)
         loaded = checkpointing.gather_model_state_dict(state.model)
         key = f"tp{tp}"

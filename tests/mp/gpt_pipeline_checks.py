@@ -4,7 +4,7 @@ checkpoints resharded across pipeline sizes, in one 8-rank job.
     torchrun --standalone --nproc-per-node 8 tests/mp/gpt_pipeline_checks.py CHECKPOINT_DIR METRICS
 
 Every configuration re-initialises the groups in the same processes (one launch instead of
-many): PP=4 x DP=2 and TP=2 x PP=2 x DP=2 with GPipe, 1F1B and interleaved (v=2), 10 iterations
+many): PP=4 x DP=2 and TP=2 x PP=2 x DP=2 with GPipe, 1F1B and interleaved (v=2), 6 iterations
 each at the same global batch, against the TP=1/PP=1 reference — the one-process twin
 (PlainGPT) trained by rank 0 on the weights GPTModel gets at TP=1/PP=1 (the DP and TP runs of
 tests/models/test_gpt_mp.py equal that twin; one process is much cheaper here than 8 ranks of DDP on
@@ -25,7 +25,7 @@ from mpu_lab.core.models.gpt import build_model_chunks
 from mpu_lab.perf.pipeline_timeline import ScheduleRecorder
 from mpu_lab.core.tensor_parallel import model_parallel_manual_seed
 
-ITERS = 10
+ITERS = 6
 BASE = ["--num-layers", 8, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
         "--micro-batch-size", 2, "--global-batch-size", 16, "--vocab-size", 128,
         "--make-vocab-size-divisible-by", 32, "--lr", 3e-3, "--min-lr", 3e-4,
@@ -40,7 +40,7 @@ CONFIGS = {
     "tp2pp2_interleaved": (2, 2, ["--pipeline-schedule", "interleaved",
                                   "--num-layers-per-virtual-pipeline-stage", 2]),
 }
-SAVE_AT = 5
+SAVE_AT = 3
 
 
 def args_for(tp, pp, extra=(), *more):

@@ -23,7 +23,7 @@ from mpu_lab import launcher, training
 from mpu_lab.perf import breakdown
 
 BASE = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
-        "--vocab-size", 128, "--make-vocab-size-divisible-by", 32, "--train-iters", 5,
+        "--vocab-size", 128, "--make-vocab-size-divisible-by", 32, "--train-iters", 3,
         "--log-interval", 1, "--quiet"]
 CONFIGS = {
     "tp2_pp2": ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,

@@ -100,7 +100,7 @@ def test_breakdown_has_the_collectives_of_its_layout(job, name):
 def test_breakdown_parts_are_non_negative_and_match_the_trainers_own_step_time(job, name):
     for rank, report in enumerate(job[0]):
         b, metrics = report[name]["breakdown"], report[name]["metrics"]
-        assert b["steps"] == len(metrics) - 1 == 4          # the first step is not timed
+        assert b["steps"] == len(metrics) - 1 == 2          # the first step is not timed
         assert all(v >= 0 for v in b["parts"].values()), b["parts"]
         assert sum(b["parts"].values()) == pytest.approx(b["step_s"], rel=1e-9)
         # train() clocks each logged iteration itself (log interval 1): same steps, other clock
