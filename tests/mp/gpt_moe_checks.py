@@ -20,7 +20,7 @@ from mpu_lab.training import checkpointing, initialize
 from mpu_lab import launcher, training
 from mpu_lab.core import parallel_state
 
-ITERS = 6
+ITERS = 5            # the fewest where test_losses_learn holds (iteration 4 is not yet 0.05 down)
 BASE = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
         "--global-batch-size", 8, "--vocab-size", 256, "--make-vocab-size-divisible-by", 64,
         "--lr", 3e-3, "--min-lr", 3e-4, "--lr-warmup-iters", 2, "--train-iters", ITERS,
@@ -96,9 +96,9 @@ RESUMES = ("ep4", "ep1", "tp2_sp_ep2", "ep2_pp2_distopt")
 
 def resume_at_other_ep(out, ckpt_dir):
     """EP=2 with the distributed optimizer (expert Adam states sharded over expert-DP = 2):
-    3 iterations, save, 3 more (the reference); then each of RESUMES from the checkpoint for
-    the same 3 (weights, Adam moments and the schedule read back, the experts under their
-    global numbers)."""
+    3 iterations, save, 2 more (the reference); then each of RESUMES from the checkpoint for
+    the same 2 (weights, Adam moments and the schedule read back, the experts under their
+    global numbers: the second step's loss depends on the restored moments)."""
     args = args_for(CONFIGS["ep2_distopt"][1])
     state = training.setup(args, log=lambda s: None)
     training.train(state, train_iters=3, log=lambda s: None)

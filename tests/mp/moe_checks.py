@@ -60,7 +60,9 @@ def make_config(tp, dispatcher, routing, capacity):
 
 def reference(config, world, tp, seed):
     """Inputs and output gradients of every rank ``[world, s/t, b, h]``, and the reference's
-    outputs, kept pairs and gradients (fp64)."""
+    outputs, kept pairs and gradients (fp64). It depends on tp (the sequence split) and on the
+    routing and capacity, not on the dispatcher, ep or etp: run_case computes it once per
+    (tp, routing, capacity) and reuses it for the cases that differ only in those."""
     gen = torch.Generator().manual_seed(seed + 1)
     xs = torch.randn(world, SEQ // tp, BATCH, HIDDEN, generator=gen)
     douts = torch.randn(world, SEQ // tp, BATCH, HIDDEN, generator=gen)
@@ -83,9 +85,14 @@ def err(got, want):
     return (got.double() - want).abs().max().item() if want.numel() else 0.0
 
 
-def run_case(config, world, tp):
+_REFERENCES = {}     # (tp, routing, capacity) -> reference(...), shared by dispatchers, ep, etp
+
+
+def run_case(config, world, tp, routing, capacity):
     rank = dist.get_rank()
-    ref = reference(config, world, tp, SEED)
+    if (tp, routing, capacity) not in _REFERENCES:
+        _REFERENCES[tp, routing, capacity] = reference(config, world, tp, SEED)
+    ref = _REFERENCES[tp, routing, capacity]
     torch.manual_seed(SEED)
     layer = MoELayer(config)
     layer.train()
@@ -133,7 +140,7 @@ def main():
                     config = make_config(tp, dispatcher, routing, factor)
                     key = f"{name}/{dispatcher}/{routing}/{capacity}"
                     try:
-                        report["cases"][key] = run_case(config, world, tp)
+                        report["cases"][key] = run_case(config, world, tp, routing, capacity)
                     except Exception as exc:    # a rank stops at once, naming the case
                         raise RuntimeError(f"case {key} failed on rank {dist.get_rank()}") from exc
     launcher.report(report)

@@ -3,18 +3,21 @@ and against the one-process GPT, in one 4-rank job (gloo).
 
     torchrun --standalone --nproc-per-node 4 tests/mp/zero_bubble_checks.py FOLDER
 
-Every rank first computes the reference: the TP=1/PP=1 GPTModel from the same seed, the mean
-loss over the 8 micro-batches of one global batch and every gradient. Then, re-initialising the
+Each layout's global batch is m = 2p micro-batches per data-parallel replica (the fewest every
+schedule accepts): 8 at PP=2 x DP=2 and at PP=4, the first 4 of those at TP=2 x PP=2. Every rank
+first computes the references: the TP=1/PP=1 GPTModel from the same seed, the mean loss over
+the 8 and over the first 4 micro-batches, and every gradient. Then, re-initialising the
 groups in the same processes, each of PP=2 x DP=2, PP=4, TP=2 x PP=2 and TP=2 x PP=2 with
-sequence parallelism runs 1F1B, ZBH1, ZBVZeroBubble and DualPipeV over the same global batch
-(8 micro-batches, split over the data-parallel replicas) and reports, per schedule, the loss on
+sequence parallelism runs 1F1B, ZBH1, ZBVZeroBubble and DualPipeV over its global batch
+(split over the data-parallel replicas) and reports, per schedule, the loss on
 the rank holding the last stage (training and forward-only), the largest relative difference of
 each gradient it holds from the reference (the reference's slice under TP) and from 1F1B's run,
 the actions each rank ran (through the schedules' ``action_callback``) and, at the first W,
 whether the linear layers' weight gradients were still waiting. Then GPT training through the
-training loop (``training.setup`` / ``train``, PP=2 x DP=2, 4 iterations) with
+training loop (``training.setup`` / ``train``, PP=2 x DP=2, 3 iterations) with
 ``--pipeline-schedule`` 1f1b, zbh1, ZBVZeroBubble and dualpipev, each writing
-``--timeline-file`` into FOLDER, and a ZBV run saved after 2 iterations and resumed under 1F1B.
+``--timeline-file`` into FOLDER, and a ZBV run saved after 1 iteration and resumed under 1F1B
+for 2 (the third's loss depends on the Adam moments read back).
 tests/pipeline_parallel/test_zero_bubble_mp.py asserts.
 """
 import pathlib
@@ -38,16 +41,23 @@ from mpu_lab.training.pipeline_timeline_file import PipelineTimelineFile
 from mpu_lab.training.pipeline_v_chunks import build_v_model_chunks
 
 CONFIG = dict(num_layers=8, hidden_size=32, num_attention_heads=4)
-VOCAB, SEQ, MBS, MICROBATCHES, SEED = 128, 16, 1, 8, 1234
+VOCAB, SEQ, MBS, SEED = 128, 16, 1, 1234
 SCHEDULES = ("1F1B", "ZBH1", "ZBVZeroBubble", "DualPipeV")
 # (TP, PP, sequence parallel); DP = 4 / (TP x PP)
 LAYOUTS = [(1, 2, False), (1, 4, False), (2, 2, False), (2, 2, True)]
 
 
-def batches():
+def microbatches(tp, pp):
+    """The layout's global batch: m = 2p micro-batches for each of the DP = 4 / (TP x PP)
+    replicas."""
+    return 2 * pp * (4 // (tp * pp))
+
+
+def batches(n):
+    """The first ``n`` micro-batches of one fixed stream."""
     g = torch.Generator().manual_seed(7)
     out = []
-    for _ in range(MICROBATCHES):
+    for _ in range(n):
         ids = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
         out.append({"tokens": ids[:, :-1].to(initialize.get_device()),
                     "position_ids": torch.arange(SEQ, device=initialize.get_device()),
@@ -83,12 +93,13 @@ def global_grads(chunk, layers):
     return out
 
 
-def reference():
+def reference(n):
+    """The one-process model's mean loss over the first ``n`` micro-batches and its gradients."""
     ps.initialize_model_parallel()
     torch.manual_seed(SEED)
     model = GPTModel(TransformerConfig(**CONFIG), VOCAB, SEQ).to(initialize.get_device())
     losses = [model(b["tokens"], b["position_ids"], labels=b["labels"]).float().mean()
-              for b in batches()]
+              for b in batches(n)]
     loss = sum(losses) / len(losses)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -124,8 +135,8 @@ def run(schedule, tp, pp, sp, dense_loss, dense_grads):
                   for c in build_model_chunks(config, VOCAB, SEQ)]
         sync_embedding_weights(chunks)
         layers = [stage_layers(CONFIG["num_layers"], pp, r)]
-    m = MICROBATCHES // dp
-    mine = batches()[dp_rank * m:(dp_rank + 1) * m]
+    m = microbatches(tp, pp) // dp
+    mine = batches(microbatches(tp, pp))[dp_rank * m:(dp_rank + 1) * m]
     ran, first_w = [], []
 
     def seen(*action):      # the action; at the first W, whether its chunk's GEMMs still wait
@@ -174,9 +185,10 @@ def run(schedule, tp, pp, sp, dense_loss, dense_grads):
 
 
 def checks():
-    dense_loss, dense_grads = reference()
+    references = {n: reference(n) for n in sorted({microbatches(tp, pp) for tp, pp, _ in LAYOUTS})}
     report = {"rank": torch.distributed.get_rank(), "runs": []}
     for tp, pp, sp in LAYOUTS:
+        dense_loss, dense_grads = references[microbatches(tp, pp)]
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         baseline = None
         for schedule in SCHEDULES:
@@ -193,7 +205,7 @@ def checks():
 
 TRAIN = ["--num-layers", 8, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
          "--micro-batch-size", 1, "--global-batch-size", 8, "--vocab-size", 128,
-         "--make-vocab-size-divisible-by", 32, "--lr", 3e-3, "--min-lr", 3e-4, "--train-iters", 4,
+         "--make-vocab-size-divisible-by", 32, "--lr", 3e-3, "--min-lr", 3e-4, "--train-iters", 3,
          "--log-interval", 1, "--quiet", "--pipeline-model-parallel-size", 2]
 
 
@@ -215,7 +227,7 @@ def training_runs(folder):
                            "--timeline-file", folder / given / "timeline.json")
     ckpt = folder / "ckpt"
     out["zbv_saved"] = train("--pipeline-schedule", "zbvzerobubble", "--save", ckpt,
-                             train_iters=2)
+                             train_iters=1)
     out["resumed_1f1b"] = train("--pipeline-schedule", "1F1B", "--load", ckpt)
     return out
 
