@@ -127,9 +127,9 @@ TOY: Dict[str, Toy] = {
     "megatron_core_ddp.py:1": Toy("as written, every mode's values checked against mpu_lab's "
                                   "and a one-process AdamW (where megatron-core is installed)",
                                   run_by="tests/megatron_reference/test_megatron_ddp.py"),
-    "megatron_core_moe.py:1": Toy("its cases on its 4 ranks and one case more, every output "
-                                  "checked against Megatron-core's MoE layer (where "
-                                  "megatron-core is installed)",
+    "megatron_core_moe.py:1": Toy("its cases on its 4 ranks and the eight others that run "
+                                  "there, every output checked against Megatron-core's MoE "
+                                  "layer (where megatron-core is installed)",
                                   run_by="tests/megatron_reference/test_megatron_moe.py"),
     "megatron_core_schedules.py:1": Toy("its cases on its 2 ranks and one case more, every "
                                         "stage's gradients checked against Megatron-core's "

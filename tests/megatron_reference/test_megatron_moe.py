@@ -43,18 +43,29 @@ def test_without_megatron_core_the_run_is_skipped_with_the_install_hint(monkeypa
 @pytest.mark.slow
 def test_moe_layer_equals_megatron_cores_on_four_cpu_ranks():
     """The command megatron_core_moe.py's docstring shows (tests/documented.py): its cases on
-    its 4 ranks, and one case more (TP x EP)."""
+    its 4 ranks, and in the same job every other case that runs there, ten in all:
+    tp x ep x etp = 1x2x1, 1x4x1 and 2x2x2, both dispatchers (all-gather only at etp 2, where
+    gloo refuses Megatron-core's uneven list all-gather), top-1 and top-2. Megatron-core's
+    MoELayer loads mpu_lab's state dict with no key missing or left over and gives the same
+    output and gradients (fp32, the same ops: within 1e-6)."""
     script, flags, nproc = script_and_flags(COMMANDS["megatron_core_moe.py:1"])
     assert script == "megatron_core_moe.py" and flags[0] == "--cases" and nproc == 4
-    cases = flags[1:] + ["tp2-ep2/allgather/top2"]
+    every = [f"{layout}/{dispatcher}/top{k}" for layout, dispatchers in
+             (("ep2", ("alltoall", "allgather")), ("ep4", ("alltoall", "allgather")),
+              ("tp2-ep2-etp2", ("allgather",)))
+             for dispatcher in dispatchers for k in (1, 2)]
+    documented = [mcm.parse_case(c).name for c in flags[1:]]
+    assert len(every) == 10 and set(documented) <= {mcm.parse_case(c).name for c in every}
+    cases = flags[1:] + [c for c in every if mcm.parse_case(c).name not in documented]
     result = megatron_core.run_side_by_side(cases, nproc=nproc)
     assert result["version"] == mc.version()
     assert [r["rank"] for r in result["results"]] == [0, 1, 2, 3]
     for name in cases:
         w = megatron_core.worst(result, name)
-        assert w["same_names"], name
-        assert max(w[k] for k in ("out", "dx", "router", "experts")) < mcm.TOL, (name, w)
-        assert w["own_init_out"] > 1e-3, name          # not vacuous
+        assert w["same_names"], (name, w)
+        bad = {k: w[k] for k in ("out", "dx", "router", "experts") if not w[k] <= 1e-6}
+        assert not bad, (name, bad)
+        assert w["own_init_out"] > 1e-3, (name, w)     # not vacuous: the check can fail
     assert megatron_core.all_equal(result)
     table = megatron_core.format_results(result)
     assert table.startswith(f"megatron-core {mc.version()} vs mpu_lab, 4 CPU ranks")
