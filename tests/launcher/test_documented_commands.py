@@ -137,9 +137,12 @@ TOY: Dict[str, Toy] = {
                                         "megatron-core is installed)",
                                         run_by="tests/megatron_reference/"
                                                "test_megatron_schedules.py"),
-    "megatron_core_side_by_side.py:1": Toy("2 ranks (TP = the world size): importing "
-                                           "Megatron-core on 4 ranks is most of its 20 s",
-                                           nproc=2),
+    "megatron_core_side_by_side.py:1": Toy("on its 4 ranks with --tp 2 --sequence-parallel "
+                                           "after it, every layer's and mapping's values "
+                                           "checked against Megatron-core's (where "
+                                           "megatron-core is installed)",
+                                           run_by="tests/megatron_reference/"
+                                                  "test_megatron_layers.py"),
     "memory_breakdown.py:1": Toy("its configurations and optimizers on its 4 ranks (the "
                                  "model's flags spelled out, a global batch of 8), every term "
                                  "checked against counts worked by hand",

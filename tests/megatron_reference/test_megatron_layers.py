@@ -17,6 +17,7 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
+from documented import COMMANDS, script_and_flags
 from mpu_lab import launcher
 from mpu_lab.megatron_reference import runtime as mc, layers as megatron_layers
 from mpu_lab.labkit.rank_groups import megatron_core as rank_groups_megatron_core
@@ -60,9 +61,12 @@ def test_walkthrough_groups_read_the_same_in_both():
 @needs_megatron
 @pytest.mark.slow
 def test_layers_and_mappings_equal_megatron_core_on_four_ranks():
-    """One job: TP=2 on 4 ranks (dp=2), plain and sequence-parallel layers, all mappings."""
-    job = launcher.run("megatron_core_side_by_side.py",
-                       ["--what", "all", "--tp", "2", "--sequence-parallel"], nproc=4)
+    """One job: the command megatron_core_side_by_side.py's docstring shows (tests/documented.py,
+    ``--what all`` on its 4 ranks) with ``--tp 2 --sequence-parallel`` after it: TP=2 (dp=2),
+    plain and sequence-parallel layers, all mappings."""
+    script, flags, nproc = script_and_flags(COMMANDS["megatron_core_side_by_side.py:1"])
+    assert script == "megatron_core_side_by_side.py" and flags == ["--what", "all"] and nproc == 4
+    job = launcher.run(script, flags + ["--tp", "2", "--sequence-parallel"], nproc=nproc)
     results = job.results
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     assert [r["column"]["tp_rank"] for r in results] == [0, 1, 0, 1]
