@@ -6,8 +6,11 @@ apart by its place in the process tree.
 ``gone[pid] = time.time()`` when it ended (or became a zombie). Whether a PID is alive is judged
 by PID *and* start time, so a reused PID is not the same process.
 
-A torchrun **agent** is a child of this process running ``torch.distributed.run``; a **worker**
-is a direct child of an agent that runs the job's script. What else appears in the tree is
+A torchrun **agent** is a child of this process running ``torch.distributed.run``, or a child
+of this process's fork server (the launcher forks agents from there,
+:mod:`mpu_lab.launcher.agent`); a **worker** is a direct child of an agent that runs the job's
+script. The fork server and multiprocessing's resource tracker are this process's helpers, not a
+job's: they live as long as this process, and are left out of :meth:`ProcessWatch.still_alive`. What else appears in the tree is
 neither, but must still be gone at the end (:meth:`ProcessWatch.still_alive` covers every
 descendant). CUDA builds of torch start such processes: a fork of the agent or of a worker that
 keeps its parent's command line until it execs, ``/sbin/ldconfig -p`` probing libraries at
@@ -21,6 +24,7 @@ from typing import Dict, List, Tuple
 import psutil
 
 AGENT_MARK = "torch.distributed.run"
+HELPER_MARKS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 
 
 class ProcessWatch:
@@ -37,6 +41,9 @@ class ProcessWatch:
         # Processes this test process already had (a playground world a session fixture keeps
         # up for other tests of this pytest worker) and anything they start are not the job's.
         self._before = {c.pid for c in self._me.children(recursive=True)}
+        # The fork server and resource tracker (children of this process), there already or not.
+        self.helpers = {c.pid for c in self._me.children()
+                        if any(m in " ".join(c.cmdline()) for m in HELPER_MARKS)}
 
     def _poll(self):
         try:
@@ -47,7 +54,8 @@ class ProcessWatch:
             if c.pid in self._before:
                 continue
             try:
-                if c.pid not in self.parent and c.ppid() in self._before:
+                if (c.pid not in self.parent and c.ppid() in self._before
+                        and c.ppid() not in self.helpers):
                     self._before.add(c.pid)      # started by a process that was there already
                     continue
             except psutil.Error:
@@ -57,6 +65,8 @@ class ProcessWatch:
                 if cmd or c.pid not in self.seen:   # a zombie's command line is empty
                     self.seen[c.pid] = (c.create_time(), cmd)
                 self.parent.setdefault(c.pid, c.ppid())
+                if c.ppid() == self._me.pid and any(m in cmd for m in HELPER_MARKS):
+                    self.helpers.add(c.pid)
             except psutil.Error:
                 continue
         now = time.time()
@@ -87,10 +97,14 @@ class ProcessWatch:
         self._poll()
 
     def torchruns(self, marker: str = "") -> List[int]:
-        """PIDs of the torchrun agents (this process's children running torch.distributed.run;
-        the launcher starts torchrun directly) whose command line holds ``marker``."""
-        return [pid for pid, (_, cmd) in self.seen.items()
-                if self.parent.get(pid) == self._me.pid and AGENT_MARK in cmd and marker in cmd]
+        """PIDs of the torchrun agents (forked from this process's fork server, or this
+        process's children running torch.distributed.run) whose command line, or one of whose
+        workers' command lines, holds ``marker``."""
+        agents = [pid for pid, (_, cmd) in self.seen.items() if pid not in self.helpers and (
+            self.parent.get(pid) in self.helpers
+            or (self.parent.get(pid) == self._me.pid and AGENT_MARK in cmd))]
+        return [pid for pid in agents if marker in self.seen[pid][1] or any(
+            self.parent.get(w) == pid and marker in cmd for w, (_, cmd) in self.seen.items())]
 
     def workers(self, script) -> List[int]:
         """PIDs of the workers running ``script``: direct children of an agent whose command
@@ -120,4 +134,5 @@ class ProcessWatch:
 
     def still_alive(self, pids=None) -> List[int]:
         """Which of ``pids`` (default: every process seen) are still running."""
-        return [pid for pid in (self.seen if pids is None else pids) if self.alive(pid)]
+        return [pid for pid in (self.seen if pids is None else pids)
+                if self.alive(pid) and pid not in self.helpers]

@@ -1,7 +1,8 @@
 """Running a ``launch/`` script under ``torchrun`` from a notebook or a script (the lab's own;
 Megatron's jobs are started by hand or by Slurm): :func:`run` checks the flags first (each
 script's ``PRECHECK``, :mod:`mpu_lab.launcher.prechecks`), starts ``torchrun --standalone``
-with a free rendezvous port, ``OMP_NUM_THREADS`` and unbuffered output, streams or collates
+(its agent forked with torch loaded already, :mod:`mpu_lab.launcher.agent`) with a free
+rendezvous port, ``OMP_NUM_THREADS`` and unbuffered output, streams or collates
 every line by rank, applies a time limit, returns the ranks' reports as a
 :class:`LaunchResult`, and turns a failure into a :class:`LaunchError` naming the root-cause
 rank — with the whole process tree stopped and checked gone. :func:`run` reads as its steps:
@@ -24,6 +25,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from mpu_lab.launcher import agent
 from mpu_lab.launcher.diagnosis import (
     SECONDARY_FAILURE,
     diagnose,
@@ -209,9 +211,7 @@ def run_once(path: pathlib.Path, args: Sequence[str], nproc: int, timeout_s: flo
         child_env = job_environment(nproc, result_dir, env)
         command = torchrun_command(path, args, nproc, str(log_dir), python)
         start = time.monotonic()
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1, env=child_env, cwd=cwd,
-                                start_new_session=True)
+        proc = agent.start(command, child_env, cwd)
         lines, timed_out = follow_job(proc, timeout_s, start, show, on_line)
         elapsed = time.monotonic() - start
         if timed_out:
@@ -258,7 +258,7 @@ def job_environment(nproc: int, result_dir: pathlib.Path,
     return child_env
 
 
-def follow_job(proc: subprocess.Popen, timeout_s: float, start: float, show: str,
+def follow_job(proc: "subprocess.Popen | agent.AgentProcess", timeout_s: float, start: float, show: str,
                on_line: Optional[Callable[[Optional[int], str], None]]
                ) -> Tuple[List[Tuple[Optional[int], str]], bool]:
     """Read the job's output by rank until it ends or ``timeout_s`` (from ``start``) is up;

@@ -28,7 +28,7 @@ from mpu_lab import launcher
 from mpu_lab import training  # noqa: F401  (imported here: no timed call pays for it)
 from mpu_lab.training.checkpointing import CheckpointError
 from mpu_lab.launcher import LaunchError, run
-from mpu_lab.launcher import diagnosis, runner
+from mpu_lab.launcher import agent, diagnosis, runner
 from process_watch import ProcessWatch
 
 MP = pathlib.Path(__file__).resolve().parents[1] / "mp"
@@ -108,6 +108,7 @@ def no_process(monkeypatch):
         raise AssertionError(f"a process was started: {args[0] if args else kwargs}")
 
     monkeypatch.setattr(runner.subprocess, "Popen", popen)
+    monkeypatch.setattr(runner.agent, "start", popen)   # the forked torchrun agent
 
 
 @pytest.mark.parametrize("script,flags,nproc,needles",
@@ -262,6 +263,11 @@ def test_ten_launches_back_to_back_all_succeed():
             ports.append(job.results[0]["port"])
     elapsed = time.monotonic() - start
     assert len(watch.torchruns()) == LAUNCHES and watch.still_alive() == []
+    if agent.fork_server() is not None and agent.main_imports_safely():
+        # each agent forked from this process's one fork server (mpu_lab.launcher.agent),
+        # which stays; a torchrun started as a program would be this process's child
+        assert {watch.parent[p] for p in watch.torchruns()} <= watch.helpers
+        assert len(watch.helpers) >= 1
     print(f"\n[reliability] {LAUNCHES} launches back to back: {elapsed:.1f} s "
           f"({elapsed / LAUNCHES:.2f} s each), {len(set(ports))} distinct rendezvous ports")
 

@@ -214,6 +214,7 @@ def no_process(monkeypatch):
     def popen(*args, **kwargs):
         raise AssertionError(f"a process was started: {args[0] if args else kwargs}")
     monkeypatch.setattr(runner.subprocess, "Popen", popen)
+    monkeypatch.setattr(runner.agent, "start", popen)   # the forked torchrun agent
 
 
 BAD_SPECS = [

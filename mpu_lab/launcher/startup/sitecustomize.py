@@ -1,5 +1,5 @@
-"""What every process of a job that mpu_lab starts runs first: the launcher (for the torchrun
-agent and its ranks) and the playground (for its engines) put this folder first on the
+"""What every process of a job that mpu_lab starts runs first: the launcher (for the ranks, and
+for the torchrun agent where it runs as a program) and the playground (for its engines) put this folder first on the
 process's ``PYTHONPATH``, and Python imports the ``sitecustomize`` module it finds on its path
 at start-up (the ``site`` module's documented hook).
 
