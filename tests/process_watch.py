@@ -23,8 +23,9 @@ from typing import Dict, List, Tuple
 
 import psutil
 
+from mpu_lab.launcher import agent
+
 AGENT_MARK = "torch.distributed.run"
-HELPER_MARKS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 
 
 class ProcessWatch:
@@ -42,8 +43,7 @@ class ProcessWatch:
         # up for other tests of this pytest worker) and anything they start are not the job's.
         self._before = {c.pid for c in self._me.children(recursive=True)}
         # The fork server and resource tracker (children of this process), there already or not.
-        self.helpers = {c.pid for c in self._me.children()
-                        if any(m in " ".join(c.cmdline()) for m in HELPER_MARKS)}
+        self.helpers = set(agent.helpers())
 
     def _poll(self):
         try:
@@ -65,7 +65,7 @@ class ProcessWatch:
                 if cmd or c.pid not in self.seen:   # a zombie's command line is empty
                     self.seen[c.pid] = (c.create_time(), cmd)
                 self.parent.setdefault(c.pid, c.ppid())
-                if c.ppid() == self._me.pid and any(m in cmd for m in HELPER_MARKS):
+                if c.ppid() == self._me.pid and any(m in cmd for m in agent.HELPER_MARKS):
                     self.helpers.add(c.pid)
             except psutil.Error:
                 continue

@@ -21,6 +21,7 @@ another interpreter, :func:`start` runs ``command`` with ``subprocess.Popen``, a
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import subprocess
@@ -29,6 +30,8 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 from typing import Dict, List, Optional, Sequence
+
+import psutil
 
 # What a torchrun agent imports on its way to starting ranks, loaded once in the server.
 PRELOAD = [
@@ -39,6 +42,8 @@ PRELOAD = [
     "encodings.idna",          # the rendezvous's host name
 ]
 _AGENT_MODULE = ["-m", "torch.distributed.run"]
+# The command lines of the two processes multiprocessing keeps for this one (see helpers()).
+HELPER_MARKS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 _lock = threading.Lock()
 _context = None
 
@@ -75,6 +80,20 @@ def fork_server():
             _context = multiprocessing.get_context("forkserver")
             _context.set_forkserver_preload(PRELOAD)
     return _context
+
+
+def helpers(pid: Optional[int] = None) -> List[int]:
+    """PIDs of the fork server and multiprocessing's resource tracker among the children of
+    ``pid`` (default: this process): the launcher's own helpers, idle between jobs, which end
+    with that process. They are not a job's processes, so "what did my jobs leave behind" is
+    every other descendant."""
+    parent = psutil.Process(pid)
+    found = []
+    for child in parent.children():
+        with contextlib.suppress(psutil.Error):
+            if any(mark in " ".join(child.cmdline()) for mark in HELPER_MARKS):
+                found.append(child.pid)
+    return found
 
 
 def start(command: Sequence[str], env: Dict[str, str], cwd=None):
