@@ -12,7 +12,8 @@ the script already has; with argparse the last value of a flag wins) or how many
 instead, and why. A command not in :data:`TOY` fails :func:`test_every_command_has_a_row`:
 a new example gets a row, and a stale row is an error too. ``torchrun`` runs as ``python -m
 torch.distributed.run`` and ``python`` as this interpreter (the same programs, in the
-environment under test).
+environment under test); a torchrun line's agent is forked from the fork server, as the
+launcher starts every job's (``run_in``).
 """
 import argparse
 import importlib.util
@@ -23,6 +24,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -30,7 +32,7 @@ import pytest
 
 from documented import (COMMANDS, REPO, commands_in, launch_docstring, readme_code,
                         script_and_flags)
-from mpu_lab.launcher import LAUNCH_DIR, prechecks
+from mpu_lab.launcher import LAUNCH_DIR, agent, prechecks
 
 # flags whose value is a path the command writes (the folder must be created by the script)
 OUTPUT_FLAGS = ("--metrics-file", "--save", "--out", "--json", "--markdown", "--profile-dir",
@@ -208,17 +210,23 @@ def fresh_clone(folder: pathlib.Path) -> pathlib.Path:
 
 
 def run_in(argv: Sequence[str], env: Dict[str, str], cwd: pathlib.Path):
-    """Run ``argv`` in its own session; on timeout kill that whole session (torchrun and its
-    ranks), so nothing outlives the test."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    """Run ``argv`` in its own session, as ``launcher.run`` starts a job (a torchrun line:
+    torch's torchrun ``main`` with these arguments, forked from the fork server that has torch
+    loaded, :mod:`mpu_lab.launcher.agent`; a ``python`` line as a program); on timeout kill
+    that whole session (torchrun and its ranks), so nothing outlives the test."""
+    proc = agent.start(argv, env, cwd)
+    out: List[str] = []
+    reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
+    reader.start()
     try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
+        code = proc.wait(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(argv)} ran past {TIMEOUT_S} s:\n{out[-3000:]}")
-    return proc.returncode, out
+        proc.wait(timeout=30)
+        reader.join(timeout=30)
+        pytest.fail(f"{' '.join(argv)} ran past {TIMEOUT_S} s:\n{''.join(out)[-3000:]}")
+    reader.join()
+    return code, "".join(out)
 
 
 def test_every_command_has_a_row():
