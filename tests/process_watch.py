@@ -65,7 +65,7 @@ class ProcessWatch:
                 if cmd or c.pid not in self.seen:   # a zombie's command line is empty
                     self.seen[c.pid] = (c.create_time(), cmd)
                 self.parent.setdefault(c.pid, c.ppid())
-                if c.ppid() == self._me.pid and any(m in cmd for m in agent.HELPER_MARKS):
+                if c.ppid() == self._me.pid and agent.is_helper(cmd):
                     self.helpers.add(c.pid)
             except psutil.Error:
                 continue

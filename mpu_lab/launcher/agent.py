@@ -87,13 +87,17 @@ def helpers(pid: Optional[int] = None) -> List[int]:
     ``pid`` (default: this process): the launcher's own helpers, idle between jobs, which end
     with that process. They are not a job's processes, so "what did my jobs leave behind" is
     every other descendant."""
-    parent = psutil.Process(pid)
     found = []
-    for child in parent.children():
+    for child in psutil.Process(pid).children():
         with contextlib.suppress(psutil.Error):
-            if any(mark in " ".join(child.cmdline()) for mark in HELPER_MARKS):
+            if is_helper(" ".join(child.cmdline())):
                 found.append(child.pid)
     return found
+
+
+def is_helper(cmdline: str) -> bool:
+    """Whether a process with this command line is the fork server or the resource tracker."""
+    return any(mark in cmdline for mark in HELPER_MARKS)
 
 
 def start(command: Sequence[str], env: Dict[str, str], cwd=None):
@@ -101,8 +105,9 @@ def start(command: Sequence[str], env: Dict[str, str], cwd=None):
     stderr together, text, line by line) on ``.stdout``: forked from the fork server when
     ``command`` runs this interpreter, else as a ``subprocess.Popen``."""
     python, module, args = command[0], list(command[1:3]), list(command[3:])
-    context = fork_server() if main_imports_safely() else None
-    if context is None or python != sys.executable or module != _AGENT_MODULE:
+    forkable = python == sys.executable and module == _AGENT_MODULE and main_imports_safely()
+    context = fork_server() if forkable else None
+    if context is None:
         return subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1, env=env, cwd=cwd, start_new_session=True)
     reader, writer = context.Pipe(duplex=False)

@@ -258,8 +258,8 @@ def job_environment(nproc: int, result_dir: pathlib.Path,
     return child_env
 
 
-def follow_job(proc: "subprocess.Popen | agent.AgentProcess", timeout_s: float, start: float, show: str,
-               on_line: Optional[Callable[[Optional[int], str], None]]
+def follow_job(proc: "subprocess.Popen | agent.AgentProcess", timeout_s: float, start: float,
+               show: str, on_line: Optional[Callable[[Optional[int], str], None]]
                ) -> Tuple[List[Tuple[Optional[int], str]], bool]:
     """Read the job's output by rank until it ends or ``timeout_s`` (from ``start``) is up;
     return its ``(rank, text)`` lines and whether it timed out. However this ends (a time

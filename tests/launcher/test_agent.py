@@ -1,6 +1,7 @@
 """mpu_lab.launcher.agent: torchrun's agent forked from a server that imported it, checked
 against ``python -m torch.distributed.run`` started as a program (the second method), and the
 rule for when it is not used (a script run by its path, whose top level a fork would rerun)."""
+import os
 import subprocess
 import sys
 import types
@@ -22,7 +23,7 @@ def as_program(args):
 
 
 def forked(args):
-    proc = agent.start(TORCHRUN + args, env=dict(__import__("os").environ))
+    proc = agent.start(TORCHRUN + args, env=dict(os.environ))
     assert isinstance(proc, agent.AgentProcess)
     out = proc.stdout.read()
     return proc.wait(timeout=60), out

@@ -1,7 +1,7 @@
 """What every process of a job that mpu_lab starts runs first: the launcher (for the ranks, and
-for the torchrun agent where it runs as a program) and the playground (for its engines) put this folder first on the
-process's ``PYTHONPATH``, and Python imports the ``sitecustomize`` module it finds on its path
-at start-up (the ``site`` module's documented hook).
+for the torchrun agent where it runs as a program) and the playground (for its engines) put this
+folder first on the process's ``PYTHONPATH``, and Python imports the ``sitecustomize`` module it
+finds on its path at start-up (the ``site`` module's documented hook).
 
 It raises the first threshold of Python's cyclic garbage collector. Importing torch and building
 torch's Adam create some 290,000 objects the collector tracks; at the default threshold (700
