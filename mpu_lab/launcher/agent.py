@@ -33,6 +33,8 @@ from typing import Dict, List, Optional, Sequence
 
 import psutil
 
+from mpu_lab.launcher import rank_server
+
 # What a torchrun agent imports on its way to starting ranks, loaded once in the server.
 PRELOAD = [
     "torch.distributed.run",
@@ -78,7 +80,8 @@ def fork_server():
     with _lock:
         if _context is None and "forkserver" in multiprocessing.get_all_start_methods():
             _context = multiprocessing.get_context("forkserver")
-            _context.set_forkserver_preload(PRELOAD)
+            ranks = rank_server.PRELOAD if rank_server.wanted(dict(os.environ)) else []
+            _context.set_forkserver_preload(PRELOAD + ranks)
     return _context
 
 
@@ -111,8 +114,9 @@ def start(command: Sequence[str], env: Dict[str, str], cwd=None):
         return subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1, env=env, cwd=cwd, start_new_session=True)
     reader, writer = context.Pipe(duplex=False)
-    process = context.Process(target=run_agent, args=(args, env, cwd, writer), daemon=True,
-                              name="torchrun")
+    process = context.Process(target=run_agent,
+                              args=(args, env, cwd, writer, rank_server.wanted(env)),
+                              daemon=True, name="torchrun")
     try:
         process.start()
     finally:
@@ -133,9 +137,12 @@ def main_imports_safely() -> bool:
     return getattr(main, "__file__", None) is None
 
 
-def run_agent(args: List[str], env: Dict[str, str], cwd, output: Connection) -> None:
+def run_agent(args: List[str], env: Dict[str, str], cwd, output: Connection,
+              fork_ranks: bool = False) -> None:
     """In the forked process: become what ``python -u -m torch.distributed.run args`` started
-    with ``start_new_session=True`` would be, run torchrun's ``main``, exit with its code."""
+    with ``start_new_session=True`` would be, run torchrun's ``main``, exit with its code. With
+    ``fork_ranks``, torchrun's ranks are forked by a rank server (:mod:`rank_server`)."""
+    load_env = dict(os.environ)         # what the loaded modules were imported under
     os.setsid()
     for fd in (1, 2):
         os.dup2(output.fileno(), fd)
@@ -146,6 +153,9 @@ def run_agent(args: List[str], env: Dict[str, str], cwd, output: Connection) -> 
         os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    server = rank_server.start(load_env) if fork_ranks else None
+    if server is not None:
+        os.environ.update(server.env)
     import torch.distributed.run as torchrun
     sys.argv = [torchrun.__file__, *args]       # what ``python -m`` sets (argparse's prog)
     code = 0
@@ -158,6 +168,8 @@ def run_agent(args: List[str], env: Dict[str, str], cwd, output: Connection) -> 
     except BaseException:   # as the interpreter would: the traceback, exit code 1
         traceback.print_exc()
         code = 1
+    if server is not None:
+        rank_server.stop(server)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

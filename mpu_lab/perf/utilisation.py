@@ -30,7 +30,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mpu_lab import launcher
-from mpu_lab.launcher import descendants
+from mpu_lab.launcher import descendants, rank_client, rank_server
 from mpu_lab.perf.rank_clock import (RankBusy, busy_between, core_for, main_thread_cpu_s,
                                      pin_process, usable_cores)
 from mpu_lab.perf.pipeline_simulation import simulate
@@ -121,16 +121,17 @@ def schedule_utilisation(schedule: str, p: int, m: int, v: int = 1, iterations: 
     return Utilisation("schedule", 1.0 / samples_per_slot, times, values, cores=p)
 
 
-def _worker_rank(proc) -> Optional[int]:
+def _worker_rank(proc) -> Tuple[Optional[int], Dict[str, str]]:
     """The global rank of a torchrun worker (from the variables torchrun sets for workers
-    only: ``ROLE_RANK`` is not inherited from a notebook), None for anything else."""
+    only: ``ROLE_RANK`` is not inherited from a notebook), None for anything else; and the
+    worker's environment."""
     try:
         env = proc.environ()
     except Exception:   # gone, or not ours
-        return None
+        return None, {}
     if "ROLE_RANK" not in env or "RANK" not in env:
-        return None
-    return int(env["RANK"])
+        return None, env
+    return int(env["RANK"]), env
 
 
 class UtilisationSampler:
@@ -203,7 +204,19 @@ class UtilisationSampler:
                 proc = psutil.Process(pid)
             except psutil.Error:
                 continue
-            rank = _worker_rank(proc)
+            rank, env = _worker_rank(proc)
+            local_rank = int(env.get("LOCAL_RANK", rank or 0))
+            if rank is not None and rank_client.SERVER_ENV in env:
+                # torchrun's worker is a rank client: the rank is the process it stands for
+                forked = rank_server.forked_rank(pid, env)
+                if forked is None:           # not forked yet: look again
+                    continue
+                self._rank_of[pid] = -1
+                pid = forked
+                try:
+                    proc = psutil.Process(pid)
+                except psutil.Error:
+                    continue
             if rank is None:
                 # Not a worker. A process forked a moment ago may still carry its parent's
                 # environment (before exec): look again later unless it has settled.
@@ -223,8 +236,8 @@ class UtilisationSampler:
                 continue
             self._rank_of[pid] = rank
             self._procs[pid] = proc
+            self._local_rank[rank] = local_rank
             try:
-                self._local_rank[rank] = int(proc.environ().get("LOCAL_RANK", rank))
                 proc.cpu_percent(None)           # the first call only starts the clock
             except psutil.Error:
                 pass
