@@ -6,10 +6,12 @@ life of this process (a notebook kernel, a test worker).
 starts a single rank, and every job pays it: on a 2-core laptop that is most of what a small
 job costs. :func:`start` runs the same program, torch's own ``torch.distributed.run.main`` with
 the same arguments, environment, working directory and output, in a process of its own session
-forked from a server that has torch loaded already. The agent then starts every rank as usual:
-a fresh ``python -u script.py``, its output teed into the agent's, its failures recorded by
-torch elastic. The handle :func:`start` returns, :class:`AgentProcess`, is the part of
-``subprocess.Popen`` the runner uses (``pid``, ``stdout``, ``poll``, ``wait``, ``returncode``);
+forked from a server that has torch loaded already. The agent then starts every rank as usual,
+its output teed into the agent's, its failures recorded by torch elastic: a fresh
+``python -u script.py`` on a machine with a GPU, and elsewhere a rank forked by the agent's
+rank server (:mod:`mpu_lab.launcher.rank_server`), which saves each rank its own imports.
+The handle :func:`start` returns, :class:`AgentProcess`, is the part of ``subprocess.Popen``
+the runner uses (``pid``, ``stdout``, ``poll``, ``wait``, ``returncode``);
 stopping the tree (:func:`mpu_lab.launcher.process_tree.kill_tree`) works on it unchanged.
 
 The fork server and multiprocessing's resource tracker, both children of this process, stay

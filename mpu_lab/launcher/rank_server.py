@@ -21,7 +21,7 @@ read while they load (``PYTHON*``, ``TORCH*``, ``OMP_*``, ``MKL_*``, ``CUDA*``, 
 locale, ...) that differs from the server's, other than the ones read at run time
 (:data:`RUN_TIME`, and ``OMP_NUM_THREADS``, which the rank applies itself). Ranks are never
 forked on a machine with a GPU (:func:`wanted`): a process that has loaded CUDA's driver
-cannot be forked safely. ``MPU_LAB_FORK_RANKS=0`` turns it off.
+cannot be forked safely; nor off Linux. ``MPU_LAB_FORK_RANKS=0`` turns it off.
 
 The ranks are children of the server, the server of the agent: the job's process tree still
 holds them (:func:`~mpu_lab.launcher.process_tree.kill_tree`), and :func:`forked_rank` finds
@@ -33,6 +33,7 @@ import atexit
 import dataclasses
 import faulthandler
 import gc
+import importlib
 import io
 import json
 import os
@@ -67,9 +68,12 @@ _GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/proc/driver/nvid
 
 
 def wanted(env: Dict[str, str]) -> bool:
-    """Whether a job with environment ``env`` forks its ranks: not where the machine has a GPU
-    driver, nor where ``MPU_LAB_FORK_RANKS=0`` or torchrun's ``PYTHON_EXEC`` is set."""
+    """Whether a job with environment ``env`` forks its ranks: on Linux (a client is known by
+    its socket's peer credentials), not where the machine has a GPU driver, nor where
+    ``MPU_LAB_FORK_RANKS=0`` or torchrun's ``PYTHON_EXEC`` is set."""
     if env.get(SWITCH_ENV, "1") == "0" or "PYTHON_EXEC" in env:
+        return False
+    if not sys.platform.startswith("linux"):
         return False
     return not any(os.path.exists(p) for p in _GPU_DEVICES)
 
@@ -186,10 +190,7 @@ class _Serving:
         except (OSError, ValueError, struct.error):
             conn.close()
             return
-        if os.environ.get("MPU_LAB_RANK_LOG"):   # TEMP
-            with open(os.environ["MPU_LAB_RANK_LOG"], "a") as f:
-                f.write(f"{_forkable(request['argv'], request['cwd'])}\t{differs_at_load(self.load_env, request['env'])}\t{request['argv'][:2]}\n")
-        if (not _forkable(request["argv"], request["cwd"])
+        if (not forkable(request["argv"], request["cwd"])
                 or differs_at_load(self.load_env, request["env"])):
             for fd in fds:
                 os.close(fd)
@@ -240,7 +241,7 @@ class _Serving:
             os.close(fd)
 
 
-def _forkable(argv: List[str], cwd: str) -> bool:
+def forkable(argv: List[str], cwd: str) -> bool:
     """``-u script ...`` (a script that exists: else Python's own message) or
     ``-u -m module ...``: what torchrun starts."""
     if len(argv) < 2 or argv[0] != "-u":
@@ -332,8 +333,8 @@ def _fresh_interpreter_state(module: Optional[str], argv: List[str], base_path) 
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
-    try:
-        import sitecustomize  # noqa: F401  (the job's, as site imports it at start-up)
+    try:                              # the job's, as ``site`` imports it at start-up
+        importlib.import_module("sitecustomize")
     except ImportError:
         pass
 

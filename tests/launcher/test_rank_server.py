@@ -55,7 +55,7 @@ def test_load_time_variables_that_differ_are_named_and_run_time_ones_are_not():
     (["-u", "-m"], False),
 ], ids=["script", "module", "missing", "other-flags", "no-u", "no-module"])
 def test_only_what_torchrun_starts_is_forked(argv, forkable):
-    assert rank_server._forkable(argv, os.getcwd()) is forkable
+    assert rank_server.forkable(argv, os.getcwd()) is forkable
 
 
 def test_no_fork_where_switched_off_or_python_exec_is_set():

@@ -19,7 +19,7 @@ from mpu_lab import launcher
 
 
 def state() -> dict:
-    import mpu_lab
+    package = sys.modules["mpu_lab"]
     return {
         "argv": sys.argv,
         "name": __name__,
@@ -27,15 +27,15 @@ def state() -> dict:
         "path_head": sys.path[:3],
         "cwd": os.getcwd(),
         "rank": os.environ["RANK"],
-        "server_vars": sorted(k for k in os.environ
-                              if k in ("PYTHON_EXEC", "MPU_LAB_RANK_SERVER", "MPU_LAB_RANK_PYTHON")),
+        "server_vars": sorted(k for k in os.environ if k in (
+            "PYTHON_EXEC", "MPU_LAB_RANK_SERVER", "MPU_LAB_RANK_PYTHON")),
         "threads": torch.get_num_threads(),
         "process": multiprocessing.current_process().name,
         "parent_process": multiprocessing.parent_process() is None,
         "stdout_write_through": sys.stdout.write_through,
         "stdout_fd": sys.stdout.fileno(),
         "gc_threshold": gc.get_threshold()[0],
-        "mpu_lab": os.path.dirname(mpu_lab.__file__),
+        "package": os.path.dirname(package.__file__),
         "sitecustomize": os.path.basename(os.path.dirname(sys.modules["sitecustomize"].__file__)),
         "signals": [str(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT,
                                                        signal.SIGCHLD, signal.SIGPIPE)],
