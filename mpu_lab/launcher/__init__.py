@@ -23,8 +23,9 @@ What it does for you, because ``torchrun`` from a notebook is easy to get wrong:
 
 Modules: :mod:`~mpu_lab.launcher.worker` (inside a job), :mod:`~mpu_lab.launcher.runner` (the
 driver), :mod:`~mpu_lab.launcher.agent` (torchrun's agent forked from a server that imported
-torch once), :mod:`~mpu_lab.launcher.rank_server` and :mod:`~mpu_lab.launcher.rank_client`
-(on a machine with no GPU, the ranks forked too), :mod:`~mpu_lab.launcher.prechecks` (a script's flags checked before it starts),
+torch once), :mod:`~mpu_lab.launcher.rank_server`, :mod:`~mpu_lab.launcher.rank_client` and
+:mod:`~mpu_lab.launcher.fresh_rank` (on a machine with no GPU, the ranks forked too),
+:mod:`~mpu_lab.launcher.prechecks` (a script's flags checked before it starts),
 :mod:`~mpu_lab.launcher.process_tree` (finding and stopping a job's processes, also
 for the lab kit), :mod:`~mpu_lab.launcher.pump` (a child's output, line by line),
 :mod:`~mpu_lab.launcher.diagnosis`.

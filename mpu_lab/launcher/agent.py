@@ -155,7 +155,12 @@ def run_agent(args: List[str], env: Dict[str, str], cwd, output: Connection,
         os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    server = rank_server.start(load_env) if fork_ranks else None
+    server = None
+    if fork_ranks:
+        try:
+            server = rank_server.start(load_env)
+        except Exception:              # (a socket path too long, a noexec /tmp): as programs
+            server = None
     if server is not None:
         os.environ.update(server.env)
     import torch.distributed.run as torchrun

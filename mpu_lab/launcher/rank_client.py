@@ -36,6 +36,17 @@ def run_as_program(argv):
     os.execve(python, [python, *argv], rank_environment())
 
 
+def signal_rank(pid: int, signum: int) -> None:
+    """Signal the rank's session (its own, as torchrun gives each worker), or the rank alone
+    in the moment before it made that session."""
+    for send in (os.killpg, os.kill):
+        try:
+            send(pid, signum)
+            return
+        except ProcessLookupError:
+            pass
+
+
 def receive(sock):
     data = b""
     while len(data) < REPLY.size:
@@ -74,10 +85,7 @@ def main(argv):
         if rank["pid"] is None:
             rank["pending"].append(signum)
             return
-        try:
-            os.kill(rank["pid"], signum)
-        except ProcessLookupError:
-            pass
+        signal_rank(rank["pid"], signum)
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
@@ -93,10 +101,7 @@ def main(argv):
         kind, value = receive(sock)
         if kind == b"e":
             end_like(value)
-        try:                                  # the server is gone: so is its rank
-            os.kill(rank["pid"], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        signal_rank(rank["pid"], signal.SIGKILL)   # the server is gone: so is its rank
         print(f"mpu_lab rank server: gone before rank {os.environ.get('RANK')} ended",
               file=sys.stderr)
         os._exit(1)

@@ -8,12 +8,9 @@ a rank server, a process forked from it that has torch and those modules loaded 
 points torchrun's ``PYTHON_EXEC`` at :mod:`rank_client`, so that for each rank torchrun starts
 ``rank_client -u script.py ...``: a small interpreter that hands its arguments, directory,
 environment, standard streams and signals to the server and ends as the rank ends. The server
-forks the rank, which becomes what ``python -u script.py`` would have been (its ``sys.argv``,
-``sys.path``, environment, directory, streams, signal dispositions, the job's
-``sitecustomize``, ``OMP_NUM_THREADS``, none of this package's modules loaded), runs the script
-as ``__main__``, and exits as the interpreter would (threads joined, ``atexit`` handlers run,
-a traceback from the script's own frames, exit code 1). Torchrun, its error files, the
-launcher and the diagnosis see the client: its exit code and signals are the rank's.
+forks the rank, which becomes what ``python -u script.py`` would have been, runs it and ends
+as it would (:mod:`mpu_lab.launcher.fresh_rank`). Torchrun, its error files, the launcher and
+the diagnosis see the client: its exit code and signals are the rank's.
 
 A rank is started as a program instead (the client becomes ``python``) where a fork cannot
 give what the environment asks for: a variable that torch, Python or the thread libraries
@@ -29,15 +26,11 @@ the rank a client stands for (for samplers that read a rank's own CPU).
 """
 from __future__ import annotations
 
-import atexit
+import contextlib
 import dataclasses
-import faulthandler
 import gc
-import importlib
-import io
 import json
 import os
-import runpy
 import selectors
 import shutil
 import signal
@@ -45,18 +38,16 @@ import socket
 import struct
 import subprocess
 import sys
-import sysconfig
 import tempfile
-import threading
 import traceback
 from typing import Dict, List, Optional
 
-from mpu_lab.launcher import rank_client
+from mpu_lab.launcher import fresh_rank, rank_client
 
 # Names a fork cannot change after they were read while loading (checked, prefix by prefix)
-LOAD_TIME = ("PYTHON", "TORCH", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "DNNL_",
-             "ONEDNN_", "CUDA", "NVIDIA_", "HIP_", "ROCM", "TRITON", "LD_", "MALLOC_", "LANG",
-             "LC_")
+LOAD_TIME = ("PYTHON", "PYTORCH", "TORCH", "ATEN_", "OMP_", "KMP_", "GOMP_", "MKL_",
+             "OPENBLAS_", "DNNL_", "ONEDNN_", "NPY_", "CUDA", "NVIDIA_", "HIP_", "ROCM", "TRITON",
+             "LD_", "MALLOC_", "LANG", "LC_", "TZ")
 # ... of which these are read at run time, or applied by the rank itself
 RUN_TIME = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHON_EXEC",
             "OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHINDUCTOR_CACHE_DIR"}
@@ -73,8 +64,8 @@ def wanted(env: Dict[str, str]) -> bool:
     ``MPU_LAB_FORK_RANKS=0`` or torchrun's ``PYTHON_EXEC`` is set."""
     if env.get(SWITCH_ENV, "1") == "0" or "PYTHON_EXEC" in env:
         return False
-    if not sys.platform.startswith("linux"):
-        return False
+    if not sys.platform.startswith("linux") or " " in sys.executable:
+        return False                   # (a client's first line is ``#!python -IS``)
     return not any(os.path.exists(p) for p in _GPU_DEVICES)
 
 
@@ -90,6 +81,7 @@ class Server:
     """The agent's handle on its rank server: ``env`` goes into torchrun's environment."""
     pid: int
     alive: int
+    directory: str
     env: Dict[str, str]
 
 
@@ -105,8 +97,11 @@ def start(load_env: Dict[str, str]) -> Server:
     with open(rank_client.__file__) as src, open(client, "w") as dst:
         dst.write(f"#!{sys.executable} -IS\n" + src.read())
     os.chmod(client, 0o755)
-    probe = [sys.executable, "-E", "-c", "import sys, json; print(json.dumps(sys.path))"]
-    base_path = json.loads(subprocess.check_output(probe, env=load_env))[1:]
+    if os.statvfs(directory).f_flag & os.ST_NOEXEC:
+        raise OSError(f"{directory} is on a file system that cannot run programs")
+    probe = [sys.executable, "-c", "import sys, json; print(json.dumps(sys.path))"]
+    env = {k: v for k, v in load_env.items() if k != "PYTHONPATH"}
+    base_path = json.loads(subprocess.check_output(probe, env=env))[1:]
     alive_r, alive_w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -122,14 +117,16 @@ def start(load_env: Dict[str, str]) -> Server:
             os._exit(code)
     os.close(alive_r)
     listener.close()
-    return Server(pid, alive_w, {rank_client.SERVER_ENV: address, "PYTHON_EXEC": client,
-                                 rank_client.PYTHON_ENV: sys.executable})
+    return Server(pid, alive_w, directory, {rank_client.SERVER_ENV: address,
+                                            "PYTHON_EXEC": client,
+                                            rank_client.PYTHON_ENV: sys.executable})
 
 
 def stop(server: Server) -> None:
     """In the agent, after torchrun ended: the server ends (killing any rank still there)."""
     os.close(server.alive)
     os.waitpid(server.pid, 0)
+    shutil.rmtree(server.directory, ignore_errors=True)   # also if the server was killed
 
 
 def forked_rank(client_pid: int, client_env: Dict[str, str]) -> Optional[int]:
@@ -194,23 +191,28 @@ class _Serving:
                 or differs_at_load(self.load_env, request["env"])):
             for fd in fds:
                 os.close(fd)
-            conn.sendall(rank_client.REPLY.pack(b"x", 0))
+            with contextlib.suppress(OSError):
+                conn.sendall(rank_client.REPLY.pack(b"x", 0))
             conn.close()
             return
         client_pid = struct.unpack("3i", conn.getsockopt(
             socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
         pid = os.fork()
         if pid == 0:
-            _become_rank(request, fds, self)
+            fresh_rank.become(request, fds, self.base_path,
+                              close=lambda: (conn.close(), self.close_in_rank()))
+        self.clients[pid] = conn
         for fd in fds:
             os.close(fd)
-        record = os.path.join(self.directory, f"rank_of_{client_pid}")
-        with open(record + ".tmp", "w") as f:
-            f.write(str(pid))
-        os.replace(record + ".tmp", record)
-        conn.sendall(rank_client.REPLY.pack(b"p", pid))
-        self.clients[pid] = conn
-        self.sel.register(conn, selectors.EVENT_READ, pid)
+        try:
+            record = os.path.join(self.directory, f"rank_of_{client_pid}")
+            with open(record + ".tmp", "w") as f:
+                f.write(str(pid))
+            os.replace(record + ".tmp", record)
+            conn.sendall(rank_client.REPLY.pack(b"p", pid))
+            self.sel.register(conn, selectors.EVENT_READ, pid)
+        except OSError:                # the client is gone already: so goes its rank
+            _kill(pid)
 
     def reap(self, block: bool) -> None:
         while self.clients:
@@ -262,120 +264,4 @@ def _receive(conn, n: int) -> bytes:
 
 
 def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _become_rank(request, fds, serving: _Serving) -> None:
-    """In the forked rank: become ``python -u script ...`` (never returns)."""
-    try:
-        serving.close_in_rank()
-        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
-                       signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):
-            signal.signal(signum, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            if fd > 2:
-                os.close(fd)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        argv = request["argv"][1:]
-        module = argv[1] if argv[0] == "-m" else None
-        _fresh_interpreter_state(module, argv, serving.base_path)
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
-    _exit(_run_main(module, argv))
-
-
-def _fresh_interpreter_state(module: Optional[str], argv: List[str], base_path) -> None:
-    keep = {os.path.realpath(sysconfig.get_paths()[k]) + os.sep
-            for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    for name, mod in list(sys.modules.items()):
-        top = name.partition(".")[0]
-        origin = getattr(mod, "__file__", None)
-        if top in ("mpu_lab", "sitecustomize", "usercustomize", "__mp_main__") or (
-                origin and not os.path.realpath(origin).startswith(tuple(keep))):
-            del sys.modules[name]
-    first = os.getcwd() if module else os.path.dirname(os.path.realpath(argv[0]))
-    extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    path: List[str] = []
-    for p in [first, *extra, *base_path]:
-        if p not in path:
-            path.append(p)
-    sys.path[:] = path
-    sys.argv = list(argv[2:] if module else argv)
-    encoding = os.environ.get("PYTHONIOENCODING", "").partition(":")[0] or sys.stdout.encoding
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(
-        io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding=encoding)
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False), encoding=encoding, write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), encoding=encoding, errors="backslashreplace",
-        write_through=True)
-    tempfile.tempdir = None           # found again from this environment's TMPDIR
-    if os.environ.get("PYTHONFAULTHANDLER"):
-        faulthandler.enable()
-    import multiprocessing.process as mp_process   # a main process, not the agent's child
-    main = mp_process.current_process()
-    main._identity, main._name, main._parent_pid, main._popen = (), "MainProcess", None, None
-    main._config = {"authkey": mp_process.AuthenticationString(os.urandom(32)),
-                    "semprefix": "/mp"}
-    mp_process._parent_process = None
-    mp_process._children = set()
-    if "numpy" in sys.modules:        # its own seed, as a fresh interpreter draws one
-        sys.modules["numpy"].random.seed()
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(threads))
-    try:                              # the job's, as ``site`` imports it at start-up
-        importlib.import_module("sitecustomize")
-    except ImportError:
-        pass
-
-
-def _run_main(module: Optional[str], argv: List[str]) -> int:
-    try:
-        if module:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(argv[0], run_name="__main__")
-        return 0
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            return exc.code or 0
-        print(exc.code, file=sys.stderr)
-        return 1
-    except BaseException as exc:
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename in _OUR_FILES:
-            tb = tb.tb_next
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        return -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
-
-
-_OUR_FILES = {__file__, runpy.__file__, "<frozen runpy>"}
-
-
-def _exit(code: int) -> None:
-    """End as the interpreter ends: other threads joined, ``atexit`` handlers run, streams
-    flushed, then the exit code (or the signal a negative code names)."""
-    main = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
+    rank_client.signal_rank(pid, signal.SIGKILL)

@@ -205,7 +205,6 @@ class UtilisationSampler:
             except psutil.Error:
                 continue
             rank, env = _worker_rank(proc)
-            local_rank = int(env.get("LOCAL_RANK", rank or 0))
             if rank is not None and rank_client.SERVER_ENV in env:
                 # torchrun's worker is a rank client: the rank is the process it stands for
                 forked = rank_server.forked_rank(pid, env)
@@ -236,7 +235,7 @@ class UtilisationSampler:
                 continue
             self._rank_of[pid] = rank
             self._procs[pid] = proc
-            self._local_rank[rank] = local_rank
+            self._local_rank[rank] = int(env.get("LOCAL_RANK", rank))
             try:
                 proc.cpu_percent(None)           # the first call only starts the clock
             except psutil.Error:

@@ -68,6 +68,10 @@ def test_a_forked_rank_sees_what_a_rank_started_as_python_sees():
     forked, program = launch(True).results, launch(False).results
     assert forked_flags(forked) == [True, True]
     assert forked_flags(program) == [False, False]
+    draws = [state.pop("random") for state in forked]
+    assert draws[0] != draws[1]                # each rank its own seed, as a fresh interpreter
+    for state in program:
+        state.pop("random")
     assert forked == program
     assert forked[0]["name"] == "__main__" and forked[0]["server_vars"] == []
     assert forked[0]["threads"] == int(os.environ.get("OMP_NUM_THREADS") or
@@ -97,3 +101,20 @@ def test_a_rank_killed_by_a_signal_is_reported_as_a_program_would_be():
     forked, program = failure(True, KILL_SELF=kill), failure(False, KILL_SELF=kill)
     assert str(forked) == str(program)
     assert "rank 0 was killed by signal 9" in str(forked)
+
+
+@needs_forked_ranks
+@pytest.mark.parametrize("env", [{"EXIT": "-1"}, {"EXIT": "3"}, {"INTERRUPT": "1"}],
+                         ids=["exit-minus-1", "exit-3", "keyboard-interrupt"])
+def test_a_rank_that_exits_early_is_reported_as_a_program_would_be(env):
+    forked, program = failure(True, **env), failure(False, **env)
+    assert str(forked) == str(program)
+    assert forked.traceback == program.traceback
+
+
+@needs_forked_ranks
+def test_torchruns_sigterm_reaches_the_rank_through_its_client():
+    forked, program = failure(True, AWAIT_SIGTERM="1"), failure(False, AWAIT_SIGTERM="1")
+    for error in (forked, program):
+        assert (1, "rank 1 got SIGTERM") in [(r, line.strip()) for r, line in error.output]
+    assert str(forked) == str(program)
