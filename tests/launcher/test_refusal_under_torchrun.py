@@ -24,8 +24,12 @@ CLEAN_ENV = {k: v for k, v in os.environ.items()
 def torchrun(script: pathlib.Path, flags, nproc: int, folder: pathlib.Path):
     """Run ``script`` under torchrun; returns (torchrun's process, {rank: its own output})."""
     logs = folder / "logs"
+    # torchrun looks at its ranks every --monitor-interval seconds (0.1 by default) and stops
+    # the rest once one has failed: under load that can land before every rank has refused on
+    # its own. Looking every 5 s lets each rank's own exit status be seen.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), "--tee", "3", "--log-dir", str(logs), str(script), *map(str, flags)]
+           str(nproc), "--monitor-interval", "5", "--tee", "3", "--log-dir", str(logs),
+           str(script), *map(str, flags)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=folder,
                           env=CLEAN_ENV)
     own = {int(d.name): (d / "stdout.log").read_text() + (d / "stderr.log").read_text()
