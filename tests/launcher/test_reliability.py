@@ -195,7 +195,20 @@ def test_rank_that_hangs_makes_every_rank_fail_within_the_collective_timeout():
     assert "reached by rank(s) [0, 2, 3]" in message
     assert re.search(r"Not in it: rank 1 was stopped at tests/mp/launch_probe\.py:\d+ in main",
                      message)
-    assert all("Timed out" in err.value.states[r] for r in (0, 2, 3)), err.value.states
+    # The first to give up timed out. Once it is gone the other waiting ranks may time out
+    # too, lose it as a peer, or be stopped by torchrun while still waiting (under the full
+    # suite's load, once at CI): each of them ended in the same all-reduce.
+    assert "Timed out waiting" in err.value.states[err.value.rank], err.value.states
+    waiting = re.compile(r"(raised at tests/mp/launch_probe\.py:(\d+) in main: RuntimeError: "
+                         r"(Timed out waiting|.*closed by peer)"
+                         r"|was stopped at tests/mp/launch_probe\.py:(\d+) in main, "
+                         r"waiting in all_reduce)")
+    lines = set()
+    for r in (0, 2, 3):
+        m = waiting.match(err.value.states[r])
+        assert m, f"rank {r}: {err.value.states[r]}"
+        lines.add(m.group(2) or m.group(4))
+    assert len(lines) == 1, err.value.states
     print(f"\n[reliability] hung rank: workers gone {last_gone:.2f} s, LaunchError "
           f"{raised_at - t0:.2f} s after entering the collective "
           f"(timeout {COLLECTIVE_TIMEOUT_S} s)")
