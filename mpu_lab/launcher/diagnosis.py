@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import sysconfig
 from typing import Dict, List, Optional, Tuple
 
 from mpu_lab.launcher.paths import REPO_ROOT
@@ -78,14 +79,25 @@ _PLUMBING = tuple((pathlib.Path(__file__).resolve().parent.parent / "core" / "co
 _SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 
 
+# Python's own library: a rank stopped while torch logs its exception stands in ``logging``;
+# its place is the line of ours that called torch.
+_STDLIB = tuple({pathlib.Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib")})
+
+
+def _in_stdlib(p: pathlib.Path) -> bool:
+    return (not INSTALLED_DIRS.intersection(p.parts)
+            and any(p.is_relative_to(d) for d in _STDLIB))
+
+
 def _own_frames(text: str) -> List[Tuple[str, int, str]]:
     """``(file, line, function)`` of the frames of ``text`` (a traceback, outermost first,
-    or a faulthandler dump, innermost first) that are neither torch's, this launcher's nor
-    :mod:`mpu_lab.core.comm`'s (so a place is the line that called the collective)."""
+    or a faulthandler dump, innermost first) that are neither torch's, Python's own library's,
+    this launcher's nor :mod:`mpu_lab.core.comm`'s (so a place is the line that called the
+    collective, or the library function)."""
     out = []
     for path, line, func in _FRAME.findall(text):
-        p = pathlib.Path(path)
-        if "torch" in p.parts or p.resolve().parent == _LAUNCHER_DIR or p.resolve() in _PLUMBING:
+        p = pathlib.Path(path).resolve()
+        if "torch" in p.parts or p.parent == _LAUNCHER_DIR or p in _PLUMBING or _in_stdlib(p):
             continue
         out.append((path, int(line), func))
     return out

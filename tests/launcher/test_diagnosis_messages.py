@@ -1,6 +1,9 @@
 """The launcher's one-line report of a failed rank quotes the meaningful part of its message:
 gloo's build-machine source path and its boilerplate advice are dropped (the expected lines are
 written out by hand from messages gloo 2.x and c10d print)."""
+import logging
+import pathlib
+
 from mpu_lab.launcher import diagnosis
 
 GLOO_READ_ERROR = (
@@ -120,3 +123,19 @@ def test_a_place_without_a_frame_of_the_repository_names_what_the_dump_shows():
     assert where == ("an unknown place (no frame of its own; innermost distributed_c10d.py:2810 "
                      "in all_reduce)")
     assert diagnosis.where_in("") == "an unknown place (its dump has no frame: 'empty')"
+
+
+def test_a_rank_stopped_while_torch_logs_its_exception_stands_at_the_line_that_called_torch():
+    """Seen under load: torchrun's SIGTERM reached a rank while torch's c10d logger handled the
+    timeout it had raised; the dump's innermost frames were the standard library's logging."""
+    logging_py = logging.__file__   # this interpreter's own library, wherever it is installed
+    dump = ('Current thread 0x00007f5b6b47cb80 (most recent call first):\n'
+            f'  File "{logging_py}", line 1644 in handle\n'
+            f'  File "{logging_py}", line 1586 in _log\n'
+            '  File "/venv/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
+            f'  File "{diagnosis.REPO_ROOT}/tests/mp/launch_probe.py", line 36 in main\n')
+    assert diagnosis.where_in(dump, innermost_last=False) == "tests/mp/launch_probe.py:36 in main"
+    # a file of the repository's own, or an installed package's, is never taken for the library
+    site = pathlib.Path(logging_py).parent / "site-packages" / "mylib" / "x.py"
+    assert diagnosis.where_in(f'  File "{site}", line 3 in f\n',
+                              innermost_last=False) == "x.py:3 in f"

@@ -199,10 +199,11 @@ def test_rank_that_hangs_makes_every_rank_fail_within_the_collective_timeout():
     # too, lose it as a peer, or be stopped by torchrun while still waiting (under the full
     # suite's load, once at CI): each of them ended in the same all-reduce.
     assert "Timed out waiting" in err.value.states[err.value.rank], err.value.states
+    # (stopped while torch logged its exception, a rank's stack has no collective frame left)
     waiting = re.compile(r"(raised at tests/mp/launch_probe\.py:(\d+) in main: RuntimeError: "
                          r"(Timed out waiting|.*closed by peer)"
-                         r"|was stopped at tests/mp/launch_probe\.py:(\d+) in main, "
-                         r"waiting in all_reduce)")
+                         r"|was stopped at tests/mp/launch_probe\.py:(\d+) in main"
+                         r"(, waiting in all_reduce)?$)")
     lines = set()
     for r in (0, 2, 3):
         m = waiting.match(err.value.states[r])
