@@ -20,6 +20,8 @@ Megatron has or an explicit argument, never by rebinding a function:
 * ``random.py`` (``checkpoint``): every layer recomputed in backward through it (a layer spec
   whose class takes the checkpoint function);
 * ``schedules.py`` (``forward_backward_pipelining_without_interleaving``): the schedule called;
+  lab 11's build, ``my_1f1b_loop``, stands for it where the folder has no such function
+  (:func:`schedule_from_loop` gives it Megatron's arguments);
 * ``distributed_data_parallel.py`` (``DistributedDataParallel``) and ``distrib_optimizer.py``
   (``DistributedOptimizer``): the gradient all-reduce and the optimizer step of each iteration.
 
@@ -34,9 +36,11 @@ not). Every rank reports ``{"runs": {run: {"loss": [...], "grad_norm": [...]}},
 """
 import argparse
 import importlib
+import inspect
 import pathlib
 import sys
 import types
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -50,13 +54,16 @@ from mpu_lab.core.models.gpt import build_model_chunks
 from mpu_lab.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from mpu_lab.core.optimizer import build_optimizer
 from mpu_lab.core.pipeline_parallel import allreduce_embedding_grads, sync_embedding_weights
+from mpu_lab.core.pipeline_parallel import p2p_communication as p2p
+from mpu_lab.core.pipeline_parallel.microbatch_steps import backward_step, forward_step
+from mpu_lab.core.pipeline_parallel.utils import message_shape_and_dtype
 from mpu_lab.core.pipeline_parallel.schedules import \
     forward_backward_pipelining_without_interleaving as mirror_1f1b
 from mpu_lab.core.transformer import TransformerConfig
 from mpu_lab.core.transformer.spec_utils import ModuleSpec
 from mpu_lab.core.transformer.transformer_layer import TransformerLayer
 from mpu_lab.training import initialize
-from mpu_lab.training.code_folder import defining_files
+from mpu_lab.training.code_folder import defining_files, piece_source
 from mpu_lab.training.flag_errors import refuse
 
 # (module file, name) of each piece, in the order the verdict looks for a culprit
@@ -91,8 +98,9 @@ def parse_args(argv):
 
 
 def load_learner_pieces(folder):
-    """``{name: (file, object)}`` of the pieces found in ``folder``, imported as one package
-    by file path: each from the documented file, else from the one file that defines it."""
+    """``{name: (file, object, defining name)}`` of the pieces found in ``folder``, imported as
+    one package by file path: each from the documented file, else from the one file that
+    defines it; lab 11's ``my_1f1b_loop`` stands for the schedule (:func:`schedule_from_loop`)."""
     if not folder:
         return {}
     package = types.ModuleType(PACKAGE)
@@ -100,13 +108,45 @@ def load_learner_pieces(folder):
     sys.modules[PACKAGE] = package
     defined, found = defining_files(folder), {}
     for filename, name in PIECES:
-        files = defined.get(name, [])
-        if not files:
+        source = piece_source(defined, filename, name)
+        if source is None:
             continue
-        filename = filename if filename in files else files[0]
-        module = importlib.import_module(f"{PACKAGE}.{filename[:-3]}")
-        found[name] = (filename, getattr(module, name))
+        filename, defining = source
+        obj = getattr(importlib.import_module(f"{PACKAGE}.{filename[:-3]}"), defining)
+        found[name] = (filename, obj if defining == name else schedule_from_loop(obj), defining)
     return found
+
+
+def schedule_from_loop(loop):
+    """Lab 11's build, ``loop(stage, num_stages, num_microbatches, forward, backward, p2p)``,
+    called as Megatron calls its schedule. The loop decides the order and the messages; it gets
+    what lab 11's grader gave it: ``forward(input)`` and ``backward(input, output, output_grad)``
+    are the mirror's ``forward_step`` and ``backward_step``, ``p2p`` the mirror's
+    point-to-point functions with the message shape filled in."""
+    def forward_backward_pipelining_without_interleaving(
+            *, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+            micro_batch_size, **unused):
+        shape, dtype = message_shape_and_dtype(model, seq_length, micro_batch_size)
+        store = []
+
+        def forward(input_tensor=None):
+            return forward_step(forward_step_func, data_iterator, model, num_microbatches,
+                                input_tensor, store)
+
+        def backward(input_tensor, output_tensor, output_tensor_grad):
+            return backward_step(input_tensor, output_tensor, output_tensor_grad)
+        bound = SimpleNamespace(
+            recv_forward=lambda: p2p.recv_forward(shape, dtype),
+            recv_backward=lambda: p2p.recv_backward(shape, dtype),
+            send_forward=lambda t: p2p.send_forward(t, shape, dtype),
+            send_backward=lambda t: p2p.send_backward(t, shape, dtype),
+            send_forward_recv_backward=lambda t: p2p.send_forward_recv_backward(t, shape, dtype),
+            send_backward_recv_forward=lambda t: p2p.send_backward_recv_forward(t, shape, dtype))
+        loop(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
+             num_microbatches, forward, backward, bound)
+        return store
+    forward_backward_pipelining_without_interleaving.__wrapped__ = loop   # what count_uses counts
+    return forward_backward_pipelining_without_interleaving
 
 
 def mirror_pieces():
@@ -255,15 +295,15 @@ def first_parting(reference, run, tolerance):
 def count_uses(a, learner):
     """``{name: N}``: instances in this rank's model (classes) or calls in one iteration
     (functions), watched with ``sys.setprofile`` (nothing rebound)."""
-    codes = {getattr(obj, "__code__", None): name for name, (_, obj) in learner.items()
-             if not isinstance(obj, type)}
+    codes = {getattr(inspect.unwrap(obj), "__code__", None): name
+             for name, (_, obj, _) in learner.items() if not isinstance(obj, type)}
     calls = dict.fromkeys(codes.values(), 0)
 
     def profiler(frame, event, arg):
         if event == "call" and frame.f_code in codes:
             calls[codes[frame.f_code]] += 1
     one = argparse.Namespace(**{**vars(a), "train_iters": 1})
-    pieces = {**mirror_pieces(), **{n: obj for n, (_, obj) in learner.items()}}
+    pieces = {**mirror_pieces(), **{n: obj for n, (_, obj, _) in learner.items()}}
     sys.setprofile(profiler)
     try:
         train(one, pieces)
@@ -271,7 +311,7 @@ def count_uses(a, learner):
         sys.setprofile(None)
     chunk, ddp, optimizer = build(one, pieces)
     objects = list(chunk.modules()) + [ddp, optimizer]
-    for name, (_, obj) in learner.items():
+    for name, (_, obj, _) in learner.items():
         if isinstance(obj, type):
             calls[name] = sum(isinstance(m, obj) for m in objects)
     return calls
@@ -321,7 +361,7 @@ def main(argv=None):
     ps.initialize_model_parallel(a.tensor_model_parallel_size, a.pipeline_model_parallel_size)
     learner = load_learner_pieces(a.code)
     runs = {"mirror": train(a, mirror_pieces())}
-    runs["learner"] = train(a, {**mirror_pieces(), **{n: o for n, (_, o) in learner.items()}})
+    runs["learner"] = train(a, {**mirror_pieces(), **{n: o for n, (_, o, _) in learner.items()}})
     parted = first_parting(runs["mirror"], runs["learner"], a.tolerance)
     verdicts = []
     if parted is not None:
@@ -334,15 +374,16 @@ def main(argv=None):
             runs[name] = train(a, alone)
             at = first_parting(runs["mirror"], runs[name], a.tolerance)
             if at is not None:
-                verdicts.append({"piece": name, "file": filename, "where": "training",
-                                 "iteration": at[0], "what": at[1]})
+                verdicts.append({"piece": learner[name][2], "file": learner[name][0],
+                                 "where": "training", "iteration": at[0], "what": at[1]})
     counts = count_uses(a, learner)
     launcher.report({"rank": info.rank, "tp_rank": ps.get_tensor_model_parallel_rank(),
                      "pp_rank": ps.get_pipeline_model_parallel_rank(),
                      "dp_rank": ps.get_data_parallel_rank(), "runs": runs,
                      "first_parting": parted, "verdicts": verdicts,
                      "pieces": [name for _, name in PIECES],
-                     "found": {n: f for n, (f, _) in learner.items()}, "counts": counts,
+                     "found": {n: f for n, (f, _, _) in learner.items()}, "counts": counts,
+                     "defined_as": {n: d for n, (_, _, d) in learner.items() if d != n},
                      "tolerance": a.tolerance})
     if info.rank == 0:
         verdict = "is equal" if parted is None else f"parts at iteration {parted[0]}"

@@ -12,7 +12,7 @@ def solution_1f1b_order(stage, num_stages, num_microbatches):
     return order + [("B", k) for k in range(num_microbatches - warmup, num_microbatches)]
 
 
-# Lab 11, "Going further: write the 1F1B loop": one answer to my_1f1b_loop. After %load,
+# Lab 11, section 5, "Build: the 1F1B loop": one answer to my_1f1b_loop. After %load,
 # grade it with
 #     grader.grade(solution_1f1b_loop, exercises.ONE_F_ONE_B_LOOP, world)
 def solution_1f1b_loop(stage, num_stages, num_microbatches, forward, backward, p2p):

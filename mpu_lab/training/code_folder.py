@@ -25,3 +25,22 @@ def defining_files(folder) -> Dict[str, List[str]]:
             if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
                 found.setdefault(node.name, []).append(path.name)
     return found
+
+
+# A piece a lab's build writes under its own name and signature: lab 11's loop,
+# ``my_1f1b_loop(stage, num_stages, num_microbatches, forward, backward, p2p)``, is the 1F1B
+# schedule without Megatron's arguments; the capstone calls it through an adapter that gives it
+# the mirror's forward and backward steps and point-to-point functions.
+LAB_BUILDS = {"forward_backward_pipelining_without_interleaving": "my_1f1b_loop"}
+
+
+def piece_source(defined: Dict[str, List[str]], file: str, name: str):
+    """``(file, defining name)`` the capstone takes piece ``name`` from, given
+    :func:`defining_files`: the documented ``file`` where it defines the piece, else the first
+    file that does; else the same for the lab's build that stands for it (:data:`LAB_BUILDS`);
+    None where the folder has neither."""
+    for wanted in (name, LAB_BUILDS.get(name)):
+        files = defined.get(wanted, []) if wanted else []
+        if files:
+            return (file if file in files else files[0]), wanted
+    return None

@@ -20,7 +20,7 @@ from matplotlib.ticker import MaxNLocator
 
 from mpu_lab.labkit import REPO_ROOT, my_megatron, style
 from mpu_lab.labkit.capstone.run import piece_lines, verdict
-from mpu_lab.training.code_folder import defining_files
+from mpu_lab.training.code_folder import defining_files, piece_source
 
 SOLUTIONS = REPO_ROOT / "labs" / "solutions"
 # the lab's broken package: under the git-ignored /runs/, rewritten by each run of the lab
@@ -79,6 +79,7 @@ class PieceRow:
     name: str
     lab: str
     found_in: Optional[str]
+    found_as: Optional[str] = None     # the name it is defined under (lab 11's my_1f1b_loop)
 
 
 def survey(folder=None) -> List[PieceRow]:
@@ -88,9 +89,8 @@ def survey(folder=None) -> List[PieceRow]:
     defined = defining_files(folder) if folder.is_dir() else {}
     rows = []
     for file, name, lab in PIECES:
-        files = defined.get(name, [])
-        rows.append(PieceRow(file, name, lab, (file if file in files else files[0])
-                             if files else None))
+        source = piece_source(defined, file, name)
+        rows.append(PieceRow(file, name, lab, *(source or (None, None))))
     return rows
 
 
@@ -102,6 +102,8 @@ def print_survey(folder=None) -> List[PieceRow]:
     print(f"{'piece':<48} {'file':<28} {'lab':>3}  in {path.name}/")
     for r in rows:
         held = "-" if r.found_in is None else "yes" if r.found_in == r.file else r.found_in
+        if r.found_as not in (None, r.name):
+            held += f": {r.found_as}"      # within 100 characters
         print(f"{r.name:<48} {r.file:<28} {r.lab:>3}  {held}")
     have = sum(r.found_in is not None for r in rows)
     if not have:     # absent or empty alike: no exercise has saved into it yet

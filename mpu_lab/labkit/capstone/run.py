@@ -33,16 +33,19 @@ class CapstoneResult:
 
 
 def piece_lines(reports: List[dict]) -> List[str]:
-    """``used: <file>:<name> xN`` or ``missing: <name> (the mirror's is used)`` per piece; N
-    summed over one copy of the model (the ranks of tensor- and data-parallel rank 0, every
-    pipeline stage)."""
+    """``used: <file>:<name> xN`` (``... (as <piece>)`` for a lab's build that stands for the
+    piece, :data:`mpu_lab.training.code_folder.LAB_BUILDS`) or ``missing: <name> (the mirror's
+    is used)`` per piece; N summed over one copy of the model (the ranks of tensor- and
+    data-parallel rank 0, every pipeline stage)."""
     first = reports[0]
     copy = [r for r in reports if r["tp_rank"] == 0 and r["dp_rank"] == 0]
     lines = []
     for name in first["pieces"]:
         if name in first["found"]:
             n = sum(r["counts"].get(name, 0) for r in copy)
-            lines.append(f"used: {first['found'][name]}:{name} x{n}")
+            built = first.get("defined_as", {}).get(name)     # lab 11's loop for the schedule
+            lines.append(f"used: {first['found'][name]}:{built or name} x{n}"
+                         + (f" (as {name})" if built else ""))
         else:
             lines.append(f"missing: {name} (the mirror's is used)")
     return lines

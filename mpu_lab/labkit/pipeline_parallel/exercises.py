@@ -304,7 +304,8 @@ def run_1f1b_loop_case(learner: Callable, case: Case) -> Outcome:
 
 ONE_F_ONE_B_LOOP = Exercise(
     name="my_1f1b_loop",
-    module="schedules.py",       # saved into the learner's package once right
+    module="schedules.py",       # saved into the learner's package once right, under the name
+    saves_as=("my_1f1b_loop",),  # the capstone takes for the schedule (code_folder.LAB_BUILDS)
     run_case=run_1f1b_loop_case,
     cases=ONE_F_ONE_B.cases,
     hint="each stage runs the same loop: a receive blocks until the neighbour's matching send, "

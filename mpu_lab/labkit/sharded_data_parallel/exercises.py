@@ -71,9 +71,9 @@ def check_bytes_per_parameter(answer: Any, d: int = 4, rtol: float = 1e-3) -> Ve
 
 def check_bytes_per_step(answer: Any, d: int = 4, rtol: float = 1e-3) -> Verdict:
     """``answer``: ``{"no_shard": x, "optim_grads_params": y}``, bytes one rank sends per step
-    in multiples of the gradient bytes Ψ (ring collectives)."""
+    in multiples of the fp32 gradients' bytes, 4Ψ (ring collectives)."""
     keys = ("no_shard", "optim_grads_params")
-    if unanswered(answer, "{'no_shard': x, 'optim_grads_params': y} (multiples of Ψ)"):
+    if unanswered(answer, "{'no_shard': x, 'optim_grads_params': y} (multiples of 4Ψ bytes)"):
         return Verdict(False)
     if not isinstance(answer, dict) or set(answer) != set(keys):
         print(f"{EMPTY} give a dict with the keys {list(keys)}.")
@@ -82,9 +82,9 @@ def check_bytes_per_step(answer: Any, d: int = 4, rtol: float = 1e-3) -> Verdict
     wrong = [k for k in keys if _number(answer[k]) is None
              or abs(_number(answer[k]) - expected[k]) > rtol * expected[k]]
     return verdict(not wrong,
-                   f"no_shard's all-reduce 2(d-1)/d = {expected['no_shard']:g} Ψ; ZeRO-3's two "
+                   f"no_shard's all-reduce 2(d-1)/d = {expected['no_shard']:g} x 4Ψ bytes; ZeRO-3's two "
                    f"all-gathers and one reduce-scatter 3(d-1)/d = "
-                   f"{expected['optim_grads_params']:g} Ψ: "
+                   f"{expected['optim_grads_params']:g} x 4Ψ bytes: "
                    f"{expected['optim_grads_params'] / expected['no_shard']:g} x.",
                    f"{', '.join(wrong)} not yet. Hint: a ring all-reduce sends 2(d-1)/d of the "
                    f"array per rank, a reduce-scatter or an all-gather (d-1)/d of the whole "
@@ -246,6 +246,6 @@ declare_answers([
     ("05", "bytes per parameter per strategy at d = 4",
      [_PER_PARAMETER, "16, 10, 7, 4", "16 bytes", "10 bytes", "7 bytes"],
      "check_bytes_per_parameter("),
-    ("05", "bytes per step, no_shard and optim_grads_params, multiples of Ψ at d = 4",
+    ("05", "bytes per step, no_shard and optim_grads_params, multiples of 4Ψ at d = 4",
      [(1.5, 2.25), 2.25, "1.5 x", "2.25 Ψ"], "check_bytes_per_step("),
 ])

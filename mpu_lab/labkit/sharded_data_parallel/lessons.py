@@ -145,11 +145,14 @@ def transient_bytes(strategy: str, units: Sequence[int], d: int) -> Dict[str, fl
 
 def print_peaks(layouts: Dict[str, Sequence[int]], d: int) -> None:
     """For each layout of units, the modelled peak of weights and gradients per strategy, in
-    multiples of the whole fp32 model (4 bytes x its padded parameters), and whether
-    ``optim_grads`` peaks above ``optim`` in gradients."""
+    multiples of the whole fp32 model (4 bytes x its padded parameters), whether the root and
+    two units (what ZeRO-3 holds whole at its peak, one unit prefetched) are the whole model,
+    and whether ``optim_grads`` peaks above ``optim`` in gradients."""
     for name, units in layouts.items():
         whole = 4 * sum(padded(n, d) for n in units)
         print(f"{name}: {len(units) - 1} unit(s) + root, d = {d}")
+        print(f"  the root and two units are the whole model: "
+              f"{'yes' if len(units) - 1 <= 2 else 'no'}")
         print(f"  {'peak, x the whole fp32 model':>28} {'weights':>8} {'gradients':>10}")
         peaks = {s: transient_bytes(s, units, d) for s in STRATEGIES}
         for s in STRATEGIES:

@@ -214,11 +214,13 @@ ZBH1_ORDER = Exercise(
         Case("m = 2p + 1", dict(times=2, plus=1)),
         Case("m = 1", dict(plus=1)),
     ],
-    hint="start from 1F1B's order with each W right after its B. The last stage never waits "
-         "for a B, the first waits longest: hold back a stage's first few Ws (how many depends "
-         "on the stage; the last stage holds none) and run them at the end, where 1F1B's "
-         "cool-down idles. Holding back every W delays the last Bs behind them, and every W "
-         "held back keeps its micro-batch's layer inputs and gradients.",
+    hint="start from 1F1B's order with each W right after its B. The first stage's Bs are the "
+         "last of each micro-batch's backward, the last stage's the first: a later stage would "
+         "sit idle at the end while the stages before it finish their Bs. Hold back a stage's "
+         "first few Ws (how many grows with the stage: the first stage holds none) and run "
+         "them at the end, where 1F1B's cool-down idles. Holding back every W delays the last "
+         "Bs behind them, and every W held back keeps its micro-batch's layer inputs and "
+         "gradients.",
     layout=lambda world_size: (1, world_size),
     module="schedules.py")      # beside lab 11's 1F1B in the learner's package
 

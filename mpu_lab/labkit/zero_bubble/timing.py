@@ -3,7 +3,7 @@ ranks, each pinned to a core of its own (lab 11's rule: no more ranks than cores
 share of each schedule measured, and set against two predictions:
 
 * **unit time** — :func:`mpu_lab.perf.pipeline_schedules.idle_slots` with ``F = B = W = 1``
-  (``BW = 2``): the zero-bubble paper's accounting (Qi et al. 2024, §3: 1F1B idles
+  (``BW = 2``): the zero-bubble paper's accounting (Qi et al. 2024, §2.3: 1F1B idles
   ``3(p - 1)`` slots per rank, ZB-H1 ``p - 1``);
 * **measured time** — the same action lists laid out with each kind's *measured* mean CPU time
   (:func:`~mpu_lab.perf.pipeline_schedules.simulate` with those durations): where ``W`` is

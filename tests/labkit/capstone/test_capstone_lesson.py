@@ -53,6 +53,20 @@ def test_the_survey_finds_each_piece_where_the_capstone_would_take_it(tmp_path):
     assert (rows["RowParallelLinear"].lab, rows["checkpoint"].lab) == ("07", "03")
 
 
+def test_lab_11s_loop_stands_for_the_schedule_in_the_survey(tmp_path, capsys):
+    folder = tmp_path / "my_megatron"
+    folder.mkdir()
+    (folder / "schedules.py").write_text("def my_1f1b_loop(stage, num_stages, m, f, b, p2p):\n"
+                                         "    pass\n")
+    rows = {r.name: r for r in lesson.print_survey(folder)}
+    row = rows["forward_backward_pipelining_without_interleaving"]
+    assert (row.found_in, row.found_as, row.lab) == ("schedules.py", "my_1f1b_loop", "11")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if "pipelining" in line][0].endswith("  yes: my_1f1b_loop")
+    assert max(map(len, lines)) <= 100
+    assert lines[-1].startswith("my_megatron/ holds 1 of the 15 pieces")
+
+
 def test_an_absent_or_empty_folder_holds_nothing_and_says_so_alike(tmp_path, capsys):
     lesson.print_survey(tmp_path / "absent")
     absent = capsys.readouterr().out.splitlines()

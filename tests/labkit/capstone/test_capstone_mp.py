@@ -3,9 +3,11 @@ labs/solutions trains equal to the mirror (exit 0), and so at TP = 2 x PP = 2 x 
 ranks; a copy with f's backward all-reduce removed (its forward still right) and without
 random.py exits 1 naming f (the gradient norm of the first iteration parts, its loss does not),
 and says the checkpoint is the mirror's; lab 18's RowParallelLinear without g (its forward
-wrong) exits 1 naming it at the first loss. The reference is the mirror's own run from the same
+wrong) exits 1 naming it at the first loss; lab 11's build, the 1F1B loop, stands for the
+schedule: right, it trains equal; backing the wrong micro-batch out, it is named. The reference is the mirror's own run from the same
 seed in the same job; the mirror itself is held to its dense twins by tests/models and
 tests/tensor_parallel."""
+import ast
 import pathlib
 import shutil
 
@@ -85,3 +87,36 @@ def test_labs_solutions_trains_equal_to_the_mirror_at_tp2_pp2_dp2_on_8_ranks():
     # one copy of the model counted: the other data-parallel copy is not counted again
     assert "used: layers.py:RowParallelLinear x8" in result.lines
     assert "used: distributed_data_parallel.py:DistributedDataParallel x2" in result.lines
+
+
+def _lab11_loop(broken=False):
+    """schedules.py as lab 11's grader saves a right ``my_1f1b_loop``: the solution's loop under
+    the learner's name; ``broken``: each backward takes the newest micro-batch in flight
+    instead of the oldest (its forwards and messages right)."""
+    source = (SOLUTIONS / "11_pipeline_parallel.py").read_text()
+    node = next(n for n in ast.parse(source).body
+                if isinstance(n, ast.FunctionDef) and n.name == "solution_1f1b_loop")
+    loop = ast.get_source_segment(source, node).replace("solution_1f1b_loop", "my_1f1b_loop")
+    if broken:
+        assert loop.count("inputs.pop(0), outputs.pop(0)") == 2
+        loop = loop.replace("inputs.pop(0), outputs.pop(0)", "inputs.pop(), outputs.pop()")
+    return loop + "\n"
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["right", "newest-first"])
+def test_lab_11s_loop_stands_for_the_schedule(tmp_path, broken):
+    code = tmp_path / "my_megatron"
+    code.mkdir()
+    (code / "schedules.py").write_text(_lab11_loop(broken))
+    result = run_capstone(code, 1, 2, train_iters=2, echo=False)
+    line = ("used: schedules.py:my_1f1b_loop x2 "      # once per iteration on each of 2 stages
+            "(as forward_backward_pipelining_without_interleaving)")
+    assert line in result.lines, result.lines
+    if not broken:
+        assert result.exit_code == 0, result.lines
+        assert result.learner_losses == pytest.approx(result.mirror_losses, rel=1e-6)
+        return
+    assert result.exit_code == 1, result.lines
+    # stage 0 holds two micro-batches: the first loss is forward only, its gradients are not
+    assert result.first_parting == (1, "grad_norm")
+    assert result.culprit == "schedules.py:my_1f1b_loop"

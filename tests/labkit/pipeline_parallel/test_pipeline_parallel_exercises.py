@@ -3,7 +3,11 @@ stages: one stage's 1F1B order, run with real sends and receives between the sta
 solution passes; an order that cannot run, one that runs but is not 1F1B, one whose messages
 cross and one that deadlocks fail, each naming what happened; the stub says there is no
 answer yet. The world is left with its own groups (tp = 2, pp = 1)."""
+import linecache
+import os
+
 from mpu_lab.labkit.grader import grade
+from mpu_lab.training.code_folder import defining_files, piece_source
 from mpu_lab.labkit.pipeline_parallel import exercises as pipeline_parallel
 from mpu_lab.labkit.notebooks.solutions import solution_source
 
@@ -139,11 +143,20 @@ def _loop(source, world, as_notebook, name="solution_1f1b_loop"):
 def test_the_loop_solution_passes_and_the_world_keeps_its_groups(grading_world, as_notebook,
                                                                 capsys):
     before = _groups(grading_world)
+    # IPython keeps a cell's text in linecache, which is where the grader reads what it saves
+    linecache.cache["<learner cell>"] = (len(OWN_SOLUTION), None,
+                                         OWN_SOLUTION.splitlines(keepends=True), "<learner cell>")
     assert _loop(OWN_SOLUTION, grading_world, as_notebook)
     out = capsys.readouterr().out
     assert out.startswith("Right: solution_1f1b_loop agrees with the reference on all 4 ranks "
                           "for 4 inputs: m = p"), out
     assert _groups(grading_world) == before == [(2, 1)] * 4
+    # saved under the name the capstone takes for Megatron's 1F1B schedule (lab 18)
+    assert "saved: my_megatron/schedules.py (my_1f1b_loop)" in out, out
+    defined = defining_files(os.environ["MPU_LAB_MY_MEGATRON"])
+    assert piece_source(defined, "schedules.py",
+                        "forward_backward_pipelining_without_interleaving") == \
+        ("schedules.py", "my_1f1b_loop")
 
 
 def test_the_loop_stub_has_no_answer_yet(grading_world, as_notebook, capsys):
