@@ -242,8 +242,8 @@ def format_buckets(result: DPOverlapResult, mode: Optional[str] = None) -> str:
         lines.append(f"{b['bucket']:>6} {b['params']:>6} {b['numel']:>9} {b['padded']:>8}  "
                      f"{b['names'][0]} ..")
         lines.append(f"{'':>33}.. {b['names'][-1]}")
-    lines.append(f"{len(rec['buckets'])} buckets of about {result.bucket_size} elements; "
-                 f"{rec['grad_numel']} gradient elements ({rec['grad_numel_padded']} padded to "
+    lines.append(f"{len(rec['buckets'])} buckets of about {result.bucket_size} elements;")
+    lines.append(f"{rec['grad_numel']} gradient elements ({rec['grad_numel_padded']} padded to "
                  f"multiples of d = {result.d})")
     return "\n".join(lines)
 

@@ -383,8 +383,11 @@ def _table(rows: List[Dict[str, Any]], columns: Sequence[str], title: str,
         if name in columns:
             cells.setdefault((r["config"], r["optimizer"], r["rank"]), {})[name] = r
 
+    def kib(x) -> str:        # whole KiB from 10^4 on: a DGX run's rows stay within 100 characters
+        return f"{x / 1024:.1f}" if x < 10_000 * 1024 else f"{x / 1024:.0f}"
+
     def text(measured, predicted) -> str:
-        return f"{measured / 1024:.1f}/{predicted / 1024:.1f}"
+        return f"{kib(measured)}/{kib(predicted)}"
     heads = list(columns) + (["total"] if total else [])
     body = []
     for (config, optimizer, rank), got in cells.items():
@@ -394,11 +397,16 @@ def _table(rows: List[Dict[str, Any]], columns: Sequence[str], title: str,
             row.append(text(sum(r["measured"] for r in got.values()),
                             sum(r["predicted"] for r in got.values())))
         body.append((f"{config:<13}{optimizer:<12}{rank:>4}", row))
-    # each column as wide as its widest cell, two spaces apart (sizes of a DGX run fit too)
-    width = [max([len(h)] + [len(row[i]) for _, row in body]) + 2 for i, h in enumerate(heads)]
-    lines = [title, f"{'config':<13}{'optimizer':<12}{'rank':>4}"
-             + "".join(f"{h:>{w}}" for h, w in zip(heads, width))]
-    lines += [lead + "".join(f"{c:>{w}}" for c, w in zip(row, width)) for lead, row in body]
+    # each column as wide as its widest cell, two spaces apart; one where that passes 100
+    # characters (a DGX run's sizes)
+    for gap in (2, 1):
+        width = [max([len(h)] + [len(row[i]) for _, row in body]) + gap
+                 for i, h in enumerate(heads)]
+        lines = [title, f"{'config':<13}{'optimizer':<12}{'rank':>4}"
+                 + "".join(f"{h:>{w}}" for h, w in zip(heads, width))]
+        lines += [lead + "".join(f"{c:>{w}}" for c, w in zip(row, width)) for lead, row in body]
+        if max(map(len, lines[1:])) <= 100:
+            break
     return "\n".join(lines)
 
 

@@ -29,6 +29,8 @@ READ_BY_EYE = {
                                      "evidence the question asks the learner to read",
     ("17", "culprit of job 5", "1"): "the report's rank numbers, the evidence to read",
     ("14", "micro-batches on 16 GPUs", "1"): "TP = 1, the padded vocabulary's setting",
+    ("09", "collectives of the loss's backward", "0"): "the forward's all-reduce of the target's "
+                                                       "logit, to which every other rank adds 0",
 }
 
 

@@ -146,7 +146,7 @@ def test_bucket_table_and_lab08_views(result):
     assert "decoder.final_layernorm.bias ..\n" in table
     assert ".. decoder.layers.1.mlp.linear_fc1.weight\n" in table     # first and last, a line each
     assert max(len(line) for line in table.splitlines()) <= 100
-    assert f"4 buckets of about {BUCKET_SIZE} elements; {GRAD_ELEMENTS} gradient elements" in table
+    assert f"4 buckets of about {BUCKET_SIZE} elements;\n{GRAD_ELEMENTS} gradient elements" in table
     for mode in result.modes:                    # lab 15's StepTimer booked the DP collectives
         assert any(k.startswith("dp ") for k in result.mode(mode)[0]["breakdown"]["parts"])
     with pytest.raises(ValueError, match="profile=True"):

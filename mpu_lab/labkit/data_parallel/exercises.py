@@ -132,7 +132,7 @@ DISTRIBUTED_STEP = Exercise(
     run_case=run_distributed_step_case,
     cases=[
         Case("8 parameters, lr 0.1", dict(n=8, lr=0.1, seed=1)),
-        Case("10 parameters (pad to a multiple of d)", dict(n=10, lr=0.1, seed=2)),
+        Case("11 parameters (pad to a multiple of d)", dict(n=11, lr=0.1, seed=2)),
         Case("1 parameter (every other rank's shard is padding)", dict(n=1, lr=0.5, seed=3)),
         Case("37 parameters, lr 0.01", dict(n=37, lr=0.01, seed=4)),
     ],

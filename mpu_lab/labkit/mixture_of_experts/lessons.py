@@ -279,10 +279,33 @@ def count_dispatch_bytes(tokens: int = 16, hidden: int = 8, num_experts: int = 8
 
 # Lab 13's reading of the two load curves, printed by the cell that runs them (stored empty):
 # in the notebook's prose it would answer "shrink, stay, or grow?" before the learner decides.
-LOAD_READING = (
-    "Without the loss nothing holds the router back: the experts that happen to be chosen early\n"
-    "get the gradient, improve, and are chosen more (the rich get richer). With it, the router is\n"
-    "pushed towards an even load at a small cost in the main loss.")
+def load_reading(loads: Dict[str, Sequence[float]], window: int = 10) -> str:
+    """What the load curves of :func:`train_load` show, read from the numbers printed: per
+    curve the busiest expert over the mean in the first and the last ``window`` steps and
+    whether it grew, stayed or shrank (5 % either way); then why, for what this run showed.
+    ``loads``: ``{"aux loss 0.0": [...], "aux loss 0.1": [...]}``, without the loss first."""
+    lines, trend = [], {}
+    for label, curve in loads.items():
+        first, last = imbalance_summary(list(curve)[:window], window), imbalance_summary(curve,
+                                                                                        window)
+        trend[label] = ("grew" if last > 1.05 * first else "shrank" if last < first / 1.05
+                        else "stayed about the same")
+        lines.append(f"{label}: busiest expert / mean, first {window} steps {first}, last "
+                     f"{window} {last}: it {trend[label]}")
+    (without, curve_without), (_, curve_with) = list(loads.items())[:2]
+    if trend[without] == "grew":
+        lines.append("Without the loss nothing held the router back: the experts chosen early "
+                     "got the gradient,\nimproved, and were chosen more (the rich get richer).")
+    else:
+        lines.append(f"Without the loss the imbalance {trend[without]} in this run: nothing "
+                     f"pushes it down, but\nthese {len(curve_without)} steps did not make the "
+                     f"rich richer.")
+    if imbalance_summary(curve_with, window) < imbalance_summary(curve_without, window):
+        lines.append("With the loss the router was pushed towards an even load.")
+    else:
+        lines.append("With the loss the last steps were no more even than without it in this "
+                     "run.")
+    return "\n".join(lines)
 
 
 def imbalance_summary(loads: Sequence[float], last: int = 10) -> float:

@@ -90,7 +90,7 @@ def test_the_solution_passes_on_every_rank(grading_world, as_notebook, capsys):
     out = capsys.readouterr().out
     assert out.startswith("Right: solution_distributed_step agrees with the reference on all 4 "
                           "ranks "
-                          "for 4 inputs: 8 parameters, lr 0.1; 10 parameters (pad"), out
+                          "for 4 inputs: 8 parameters, lr 0.1; 11 parameters (pad"), out
 
 
 def test_the_solution_with_mpu_lab_comm_passes(grading_world, as_notebook, capsys):
@@ -122,8 +122,8 @@ def test_a_wrong_average_names_the_rank_and_the_input(source, grading_world, as_
 def test_without_padding_a_size_d_does_not_divide_fails(grading_world, as_notebook, capsys):
     assert not _grade(NO_PADDING, grading_world, as_notebook)
     out = capsys.readouterr().out
-    # 8 splits over d = 2; 10 does too, but 1 does not: every rank's shard is empty
-    assert "input '1 parameter (every other rank's shard is padding)'" in out, out
+    # 8 splits over d = 2, 11 does not: the first input that needs padding fails
+    assert "input '11 parameters (pad to a multiple of d)'" in out, out
     assert out.startswith("Not yet:")
     assert grading_world.run("x = torch.ones(1); dist.all_reduce(x); x.item()") == [4.0] * 4
 

@@ -149,3 +149,15 @@ def test_the_course_answer_to_the_ep_mesh_question_waits_for_the_learners(capsys
     assert out.startswith("Our answer:") and "d = 4, ep = 2" in out.replace("\n", " ")
     assert "2 x 2 = d*c" in out.replace("\n", " ") and "etp x edp = 4" in out.replace("\n", " ")
     assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_the_load_reading_is_said_from_the_printed_means():
+    grows, even = [2.0] * 10 + [2.5] * 10, [2.0] * 10 + [1.2] * 10
+    text = ml.load_reading({"aux loss 0.0": grows, "aux loss 0.1": even})
+    assert "aux loss 0.0: busiest expert / mean, first 10 steps 2.0, last 10 2.5: it grew" in text
+    assert "aux loss 0.1: busiest expert / mean, first 10 steps 2.0, last 10 1.2: it shrank" in text
+    assert "the rich get richer" in text and "pushed towards an even load" in text
+    flat = [2.0] * 10 + [2.05] * 10          # within 5 %: it stayed, and no rich-get-richer claim
+    text = ml.load_reading({"aux loss 0.0": flat, "aux loss 0.1": flat})
+    assert "it stayed about the same" in text and "rich get richer" not in text
+    assert "no more even than without it" in text
