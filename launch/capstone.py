@@ -40,7 +40,6 @@ import inspect
 import pathlib
 import sys
 import types
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -54,7 +53,6 @@ from mpu_lab.core.models.gpt import build_model_chunks
 from mpu_lab.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from mpu_lab.core.optimizer import build_optimizer
 from mpu_lab.core.pipeline_parallel import allreduce_embedding_grads, sync_embedding_weights
-from mpu_lab.core.pipeline_parallel import p2p_communication as p2p
 from mpu_lab.core.pipeline_parallel.microbatch_steps import backward_step, forward_step
 from mpu_lab.core.pipeline_parallel.utils import message_shape_and_dtype
 from mpu_lab.core.pipeline_parallel.schedules import \
@@ -63,7 +61,7 @@ from mpu_lab.core.transformer import TransformerConfig
 from mpu_lab.core.transformer.spec_utils import ModuleSpec
 from mpu_lab.core.transformer.transformer_layer import TransformerLayer
 from mpu_lab.training import initialize
-from mpu_lab.training.code_folder import defining_files, piece_source
+from mpu_lab.training.code_folder import bound_p2p, defining_files, piece_source
 from mpu_lab.training.flag_errors import refuse
 
 # (module file, name) of each piece, in the order the verdict looks for a culprit
@@ -135,15 +133,8 @@ def schedule_from_loop(loop):
 
         def backward(input_tensor, output_tensor, output_tensor_grad):
             return backward_step(input_tensor, output_tensor, output_tensor_grad)
-        bound = SimpleNamespace(
-            recv_forward=lambda: p2p.recv_forward(shape, dtype),
-            recv_backward=lambda: p2p.recv_backward(shape, dtype),
-            send_forward=lambda t: p2p.send_forward(t, shape, dtype),
-            send_backward=lambda t: p2p.send_backward(t, shape, dtype),
-            send_forward_recv_backward=lambda t: p2p.send_forward_recv_backward(t, shape, dtype),
-            send_backward_recv_forward=lambda t: p2p.send_backward_recv_forward(t, shape, dtype))
         loop(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
-             num_microbatches, forward, backward, bound)
+             num_microbatches, forward, backward, bound_p2p(shape, dtype))
         return store
     forward_backward_pipelining_without_interleaving.__wrapped__ = loop   # what count_uses counts
     return forward_backward_pipelining_without_interleaving

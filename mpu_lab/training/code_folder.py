@@ -1,12 +1,20 @@
 """A folder of the learner's modules as the capstone reads it (``--code DIR``): which file
 defines which top-level function or class, read from the source without importing it. The
 capstone's job (``launch/capstone.py``) imports each piece from the file this names; the lab
-kit's survey (``mpu_lab.labkit.capstone.lesson``) shows the same table before the run."""
+kit's survey (``mpu_lab.labkit.capstone.lesson``) shows the same table before the run. Lab 11's
+loop stands for the schedule (:data:`LAB_BUILDS`), given the same ``p2p`` (:func:`bound_p2p`) by
+its grader and by the capstone."""
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
+from types import SimpleNamespace
 from typing import Dict, List
+
+import torch
+
+from mpu_lab.core.pipeline_parallel import p2p_communication as p2p
 
 
 def defining_files(folder) -> Dict[str, List[str]]:
@@ -44,3 +52,21 @@ def piece_source(defined: Dict[str, List[str]], file: str, name: str):
         if files:
             return (file if file in files else files[0]), wanted
     return None
+
+
+def bound_p2p(shape, dtype=torch.float32) -> SimpleNamespace:
+    """What lab 11's loop is given as ``p2p``, by its grader and by the capstone alike: the
+    mirror's p2p functions with the message shape filled in: ``p2p.recv_forward()``,
+    ``p2p.send_forward(output)``, ``p2p.recv_backward()``, ``p2p.send_backward(grad)``,
+    ``p2p.send_forward_recv_backward(output)`` and ``p2p.send_backward_recv_forward(grad)``;
+    at the ends of the pipeline they do nothing and the receives return None (Megatron)."""
+    names = ("recv_forward", "recv_backward", "send_forward", "send_backward",
+             "send_forward_recv_backward", "send_backward_recv_forward")
+    out = SimpleNamespace()
+    for name in names:
+        fn = getattr(p2p, name)
+        if name.startswith("recv"):
+            setattr(out, name, functools.partial(lambda f: f(shape, dtype), fn))
+        else:
+            setattr(out, name, functools.partial(lambda f, t: f(t, shape, dtype), fn))
+    return out

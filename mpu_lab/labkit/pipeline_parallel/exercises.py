@@ -5,7 +5,6 @@ stage's 1F1B order, run with real point-to-point messages between the stages) an
 the ops it ran and on the stage gradients of a toy model)."""
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -19,6 +18,7 @@ from mpu_lab.labkit.notebooks import leaks
 from mpu_lab.core.pipeline_parallel import p2p_communication as p2p
 from mpu_lab.core.pipeline_parallel import schedules
 from mpu_lab.perf.pipeline_order import Message, Op, communication_plan, schedule_order
+from mpu_lab.training.code_folder import bound_p2p
 from mpu_lab.perf.pipeline_simulation import analytic_bubble, simulate
 from mpu_lab.perf.pipeline_toy import (
     ToyConfig, ToyModel, build_toy_model_chunks, toy_batches, toy_forward_step)
@@ -222,23 +222,6 @@ def _chunk(dense: ToyModel, stage: int, num_stages: int, device) -> torch.nn.Mod
         if chunk.post_process:          # the tied embedding's copy, as sync_embedding_weights
             chunk.word_embeddings.copy_(dense.word_embeddings)
     return chunk
-
-
-def bound_p2p(shape, dtype=torch.float32) -> SimpleNamespace:
-    """mpu_lab's p2p functions with the message shape filled in: ``p2p.recv_forward()``,
-    ``p2p.send_forward(output)``, ``p2p.recv_backward()``, ``p2p.send_backward(grad)``,
-    ``p2p.send_forward_recv_backward(output)`` and ``p2p.send_backward_recv_forward(grad)``;
-    at the ends of the pipeline they do nothing and the receives return None (Megatron)."""
-    names = ("recv_forward", "recv_backward", "send_forward", "send_backward",
-             "send_forward_recv_backward", "send_backward_recv_forward")
-    out = SimpleNamespace()
-    for name in names:
-        fn = getattr(p2p, name)
-        if name.startswith("recv"):
-            setattr(out, name, functools.partial(lambda f: f(shape, dtype), fn))
-        else:
-            setattr(out, name, functools.partial(lambda f, t: f(t, shape, dtype), fn))
-    return out
 
 
 class StageOps:
